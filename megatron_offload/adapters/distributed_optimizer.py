@@ -1,0 +1,77 @@
+"""Finds the tensors to offload in a megatron-core DistributedOptimizer.
+
+Two kinds of tensors are offloaded (the names match the upstream ``offload`` arguments):
+
+* ``optimizer_states``: every full-size tensor the inner optimizer keeps per parameter
+  (Adam's ``exp_avg`` and ``exp_avg_sq``, ``max_exp_avg_sq`` with amsgrad). The scalar
+  ``step`` never moves: it is tiny, and it is read on the host.
+* ``primary_weights``: the fp32 master weights. megatron-core keeps them either in
+  ``shard_fp32_from_float16_groups`` (fp32 clones of the bf16/fp16 parameter shards) or,
+  on the precision-aware path (Transformer Engine FusedAdam with master weights), inside
+  the optimizer state as ``master_param``.
+
+The fp32 *parameter* shards (``shard_fp32_groups``) are views into the model's own
+parameters: the forward pass needs them, so they are never offloaded.
+
+The inner optimizer may be Transformer Engine's FusedAdam, apex's FusedAdam or the
+``torch.optim.AdamW`` fallback: all keep ``state[param][name]`` tensors, which is all this
+module relies on.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+OPTIMIZER_STATES = "optimizer_states"
+PRIMARY_WEIGHTS = "primary_weights"
+KINDS = (OPTIMIZER_STATES, PRIMARY_WEIGHTS)
+
+# Per-parameter state entries that are not moved, whatever their size.
+_NEVER_MOVED = frozenset({"step"})
+# State entries that hold master weights rather than moments.
+_MASTER_KEYS = frozenset({"master_param"})
+
+
+def inner_params(distrib_optimizer) -> Iterator[torch.Tensor]:
+    """The parameters the inner optimizer updates, in its param-group order."""
+    for group in distrib_optimizer.optimizer.param_groups:
+        yield from group["params"]
+
+
+def collect(distrib_optimizer) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(kind, tensor)`` for every tensor of ``distrib_optimizer`` that can be offloaded.
+
+    The order is stable from call to call (param groups, then parameters, then state keys
+    sorted), so the engine sees an unchanged set as unchanged.
+    """
+    for master in master_weights(distrib_optimizer):
+        yield PRIMARY_WEIGHTS, master
+    state = distrib_optimizer.optimizer.state
+    for param in inner_params(distrib_optimizer):
+        entries = state.get(param)
+        if not entries:
+            continue
+        for key in sorted(entries):
+            value = entries[key]
+            if key in _NEVER_MOVED or not isinstance(value, torch.Tensor):
+                continue
+            if value.numel() != param.numel():
+                continue  # scalars and per-tensor scales stay where they are
+            yield (PRIMARY_WEIGHTS if key in _MASTER_KEYS else OPTIMIZER_STATES), value
+
+
+def master_weights(distrib_optimizer) -> Iterator[torch.Tensor]:
+    """The master-weight shards held outside the optimizer state (may be empty)."""
+    for groups in getattr(distrib_optimizer, "shard_fp32_from_float16_groups", None) or ():
+        for master in groups:
+            if master is not None:
+                yield master
+
+
+def device_of(distrib_optimizer) -> torch.device:
+    """The device the optimizer's parameters live on (CPU if it has none)."""
+    for param in inner_params(distrib_optimizer):
+        return param.device
+    return torch.device("cpu")

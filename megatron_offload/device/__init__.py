@@ -1,0 +1,20 @@
+"""Device layer: the only code that knows about accelerators (see ``base.Device``)."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Device
+from .cpu import CPUDevice
+
+
+def device_for(tensor_device: torch.device) -> Device:
+    """The ``Device`` that offloads tensors living on ``tensor_device``."""
+    if tensor_device.type == "cpu":
+        return CPUDevice()
+    from .accelerator import AcceleratorDevice  # pragma: no cover - needs an accelerator
+
+    return AcceleratorDevice(tensor_device)  # pragma: no cover - needs an accelerator
+
+
+__all__ = ["Device", "CPUDevice", "device_for"]

@@ -1,0 +1,121 @@
+"""The device interface: every stream, event, copy and memory call the offloader makes.
+
+The engine never calls ``torch.cuda`` (or any accelerator module) itself. It asks a
+``Device`` for host buffers, streams, events and copies, and for the two storage
+operations that really return and regain device memory (``release`` / ``regrow``).
+Three implementations exist:
+
+* ``AcceleratorDevice`` (``accelerator.py``): CUDA-like devices through the torch device
+  module: side streams, events, non-blocking copies, pinned host memory, record_stream.
+* ``CPUDevice`` (``cpu.py``): plain synchronous copies; streams and events are inert.
+* a checked device for tests (``megatron_offload.testing``) that models streams on the CPU
+  and reports every ordering mistake.
+
+Streams and events are opaque handles: only the device that made them interprets them.
+The ordering calls take a ``label`` naming the protocol step they implement; real devices
+ignore it, the checked device uses it in its reports (and to leave one out in negative
+controls).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from typing import Any
+
+import torch
+
+Stream = Any
+Event = Any
+
+
+class Device(abc.ABC):
+    """Streams, events, copies and storage memory for one device."""
+
+    #: True when copies are asynchronous and host memory should be pinned.
+    is_accelerator: bool = False
+    #: The torch device whose tensors are offloaded.
+    torch_device: torch.device
+
+    # ----------------------------------------------------------------- memory
+    @abc.abstractmethod
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """A 1-D uint8 host tensor of exactly ``nbytes`` (pinned on accelerators)."""
+
+    def free_host_buffer(self, buffer: torch.Tensor) -> None:
+        """Give back a buffer made by ``host_buffer`` (unpin it). Default: nothing to do."""
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """Free the device memory of ``tensor``'s whole storage, keeping the storage object.
+
+        Every tensor viewing that storage stays a valid Python object with its shape, but
+        has no memory until ``regrow``. The caller guarantees that every stream still using
+        the memory was announced with ``record_stream`` (protocol rule 2).
+        """
+        tensor.untyped_storage().resize_(0)
+
+    def regrow(self, tensor: torch.Tensor, nbytes: int) -> None:
+        """Give ``tensor``'s storage ``nbytes`` of fresh memory on the current stream."""
+        tensor.untyped_storage().resize_(nbytes)
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A fresh 1-D device tensor, allocated on the current stream."""
+        return torch.empty(numel, dtype=dtype, device=self.torch_device)
+
+    # ---------------------------------------------------------------- streams
+    @abc.abstractmethod
+    def current_stream(self) -> Stream:
+        """The stream the caller's (and the optimizer's) work is issued on."""
+
+    @abc.abstractmethod
+    def new_stream(self) -> Stream:
+        """A side stream for copies."""
+
+    @abc.abstractmethod
+    def use_stream(self, stream: Stream) -> contextlib.AbstractContextManager:
+        """Context manager making ``stream`` current."""
+
+    @abc.abstractmethod
+    def wait_stream(self, waiter: Stream, waitee: Stream, *, label: str = "") -> None:
+        """Work queued on ``waiter`` from now on starts after all work queued on ``waitee``."""
+
+    @abc.abstractmethod
+    def record_event(self, stream: Stream) -> Event:
+        """An event completing when the work queued on ``stream`` so far is done."""
+
+    @abc.abstractmethod
+    def wait_event(self, stream: Stream, event: Event, *, label: str = "") -> None:
+        """Work queued on ``stream`` from now on starts after ``event``."""
+
+    @abc.abstractmethod
+    def synchronize_event(self, event: Event, *, label: str = "") -> None:
+        """Block the host until ``event`` completed."""
+
+    @abc.abstractmethod
+    def record_stream(self, tensor: torch.Tensor, stream: Stream, *, label: str = "") -> None:
+        """Tell the allocator that ``tensor``'s memory is used by ``stream``."""
+
+    @abc.abstractmethod
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)`` queued on the current stream (non-blocking on accelerators)."""
+
+    def synchronize(self) -> None:
+        """Block the host until all work on the device completed."""
+
+    # -------------------------------------------------------------- accounting
+    def memory_allocated(self) -> int | None:
+        """Bytes the device allocator holds for tensors, or None where unknown."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.torch_device})"
+
+
+class NullContext(contextlib.AbstractContextManager):
+    """A reusable do-nothing context (cheaper than building one per call)."""
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+NULL_CONTEXT = NullContext()

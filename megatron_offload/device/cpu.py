@@ -1,0 +1,51 @@
+"""Synchronous CPU device: every copy is complete when ``copy`` returns.
+
+On a CPU there is nothing to overlap, so streams and events are inert tokens and the
+ordering calls are no-ops. Host buffers are ordinary memory (torch cannot pin memory
+without an accelerator).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import NULL_CONTEXT, Device
+
+
+class CPUDevice(Device):
+    """Offloading between two places in host memory, synchronously."""
+
+    is_accelerator = False
+
+    def __init__(self) -> None:
+        self.torch_device = torch.device("cpu")
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def current_stream(self):
+        return None
+
+    def new_stream(self):
+        return None
+
+    def use_stream(self, stream):
+        return NULL_CONTEXT
+
+    def wait_stream(self, waiter, waitee, *, label="") -> None:
+        pass
+
+    def record_event(self, stream):
+        return None
+
+    def wait_event(self, stream, event, *, label="") -> None:
+        pass
+
+    def synchronize_event(self, event, *, label="") -> None:
+        pass
+
+    def record_stream(self, tensor, stream, *, label="") -> None:
+        pass
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)

@@ -1,0 +1,434 @@
+"""The offload engine: moves one set of tensors between device and host memory.
+
+The engine knows nothing about optimizers. It is given a ``collect`` callable returning
+``(kind, tensor)`` pairs (``kind`` names what the tensor is, e.g. ``"optimizer_states"``)
+and a ``Device``; it groups the tensors by kind and dtype into ``FlatGroup`` objects,
+keeps one exactly-sized host arena for all of them, and moves each group with one copy
+per direction once consolidated (see ``groups.py``).
+
+The copy protocol (numbers refer to the rules in the project's design notes):
+
+1. A D2H starts only after the work that last wrote the tensors: the D2H stream waits for
+   the current stream before copying.
+2. Device memory is released only once the allocator knows the D2H stream reads it
+   (``record_stream``), so the memory is not reused before that copy is done.
+3. A released tensor is not touched until regrown and its H2D is ordered before the
+   reader (``wait``).
+4. The update (any caller of ``wait``) waits for the H2D of everything it reads.
+5. A new D2H never overwrites a host copy that a pending H2D still reads (``offload``
+   first orders pending H2Ds before the current stream, which the D2H stream then waits
+   for); the host copy is read by the host only after its D2H completed
+   (``synchronize_host``).
+6. A group whose host copy is still valid (nothing wrote the device copy since it was last
+   copied) is released without copying again when ``skip_unchanged`` is set.
+7. Regrowth happens on the current stream, the one that will use the memory.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from ..device import Device
+from .groups import FlatGroup, Place, owns_storage
+
+Collect = Callable[[], Iterable[tuple[str, torch.Tensor]]]
+
+# Labels of the ordering calls (passed to the device; see the rules above).
+D2H_AFTER_WRITERS = "d2h-after-writers"  # rule 1
+D2H_RECORD_STREAM = "d2h-record-stream"  # rule 2
+H2D_AFTER_ALLOCATION = "h2d-after-allocation"  # rule 7 (the regrown block's earlier users)
+H2D_AFTER_D2H = "h2d-after-d2h"  # rule 5 (the host copy is complete before it is read)
+H2D_RECORD_STREAM = "h2d-record-stream"  # rule 2, for the H2D's writes
+USE_AFTER_H2D = "use-after-h2d"  # rules 3 and 4
+HOST_READ_AFTER_D2H = "host-read-after-d2h"  # rule 5
+
+
+class OffloadStateError(RuntimeError):
+    """An offload operation was called in a state where it cannot be honoured."""
+
+
+class OffloadEngine:
+    """Offloads the tensors returned by ``collect`` to one host arena and back.
+
+    Args:
+        device: the ``Device`` whose streams and memory are used.
+        collect: returns the ``(kind, tensor)`` pairs to manage; called again at every
+            ``offload`` so that tensors created later (Adam's moments appear at the first
+            step) or replaced (``load_state_dict``) are picked up.
+        name: used in error messages.
+    """
+
+    def __init__(self, device: Device, collect: Collect, *, name: str = "offload engine") -> None:
+        self.device = device
+        self.name = name
+        self._collect = collect
+        self._groups: list[FlatGroup] = []
+        self._tracked: list[tuple[str, torch.Tensor]] = []
+        self._kept_resident: list[tuple[str, torch.Tensor, str]] = []
+        self._arena: torch.Tensor | None = None
+        self._d2h_stream = None
+        self._h2d_stream = None
+        self._closed = False
+        self.unreleasable_bytes = 0  # memory other references kept alive at consolidation
+        self.last = _CycleStats()
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def groups(self) -> Sequence[FlatGroup]:
+        return tuple(self._groups)
+
+    def kinds(self) -> set[str]:
+        return {group.kind for group in self._groups}
+
+    def is_released(self, kinds: Iterable[str] | None = None) -> bool:
+        """True if any selected group has no device memory (reload needed before use)."""
+        return any(g.place is Place.RELEASED for g in self._select(kinds))
+
+    def stats(self) -> dict:
+        on_host = sum(g.nbytes for g in self._groups if g.place is Place.RELEASED)
+        tracked = sum(g.nbytes for g in self._groups)
+        kept = sum(t.numel() * t.element_size() for _, t, _ in self._kept_resident)
+        return {
+            "tracked_bytes": tracked,
+            "offloaded_bytes": on_host,
+            "resident_bytes": tracked - on_host + kept,
+            "host_bytes": 0 if self._arena is None else self._arena.numel(),
+            "kept_resident_bytes": kept,
+            "unreleasable_bytes": self.unreleasable_bytes,
+            "groups": len(self._groups),
+            "tensors": sum(len(g.tensors) for g in self._groups),
+            "d2h_copies": self.last.d2h_copies,
+            "h2d_copies": self.last.h2d_copies,
+            "d2h_bytes": self.last.d2h_bytes,
+            "h2d_bytes": self.last.h2d_bytes,
+            "offload_seconds": self.last.offload_seconds,
+            "reload_seconds": self.last.reload_seconds,
+        }
+
+    # --------------------------------------------------------------- the cycle
+    def offload(self, kinds: Iterable[str] | None = None, *, skip_unchanged: bool = False) -> None:
+        """Start copying the selected groups to the host (asynchronous on accelerators).
+
+        Groups already offloading or released are left alone. With ``skip_unchanged``, a
+        group whose host copy is still valid is not copied again (rule 6).
+        """
+        self._check_open()
+        start = time.perf_counter()
+        self._rescan()
+        selected = [g for g in self._select(kinds) if g.place in (Place.RESIDENT, Place.RELOADING)]
+        if not selected:
+            return
+        # Rule 5: a pending H2D reads the host copy we are about to overwrite; order it
+        # before the current stream, which the D2H stream waits for below.
+        self._wait_groups(selected)
+        to_copy = [g for g in selected if not (skip_unchanged and g.host_valid)]
+        self.last.d2h_copies = self.last.d2h_bytes = 0
+        if to_copy:
+            current = self.device.current_stream()
+            side = self._side_stream("d2h")
+            # Rule 1: the D2H must see everything the current stream wrote (the step).
+            self.device.wait_stream(side, current, label=D2H_AFTER_WRITERS)
+            with self.device.use_stream(side):
+                for group in to_copy:
+                    self._copy_group_to_host(group)
+                event = self.device.record_event(side)
+            for group in to_copy:
+                group.d2h_event = event
+                group.host_valid = True
+                # Rule 2: the side stream reads this memory; tell the allocator before any
+                # release so it is not handed out again until the copy is done.
+                for tensor in self._device_tensors(group):
+                    self.device.record_stream(tensor, side, label=D2H_RECORD_STREAM)
+        for group in selected:
+            group.place = Place.OFFLOADING
+        self.last.offload_seconds = time.perf_counter() - start
+
+    def release(self, kinds: Iterable[str] | None = None) -> None:
+        """Return the device memory of the selected groups that were offloaded."""
+        self._check_open()
+        start = time.perf_counter()
+        selected = list(self._select(kinds))
+        if selected and not any(g.place in (Place.OFFLOADING, Place.RELEASED) for g in selected):
+            raise OffloadStateError(
+                f"{self.name}: release() before offload(): the states have no host copy yet. "
+                "Call offload() first."
+            )
+        for group in selected:
+            if group.place is not Place.OFFLOADING:
+                continue
+            if group.flat is not None:
+                self.device.release(group.flat)
+            else:
+                self._release_unconsolidated(group)
+            group.place = Place.RELEASED
+        self.last.offload_seconds += time.perf_counter() - start
+
+    def reload(self, kinds: Iterable[str] | None = None) -> None:
+        """Regrow the released groups and start copying them back (asynchronous on accelerators).
+
+        The data may be used only after ``wait`` (which the caller of the step does).
+        """
+        self._check_open()
+        selected = list(self._select(kinds))
+        start = time.perf_counter()
+        # An offloading group still has its device memory: it only has to become resident.
+        for group in selected:
+            if group.place is Place.OFFLOADING:
+                group.place = Place.RESIDENT
+        released = [g for g in selected if g.place is Place.RELEASED]
+        self.last.h2d_copies = self.last.h2d_bytes = 0
+        if not released:
+            self.last.reload_seconds = time.perf_counter() - start
+            return
+        # Rule 7: memory is regrown on the current stream, which will use it.
+        for group in released:
+            if group.flat is not None:
+                self.device.regrow(group.flat, group.nbytes)
+            else:
+                group.consolidate(self.device.empty(group.numel, group.dtype))
+        current = self.device.current_stream()
+        side = self._side_stream("h2d")
+        # The regrown blocks may have been used by work still queued on the current stream
+        # (the allocator reuses memory in stream order): the H2D must come after it. The
+        # D2H that filled the host copy must also be complete before the H2D reads it.
+        self.device.wait_stream(side, current, label=H2D_AFTER_ALLOCATION)
+        for group in released:
+            if group.d2h_event is not None:
+                self.device.wait_event(side, group.d2h_event, label=H2D_AFTER_D2H)
+        with self.device.use_stream(side):
+            for group in released:
+                self._copy(group.flat, group.host, to_host=False)
+            event = self.device.record_event(side)
+        for group in released:
+            # The H2D stream writes memory owned by the current stream: if it is released
+            # again before the copy ran, the allocator must not reuse it early.
+            self.device.record_stream(group.flat, side, label=H2D_RECORD_STREAM)
+            group.h2d_event = event
+            group.d2h_event = None  # the H2D waited for it, so the host copy is complete
+            group.place = Place.RELOADING
+        self.last.reload_seconds = time.perf_counter() - start
+
+    def wait(self, kinds: Iterable[str] | None = None) -> None:
+        """Order every pending H2D before the current stream (rule 4)."""
+        self._wait_groups(list(self._select(kinds)))
+
+    def synchronize_host(self, kinds: Iterable[str] | None = None) -> None:
+        """Block until every pending D2H completed, so the host copies may be read (rule 5)."""
+        for group in self._select(kinds):
+            if group.d2h_event is not None:
+                self.device.synchronize_event(group.d2h_event, label=HOST_READ_AFTER_D2H)
+                group.d2h_event = None
+
+    def mark_dirty(self) -> None:
+        """The device copies are about to change (a step): host copies become stale."""
+        for group in self._groups:
+            group.host_valid = False
+
+    def close(self) -> None:
+        """Bring everything back to the device and free the host arena."""
+        if self._closed:
+            return
+        if any(g.place is Place.RELEASED for g in self._groups):
+            raise OffloadStateError(
+                f"{self.name}: cannot close while states are released; reload() first."
+            )
+        self.wait()
+        self.synchronize_host()
+        self._free_arena()
+        self._groups = []
+        self._tracked = []
+        self._closed = True
+
+    # ----------------------------------------------------------------- helpers
+    def _select(self, kinds: Iterable[str] | None):
+        if kinds is None:
+            return self._groups
+        wanted = set(kinds)
+        return [g for g in self._groups if g.kind in wanted]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise OffloadStateError(f"{self.name} is closed (detached); attach again to offload.")
+
+    def _side_stream(self, which: str):
+        if which == "d2h":
+            if self._d2h_stream is None:
+                self._d2h_stream = self.device.new_stream()
+            return self._d2h_stream
+        if self._h2d_stream is None:
+            self._h2d_stream = self.device.new_stream()
+        return self._h2d_stream
+
+    def _wait_groups(self, groups: list[FlatGroup]) -> None:
+        waited = set()
+        current = None
+        for group in groups:
+            if group.place is not Place.RELOADING:
+                continue
+            if id(group.h2d_event) not in waited:
+                current = current or self.device.current_stream()
+                self.device.wait_event(current, group.h2d_event, label=USE_AFTER_H2D)
+                waited.add(id(group.h2d_event))
+            group.h2d_event = None
+            group.place = Place.RESIDENT
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, *, to_host: bool) -> None:
+        self.device.copy(dst, src)
+        nbytes = src.numel() * src.element_size()
+        if to_host:
+            self.last.d2h_copies += 1
+            self.last.d2h_bytes += nbytes
+        else:
+            self.last.h2d_copies += 1
+            self.last.h2d_bytes += nbytes
+
+    def _copy_group_to_host(self, group: FlatGroup) -> None:
+        if group.flat is not None:
+            self._copy(group.host, group.flat, to_host=True)
+        else:  # first cycle: the tensors still have their own storages
+            for tensor, host in group.host_slices():
+                self._copy(host, tensor, to_host=True)
+
+    def _device_tensors(self, group: FlatGroup):
+        return [group.flat] if group.flat is not None else group.tensors
+
+    def _release_unconsolidated(self, group: FlatGroup) -> None:
+        """First release of tensors that still have the storages the optimizer made."""
+        shared = {}
+        for tensor in group.tensors:
+            if owns_storage(tensor):
+                self.device.release(tensor)
+                continue
+            # Something else shares this storage (a view taken before we attached, or a
+            # group that was re-laid out). Freeing it would leave the other tensors
+            # dangling, so point ours at fresh memory (its contents are on the host
+            # already) and release that; the old storage lives on with its other owners.
+            old = tensor.untyped_storage()
+            shared.setdefault(old.data_ptr(), old)
+            fresh = self.device.empty(tensor.numel(), tensor.dtype)
+            with torch.no_grad():
+                tensor.set_(fresh.untyped_storage(), 0, tensor.shape, tensor.stride())
+            del fresh
+            self.device.release(tensor)
+        for old in shared.values():
+            # Still referenced by something other than the ``old`` object held here: that
+            # memory is not ours to free, and it is reported rather than silently lost.
+            users = torch._C._storage_Use_Count(old._cdata)
+            if users > 1:
+                self.unreleasable_bytes += old.nbytes()
+
+    # ------------------------------------------------------------ (re)tracking
+    def _rescan(self) -> None:
+        """Pick up tensors created or replaced since the last offload."""
+        current: list[tuple[str, torch.Tensor]] = []
+        kept: list[tuple[str, torch.Tensor, str]] = []
+        for kind, tensor in self._collect():
+            reason = _unmovable_reason(tensor, self.device)
+            if reason:
+                kept.append((kind, tensor, reason))
+            elif tensor.numel():
+                current.append((kind, tensor))
+        self._kept_resident = kept
+        if len(current) == len(self._tracked) and all(
+            a is b and k == j for (k, a), (j, b) in zip(current, self._tracked)
+        ):
+            return
+        self._rebuild(current)
+
+    def _rebuild(self, current: list[tuple[str, torch.Tensor]]) -> None:
+        _check_no_aliasing(current, self.name)
+        still_there = {id(t) for _, t in current}
+        for group in self._groups:
+            if group.place is Place.RELEASED and all(id(t) in still_there for t in group.tensors):
+                # Nothing may be lost: bring it back before the layout changes.
+                self.reload([group.kind])
+            if group.place is Place.RELEASED:
+                # Its tensors were replaced (for example by load_state_dict): the old
+                # contents are obsolete and dropping the host copy loses nothing.
+                continue
+        self.wait()
+        self.synchronize_host()
+        by_key: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
+        for kind, tensor in current:
+            by_key.setdefault((kind, tensor.dtype), []).append(tensor)
+        old_flat = {id(t): g for g in self._groups if g.flat is not None for t in g.tensors}
+        groups = []
+        for (kind, dtype), tensors in by_key.items():
+            group = FlatGroup(kind, dtype, tensors)
+            previous = {id(old_flat.get(id(t))) for t in tensors}
+            old = old_flat.get(id(tensors[0]))
+            if (
+                old is not None
+                and len(previous) == 1
+                and len(old.tensors) == len(tensors)
+                and all(a is b for a, b in zip(old.tensors, tensors))
+            ):
+                group.flat = old.flat  # unchanged group: keep its consolidated storage
+            groups.append(group)
+        # Largest element size first: every group's host slice is then aligned for its dtype
+        # without padding, and host bytes equal tracked bytes exactly.
+        groups.sort(key=lambda g: -g.itemsize)
+        self._free_arena()
+        total = sum(g.nbytes for g in groups)
+        self._arena = self.device.host_buffer(total)
+        offset = 0
+        for group in groups:
+            group.host = self._arena[offset : offset + group.nbytes].view(group.dtype)
+            offset += group.nbytes
+        self._groups = groups
+        self._tracked = current
+
+    def _free_arena(self) -> None:
+        if self._arena is not None:
+            self.device.free_host_buffer(self._arena)
+            self._arena = None
+
+    def __repr__(self) -> str:
+        places = ", ".join(f"{g.kind}/{g.dtype}:{g.place.value}" for g in self._groups)
+        return f"OffloadEngine({self.name}: {places or 'empty'})"
+
+
+class _CycleStats:
+    """Figures of the last offload and reload."""
+
+    __slots__ = (
+        "d2h_copies",
+        "h2d_copies",
+        "d2h_bytes",
+        "h2d_bytes",
+        "offload_seconds",
+        "reload_seconds",
+    )
+
+    def __init__(self) -> None:
+        self.d2h_copies = self.h2d_copies = self.d2h_bytes = self.h2d_bytes = 0
+        self.offload_seconds = self.reload_seconds = 0.0
+
+
+def _unmovable_reason(tensor: torch.Tensor, device: Device) -> str:
+    """Why ``tensor`` cannot be moved by the engine ('' if it can)."""
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        return f"tensor subclass {type(tensor).__name__}"
+    if tensor.device != device.torch_device:
+        return f"on {tensor.device}, not on {device.torch_device}"
+    if not tensor.is_contiguous():
+        return "not contiguous"
+    return ""
+
+
+def _check_no_aliasing(pairs: list[tuple[str, torch.Tensor]], name: str) -> None:
+    """Two tracked tensors sharing memory would be separated by consolidation: refuse."""
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i)
+        for i, (_, t) in enumerate(pairs)
+    )
+    for (start_a, end_a, i), (start_b, _, j) in zip(spans, spans[1:]):
+        if start_b < end_a:
+            raise ValueError(
+                f"{name}: tensors {pairs[i][0]}#{i} and {pairs[j][0]}#{j} share memory, so they "
+                "cannot be moved independently. Offloading supports optimizers whose state "
+                "tensors do not alias each other."
+            )

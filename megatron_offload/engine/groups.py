@@ -1,0 +1,93 @@
+"""Flat groups: how a set of tensors of one kind and dtype is laid out on device and host.
+
+A group starts as the tensors the optimizer made (each with its own storage). The first
+time it is reloaded it is *consolidated*: one flat device tensor is allocated and every
+tracked tensor is re-pointed (``Tensor.set_``) at its slice of it. From then on the whole
+group is released and regrown as one storage and copied with one operation per direction,
+while the tensor objects, their shapes and every view taken of them stay the same Python
+objects, so the optimizer (and its state-dict keys) never notice.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# Where a group's bytes are. Transitions (see engine.py):
+#   RESIDENT --offload--> OFFLOADING --release--> RELEASED --reload--> RELOADING --wait--> RESIDENT
+
+
+class Place(enum.Enum):
+    RESIDENT = "resident"  # device memory valid, no copy pending
+    OFFLOADING = "offloading"  # device memory valid, D2H into the host copy issued (or not needed)
+    RELEASED = "released"  # device memory returned; the host copy is the only copy
+    RELOADING = "reloading"  # device memory regrown, H2D issued, not yet ordered before the caller
+
+
+def storage_use_count(tensor: torch.Tensor) -> int | None:
+    """How many tensors (and storage objects) share ``tensor``'s storage, or None if unknown."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:  # pragma: no cover - every supported torch has it
+        return None
+    storage = tensor.untyped_storage()
+    # Minus one for the temporary ``storage`` object itself.
+    return use_count(storage._cdata) - 1
+
+
+def owns_storage(tensor: torch.Tensor) -> bool:
+    """True if releasing ``tensor``'s storage frees exactly ``tensor`` and nothing else."""
+    storage = tensor.untyped_storage()
+    if tensor.storage_offset() != 0 or storage.nbytes() != tensor.numel() * tensor.element_size():
+        return False
+    count = storage_use_count(tensor)
+    return count is None or count <= 1
+
+
+@dataclass(eq=False)
+class FlatGroup:
+    """Tensors of one kind and dtype that move together."""
+
+    kind: str
+    dtype: torch.dtype
+    tensors: list[torch.Tensor]
+    offsets: list[int] = field(default_factory=list)  # element offset of each tensor
+    numel: int = 0
+    host: torch.Tensor | None = None  # this group's slice of the host arena, as ``dtype``
+    flat: torch.Tensor | None = None  # the consolidated device tensor (after the first reload)
+    place: Place = Place.RESIDENT
+    host_valid: bool = False  # host copy equals the device contents (as of the last copy)
+    d2h_event: Any = None  # pending D2H (host copy not yet readable by the host)
+    h2d_event: Any = None  # pending H2D (device copy not yet ordered before the caller)
+
+    def __post_init__(self) -> None:
+        offset = 0
+        self.offsets = []
+        for tensor in self.tensors:
+            self.offsets.append(offset)
+            offset += tensor.numel()
+        self.numel = offset
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    def host_slices(self):
+        """(tensor, its slice of the host copy) pairs, for per-tensor copies."""
+        assert self.host is not None
+        for tensor, offset in zip(self.tensors, self.offsets):
+            yield tensor, self.host[offset : offset + tensor.numel()].view(tensor.shape)
+
+    def consolidate(self, flat: torch.Tensor) -> None:
+        """Re-point every tracked tensor at its slice of ``flat`` (which must be allocated)."""
+        storage = flat.untyped_storage()
+        with torch.no_grad():
+            for tensor, offset in zip(self.tensors, self.offsets):
+                tensor.set_(storage, flat.storage_offset() + offset, tensor.shape, tensor.stride())
+        self.flat = flat

@@ -1,0 +1,92 @@
+"""``attach``: the automatic per-step offload cycle for a plain training loop.
+
+After ``attach(optimizer)`` the loop needs no further call:
+
+* ``optimizer.step()`` starts the reload of the offloaded states (asynchronous, so the
+  copy overlaps the gradient preparation, norm and clipping that come first);
+* the inner optimizer's step pre-hook orders that reload before the update (and reloads
+  synchronously if nothing did), and marks the host copies stale;
+* after ``optimizer.step()`` returns (so the master weights have been copied into the
+  model parameters) the states are copied out and their device memory freed. If the step
+  was skipped (inf/nan, grad-norm threshold) the host copies are still valid and nothing
+  is copied.
+
+Megatron optimizers have no step hooks of their own, so ``step`` is wrapped on the
+instance (``detach`` restores it); the inner torch optimizer gets ordinary
+``register_step_pre_hook`` hooks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ..config import OffloadConfig
+from .offloader import OptimizerStateOffloader
+
+
+def attach(optimizer, config: OffloadConfig | None = None, **options) -> OptimizerStateOffloader:
+    """Offload ``optimizer``'s states between steps; returns the offloader (the handle).
+
+    ``optimizer`` is what ``get_megatron_optimizer`` returned (a ChainedOptimizer or a
+    DistributedOptimizer). Options are the fields of ``OffloadConfig``. Attach to the object
+    whose ``step()`` the training loop calls.
+    """
+    offloader = OptimizerStateOffloader(optimizer, config, **options)
+    offloader._automatic = _AutomaticCycle(offloader)
+    return offloader
+
+
+class _AutomaticCycle:
+    """The hooks of one attached offloader; ``remove`` undoes all of them."""
+
+    def __init__(self, offloader: OptimizerStateOffloader) -> None:
+        self._offloader = offloader
+        self._handles = []
+        for engine, distrib_optimizer in zip(offloader.engines, offloader._distributed):
+            hook = functools.partial(_before_inner_step, engine)
+            self._handles.append(distrib_optimizer.optimizer.register_step_pre_hook(hook))
+        target = offloader.optimizer
+        self._target = target
+        self._had_instance_step = "step" in vars(target)
+        self._previous_step = target.step
+        target.step = functools.wraps(self._previous_step)(self._step)
+
+    def _step(self, *args, **kwargs):
+        offloader = self._offloader
+        if offloader.is_offloaded:
+            # Start the copy-back now: it overlaps the gradient copy, unscale, norm and
+            # clipping the step does before the update, which waits for it (pre-hook).
+            for engine in offloader.engines:
+                engine.reload()
+        result = self._previous_step(*args, **kwargs)
+        self._after_step()
+        return result
+
+    def _after_step(self) -> None:
+        offloader = self._offloader
+        kinds = offloader._kinds(None, None)
+        for engine in offloader.engines:
+            # Rule 6: a skipped step left the states as they were copied last time.
+            engine.offload(kinds, skip_unchanged=True)
+            engine.release(kinds)
+        offloader._drop_master_grads()
+        offloader._ever_offloaded = True
+        offloader._cycles += 1
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._had_instance_step:
+            self._target.step = self._previous_step
+        else:
+            del self._target.step
+
+
+def _before_inner_step(engine, optimizer, args, kwargs) -> None:
+    """Inner optimizer step pre-hook: the update reads every state, so all must be here."""
+    if engine.is_released():
+        engine.reload()  # nobody prefetched (a step called on the inner optimizer directly)
+    # Rule 4: the update must not start before the copy-back of what it reads.
+    engine.wait()
+    engine.mark_dirty()

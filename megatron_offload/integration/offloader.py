@@ -1,0 +1,281 @@
+"""``OptimizerStateOffloader``: offloading for megatron-core's optimizers.
+
+One offloader serves everything ``get_megatron_optimizer`` returns: a DistributedOptimizer
+or a ChainedOptimizer of them (dense and expert optimizers in MoE models). It keeps one
+``OffloadEngine`` per DistributedOptimizer and is reachable from each of them as
+``_state_offloader``, the attribute name used by Megatron-LM's own (unreleased) offloader,
+whose methods it also offers so that code written against that API runs unchanged:
+
+====================================  ================================================
+``offload(offload_optimizer_states,   copy the selected states to the host and free
+offload_primary_weights)``            their device memory (asynchronous on accelerators)
+``release_gpu_memory()``              free what was offloaded (``offload`` already does)
+``reload()``                          regrow and copy back (asynchronous)
+``sync_before_step()`` / ``wait()``   order the copy-back before the current stream
+``mark_optimizer_states_initialized``  kept for compatibility: states are found anew at
+                                      every offload
+====================================  ================================================
+
+``attach`` (see ``attach.py``) adds the automatic per-step cycle on top.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from ..adapters import OPTIMIZER_STATES, PRIMARY_WEIGHTS
+from ..adapters import distributed_optimizer as dopt_adapter
+from ..config import OffloadConfig
+from ..device import device_for
+from ..engine import OffloadEngine, OffloadStateError, Place
+
+_SUMMED = (
+    "tracked_bytes",
+    "offloaded_bytes",
+    "resident_bytes",
+    "host_bytes",
+    "kept_resident_bytes",
+    "unreleasable_bytes",
+    "d2h_copies",
+    "h2d_copies",
+    "d2h_bytes",
+    "h2d_bytes",
+    "offload_seconds",
+    "reload_seconds",
+)
+
+
+def distributed_optimizers(optimizer) -> list:
+    """The DistributedOptimizers inside ``optimizer``, or a TypeError saying what to do."""
+    from megatron.core.optimizer import ChainedOptimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if isinstance(optimizer, DistributedOptimizer):
+        return [optimizer]
+    if isinstance(optimizer, ChainedOptimizer):
+        inner = list(optimizer.chained_optimizers)
+        bad = [type(o).__name__ for o in inner if not isinstance(o, DistributedOptimizer)]
+        if bad or not inner:
+            raise TypeError(
+                "optimizer-state offloading needs every optimizer of the ChainedOptimizer to be "
+                f"a DistributedOptimizer, but found {', '.join(bad) or 'none'}. Build the "
+                "optimizer with OptimizerConfig(use_distributed_optimizer=True) "
+                "(--use-distributed-optimizer)."
+            )
+        return inner
+    raise TypeError(
+        "optimizer-state offloading works on megatron-core's DistributedOptimizer (or a "
+        f"ChainedOptimizer of them), not on {type(optimizer).__name__}. Build the optimizer "
+        "with get_megatron_optimizer(OptimizerConfig(use_distributed_optimizer=True, ...)) "
+        "(--use-distributed-optimizer)."
+    )
+
+
+def refuse_unsupported(distrib_optimizer) -> None:
+    """Raise before anything is touched if offloading cannot work with this optimizer."""
+    existing = getattr(distrib_optimizer, "_state_offloader", None)
+    if existing is not None:
+        raise RuntimeError(
+            "this optimizer already has a state offloader attached; use that one "
+            "(optimizer._state_offloader), or call its detach() before attaching again."
+        )
+    config = getattr(distrib_optimizer, "config", None)
+    if getattr(config, "optimizer_cpu_offload", False):
+        raise ValueError(
+            "optimizer-state offloading cannot be combined with optimizer_cpu_offload "
+            "(--optimizer-cpu-offload), which already keeps states on the host and runs Adam "
+            "on the CPU. Use one of them: drop --optimizer-cpu-offload to keep the update on "
+            "the accelerator and offload states between steps."
+        )
+    if getattr(config, "optimizer_cuda_graph", False):
+        raise ValueError(
+            "optimizer-state offloading cannot be combined with optimizer_cuda_graph "
+            "(--optimizer-cuda-graph): a captured step replays fixed device addresses, while "
+            "offloading frees and reallocates the state memory. Disable one of them."
+        )
+    ddp_config = getattr(distrib_optimizer, "ddp_config", None)
+    if getattr(ddp_config, "use_megatron_fsdp", False):
+        raise ValueError(
+            "optimizer-state offloading does not support Megatron-FSDP (--use-megatron-fsdp); "
+            "use the DistributedOptimizer with --use-distributed-optimizer instead."
+        )
+
+
+class OptimizerStateOffloader:
+    """Offloads optimizer states and master weights of megatron-core optimizers.
+
+    Args:
+        optimizer: a DistributedOptimizer or a ChainedOptimizer of DistributedOptimizers.
+        config: an ``OffloadConfig``; keyword ``options`` override its fields.
+    """
+
+    def __init__(self, optimizer, config: OffloadConfig | None = None, **options) -> None:
+        self.config = OffloadConfig.from_options(config, **options)
+        distributed = distributed_optimizers(optimizer)
+        for distrib_optimizer in distributed:
+            refuse_unsupported(distrib_optimizer)
+        self.optimizer = optimizer
+        self._distributed = distributed
+        self._engines: list[OffloadEngine] = []
+        for index, distrib_optimizer in enumerate(distributed):
+            torch_device = dopt_adapter.device_of(distrib_optimizer)
+            factory = self.config.device_factory or device_for
+            self._engines.append(
+                OffloadEngine(
+                    factory(torch_device),
+                    _collector(distrib_optimizer),
+                    name=f"optimizer {index} ({type(distrib_optimizer.optimizer).__name__})",
+                )
+            )
+        for distrib_optimizer in distributed:
+            distrib_optimizer._state_offloader = self
+        self._ever_offloaded = False
+        self._detached = False
+        self._cycles = 0
+        self._automatic = None  # set by attach()
+
+    # ------------------------------------------------------------- queries
+    @property
+    def engines(self) -> tuple[OffloadEngine, ...]:
+        return tuple(self._engines)
+
+    @property
+    def is_offloaded(self) -> bool:
+        """True while some selected state has no device memory."""
+        return any(engine.is_released() for engine in self._engines)
+
+    def stats(self) -> dict:
+        """Byte counts and the copy figures of the last cycle, summed over optimizers.
+
+        ``offloaded_bytes``: device bytes currently released; ``resident_bytes``: bytes of
+        tracked (or unmovable) state on the device; ``host_bytes``: host memory held;
+        ``d2h_copies``/``h2d_copies`` and ``*_bytes``: copy operations of the last offload
+        and reload; ``offload_seconds``/``reload_seconds``: host time spent issuing them
+        (the copies themselves on a CPU). ``per_optimizer`` has the same per optimizer.
+        """
+        per = [engine.stats() for engine in self._engines]
+        total = {key: sum(s[key] for s in per) for key in _SUMMED}
+        total["cycles"] = self._cycles
+        total["per_optimizer"] = per
+        return total
+
+    # ------------------------------------------------- the upstream-compatible API
+    def offload(
+        self, offload_optimizer_states: bool | None = None, offload_primary_weights: bool | None = None
+    ) -> None:
+        """Copy the selected states to the host and free their device memory.
+
+        ``None`` for either selection means "as configured". On accelerators the copy is
+        asynchronous: the memory goes back to the allocator at once but is reused only once
+        the copy has read it.
+        """
+        self._check_attached()
+        kinds = self._kinds(offload_optimizer_states, offload_primary_weights)
+        for engine in self._engines:
+            engine.offload(kinds)
+            engine.release(kinds)
+        self._drop_master_grads()
+        self._ever_offloaded = True
+
+    def release_gpu_memory(self) -> None:
+        """Free the device memory of offloaded states (``offload`` already did; kept for
+        compatibility)."""
+        self._check_attached()
+        for engine in self._engines:
+            if any(g.place is Place.OFFLOADING for g in engine.groups):
+                engine.release()
+
+    def reload(self) -> None:
+        """Regrow the offloaded states and start copying them back.
+
+        Call ``wait()`` (or ``sync_before_step()``) before reading them outside a step; a
+        step of an attached optimizer waits by itself.
+        """
+        self._check_attached()
+        if not self._ever_offloaded:
+            raise OffloadStateError(
+                "reload() before offload(): nothing has been offloaded yet. Call offload() "
+                "first (or let an attached optimizer's step() do it)."
+            )
+        for engine in self._engines:
+            engine.reload()
+
+    def wait(self) -> None:
+        """Order every pending copy-back before the current stream (no host block)."""
+        for engine in self._engines:
+            engine.wait()
+
+    sync_before_step = wait
+
+    def mark_optimizer_states_initialized(self) -> None:
+        """Compatibility no-op: states created by the first step are found at every offload."""
+
+    # ------------------------------------------------------------- conveniences
+    @contextlib.contextmanager
+    def offloaded(self) -> Iterator["OptimizerStateOffloader"]:
+        """States offloaded for the duration of the block (for example an RL rollout).
+
+        Nests, and composes with the per-step cycle: if the states are already offloaded on
+        entry they are left offloaded on exit; otherwise they are reloaded and ready for the
+        current stream on exit.
+        """
+        was_offloaded = self.is_offloaded
+        if not was_offloaded:
+            self.offload()
+        try:
+            yield self
+        finally:
+            if not was_offloaded and not self._detached:
+                self.reload()
+                self.wait()
+
+    def detach(self) -> None:
+        """Stop offloading and give back the host memory; the states must be on the device."""
+        if self._detached:
+            return
+        if self.is_offloaded:
+            raise OffloadStateError(
+                "detach() while states are offloaded would lose them: call reload() (and "
+                "wait()) first, then detach()."
+            )
+        if self._automatic is not None:
+            self._automatic.remove()
+            self._automatic = None
+        for engine in self._engines:
+            engine.close()
+        for distrib_optimizer in self._distributed:
+            if getattr(distrib_optimizer, "_state_offloader", None) is self:
+                distrib_optimizer._state_offloader = None
+        self._detached = True
+
+    # ----------------------------------------------------------------- internals
+    def _kinds(self, states: bool | None, primaries: bool | None) -> tuple[str, ...]:
+        states = self.config.offload_optimizer_states if states is None else states
+        primaries = self.config.offload_primary_weights if primaries is None else primaries
+        return tuple(
+            kind
+            for kind, wanted in ((OPTIMIZER_STATES, states), (PRIMARY_WEIGHTS, primaries))
+            if wanted
+        )
+
+    def _check_attached(self) -> None:
+        if self._detached:
+            raise OffloadStateError("this offloader was detached; attach a new one to offload.")
+
+    def _drop_master_grads(self) -> None:
+        if not (self.config.release_master_grads and self.config.offload_primary_weights):
+            return
+        for distrib_optimizer in self._distributed:
+            for master in dopt_adapter.master_weights(distrib_optimizer):
+                master.grad = None
+
+    def __repr__(self) -> str:
+        return f"OptimizerStateOffloader({', '.join(map(repr, self._engines))})"
+
+
+def _collector(distrib_optimizer):
+    def collect():
+        return dopt_adapter.collect(distrib_optimizer)
+
+    return collect

@@ -1,0 +1,20 @@
+"""megatron-offload: optimizer-state and master-weight offloading for megatron-core."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-offload",
+    version="0.1.0",
+    description=(
+        "Offload megatron-core DistributedOptimizer states and fp32 master weights to host "
+        "memory between optimizer steps."
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["megatron_offload", "megatron_offload.*"]),
+    python_requires=">=3.10",
+    # torch and megatron-core are the user's: any megatron-core from 0.16.1 on is supported.
+    install_requires=["torch>=2.5", "megatron-core>=0.16.1"],
+    extras_require={"test": ["pytest", "pytest-timeout", "psutil", "coverage"]},
+    license="Apache-2.0",
+)

@@ -1,0 +1,234 @@
+"""The engine on the synchronous CPU device, with a plain torch AdamW as the state owner.
+
+Bodies that read state after a reload run in the isolated process (a bug there would
+touch released memory, which crashes torch on CPU).
+"""
+
+import pytest
+import torch
+
+from megatron_offload.device import CPUDevice
+from megatron_offload.engine import OffloadEngine, OffloadStateError, Place
+
+STATES, MASTERS = "optimizer_states", "primary_weights"
+
+
+class Model:
+    """Parameters + AdamW, with a collect() in the shape the adapters produce."""
+
+    def __init__(self, sizes=(5, 7, 3, 11), dtype=torch.float32, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        self.params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(dtype)) for n in sizes]
+        self.opt = torch.optim.AdamW(self.params, lr=0.01)
+        self.gen = torch.Generator().manual_seed(seed + 1)
+
+    def collect(self):
+        for p in self.params:
+            yield MASTERS, p
+        for p in self.params:
+            state = self.opt.state.get(p, {})
+            for key in sorted(state):
+                if key != "step":
+                    yield STATES, state[key]
+
+    def step(self):
+        for p in self.params:
+            p.grad = torch.randn(p.shape, generator=self.gen).to(p.dtype)
+        self.opt.step()
+
+    def snapshot(self):
+        out = [p.detach().clone() for p in self.params]
+        for p in self.params:
+            for key, value in sorted(self.opt.state.get(p, {}).items()):
+                out.append(value.clone())
+        return out
+
+
+def tracked_storage_bytes(model):
+    return [t.untyped_storage().nbytes() for _, t in model.collect()]
+
+
+def _cycles_bitwise(sizes, dtype, steps, skip_every):
+    """Offload on vs off over ``steps`` steps; every ``skip_every``-th step is skipped."""
+    ref, off = Model(sizes, dtype), Model(sizes, dtype)
+    engine = OffloadEngine(CPUDevice(), off.collect)
+    figures = []
+    for i in range(steps):
+        skipped = skip_every and i % skip_every == skip_every - 1
+        if engine.is_released():
+            engine.reload()
+            engine.wait()
+        if not skipped:
+            ref.step()
+            engine.mark_dirty()
+            off.step()
+        else:  # nothing reads the gradients: keep the generators aligned
+            ref.gen.manual_seed(ref.gen.initial_seed() + i)
+            off.gen.manual_seed(off.gen.initial_seed() + i)
+        engine.offload(skip_unchanged=True)
+        engine.release()
+        stats = engine.stats()
+        figures.append(
+            (skipped, stats["d2h_copies"], stats["offloaded_bytes"], stats["tracked_bytes"],
+             stats["host_bytes"], max(tracked_storage_bytes(off)))
+        )
+    engine.reload()
+    engine.wait()
+    same = all(torch.equal(a, b) for a, b in zip(ref.snapshot(), off.snapshot()))
+    return same, len(ref.snapshot()), figures, engine.stats()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_offloading_is_bitwise_invisible_to_the_optimizer(isolated, dtype):
+    same, count, figures, stats = isolated.run(_cycles_bitwise, (5, 7, 3, 11), dtype, 12, 4)
+    assert same and count == 4 * 4  # params, exp_avg, exp_avg_sq, step
+    for skipped, d2h, offloaded, tracked, host, max_bytes in figures:
+        assert offloaded == tracked > 0  # everything went
+        assert max_bytes == 0  # ... and holds no memory between steps
+        assert host == tracked  # exactly sized host memory
+        if skipped:
+            assert d2h == 0  # rule 6: the host copy is still valid
+    # steady state: one copy per group (2 kinds, 1 dtype) per direction
+    assert [f[1] for f in figures[2:] if not f[0]] == [2] * sum(1 for f in figures[2:] if not f[0])
+    assert stats["h2d_copies"] == 2
+
+
+def _copies_per_cycle(n_params):
+    model = Model(sizes=[3 + i % 5 for i in range(n_params)])
+    engine = OffloadEngine(CPUDevice(), model.collect)
+    for _ in range(3):
+        if engine.is_released():
+            engine.reload()
+            engine.wait()
+        engine.mark_dirty()
+        model.step()
+        engine.offload()
+        engine.release()
+    engine.reload()
+    engine.wait()
+    return engine.stats()["d2h_copies"], engine.stats()["h2d_copies"], engine.stats()["tensors"]
+
+
+def test_copies_per_cycle_do_not_grow_with_parameter_count(isolated):
+    small = isolated.run(_copies_per_cycle, 10)
+    large = isolated.run(_copies_per_cycle, 100)
+    assert small[2] == 30 and large[2] == 300
+    assert small[:2] == large[:2] == (2, 2)
+
+
+def _masters_before_first_step():
+    ref, off = Model(), Model()
+    engine = OffloadEngine(CPUDevice(), off.collect)
+    engine.offload()  # no moments exist yet: only the masters move
+    engine.release()
+    only_masters = engine.stats()["offloaded_bytes"] == sum(p.numel() * 4 for p in off.params)
+    released = all(p.untyped_storage().nbytes() == 0 for p in off.params)
+    engine.reload()
+    engine.wait()
+    intact = all(torch.equal(a, b) for a, b in zip(ref.params, off.params))
+    for m in (ref, off):
+        m.step()
+    engine.mark_dirty()
+    engine.offload()  # moments appeared: the layout is rebuilt
+    engine.release()
+    engine.reload()
+    engine.wait()
+    same = all(torch.equal(a, b) for a, b in zip(ref.snapshot(), off.snapshot()))
+    return only_masters, released, intact, same, engine.stats()["groups"]
+
+
+def test_masters_offloaded_before_the_first_step_come_back_intact(isolated):
+    assert isolated.run(_masters_before_first_step) == (True, True, True, True, 2)
+
+
+def _views_survive():
+    model = Model()
+    model.step()
+    engine = OffloadEngine(CPUDevice(), model.collect)
+    for _ in range(2):  # the second cycle runs consolidated
+        engine.offload()
+        engine.release()
+        engine.reload()
+        engine.wait()
+    exp_avg = model.opt.state[model.params[1]]["exp_avg"]
+    view = exp_avg.view(-1)[2:5]
+    expected = view.clone()
+    engine.offload()
+    engine.release()
+    released = view.untyped_storage().nbytes() == 0
+    engine.reload()
+    engine.wait()
+    return released, torch.equal(view, expected), model.opt.state[model.params[1]]["exp_avg"] is exp_avg
+
+
+def test_tensor_objects_and_views_survive_a_cycle(isolated):
+    assert isolated.run(_views_survive) == (True, True, True)
+
+
+def _shared_storage_is_not_freed_under_its_other_owner():
+    base = torch.arange(20, dtype=torch.float32)
+    tracked = base[4:10]  # a view: the rest of ``base`` belongs to someone else
+    engine = OffloadEngine(CPUDevice(), lambda: [(STATES, tracked)])
+    engine.offload()
+    engine.release()
+    base_intact = torch.equal(base, torch.arange(20, dtype=torch.float32))
+    unreleasable = engine.stats()["unreleasable_bytes"]
+    engine.reload()
+    engine.wait()
+    return base_intact, unreleasable, torch.equal(tracked, torch.arange(4, 10, dtype=torch.float32))
+
+
+def test_a_view_into_a_shared_storage_leaves_the_other_owner_intact(isolated):
+    assert isolated.run(_shared_storage_is_not_freed_under_its_other_owner) == (True, 80, True)
+
+
+def test_aliasing_tensors_are_refused():
+    base = torch.zeros(10)
+    engine = OffloadEngine(CPUDevice(), lambda: [(STATES, base[:6]), (STATES, base[4:])])
+    with pytest.raises(ValueError, match="share memory"):
+        engine.offload()
+
+
+def test_release_before_offload_is_refused():
+    model = Model()
+    engine = OffloadEngine(CPUDevice(), model.collect)
+    engine.offload([STATES])  # no states yet: builds the groups, moves nothing
+    with pytest.raises(OffloadStateError, match="offload\\(\\) first"):
+        engine.release([MASTERS])
+
+
+def test_close_while_released_is_refused():
+    model = Model()
+    engine = OffloadEngine(CPUDevice(), model.collect)
+    engine.offload()
+    engine.release()
+    with pytest.raises(OffloadStateError, match="reload\\(\\) first"):
+        engine.close()
+    engine.reload()
+    engine.close()
+    assert engine.stats()["host_bytes"] == 0
+    with pytest.raises(OffloadStateError, match="closed"):
+        engine.offload()
+
+
+def test_tensors_the_engine_cannot_move_stay_resident_and_are_counted():
+    strided = torch.zeros(4, 4).t()  # not contiguous
+    engine = OffloadEngine(CPUDevice(), lambda: [(STATES, strided)])
+    engine.offload()
+    engine.release()
+    stats = engine.stats()
+    assert stats["kept_resident_bytes"] == 64 and stats["tracked_bytes"] == 0
+    assert strided.untyped_storage().nbytes() == 64
+
+
+def test_kinds_move_independently():
+    model = Model()
+    model.step()
+    engine = OffloadEngine(CPUDevice(), model.collect)
+    engine.offload([STATES])
+    engine.release([STATES])
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.params)
+    assert engine.is_released([STATES]) and not engine.is_released([MASTERS])
+    engine.reload([STATES])
+    engine.wait()
+    assert [g.place for g in engine.groups] == [Place.RESIDENT, Place.RESIDENT]
