@@ -49,7 +49,11 @@ class _AutomaticCycle:
         self._target = target
         self._had_instance_step = "step" in vars(target)
         self._previous_step = target.step
-        target.step = functools.wraps(self._previous_step)(self._step)
+
+        def step(*args, **kwargs):
+            return self._step(*args, **kwargs)
+
+        target.step = functools.update_wrapper(step, self._previous_step)
 
     def _step(self, *args, **kwargs):
         offloader = self._offloader

@@ -1,0 +1,654 @@
+"""A device that models accelerator streams on the CPU and reports every ordering mistake.
+
+On the CPU every copy is synchronous, so a missing wait can never show in an ordinary test.
+``CheckedDevice`` keeps the tensors on the CPU but gives side streams the freedom an
+accelerator has: their copies are deferred until something orders them, fresh memory holds
+garbage, and every access is checked against the waits that should protect it.
+
+The model, one rule a line (model rule -> the accelerator rule it stands for):
+
+- The compute stream is eager: the caller's torch ops and the copies issued on it run at once -> kernels on one stream run in issue order.
+- A stream from ``new_stream`` is a FIFO queue: a copy issued under ``use_stream(side)`` is queued, not run -> a non-blocking copy on a side stream runs later, in order.
+- Queued work runs only when the compute stream (``wait_event``/``wait_stream``) or the host (``synchronize_event``/``synchronize``) waits for it -> work is known done only where something waits for it.
+- A side stream waiting on another stream only gains a dependency; running its later work first runs what it waited for -> cross-stream waits order work, they do not run it.
+- Ordering is transitive through events (vector clocks per stream and for the host) -> B waits on the compute stream, which waited on A: B's later work is after A's.
+- Before every device call issued from the compute stream (except handle queries and waits of a side stream) the caller may have run its own kernels, so the compute stream is assumed to have written all device memory then -> the optimizer's kernels are invisible to the offloader.
+- A side-stream copy touching device memory must be ordered after the compute stream's latest such point -> rule 1 (a D2H waits for the step that wrote its source).
+- A side-stream write into memory regrown (or allocated) after that side stream last waited on the compute stream is reported as rule 7 -> stream-ordered allocation: the new block's earlier users run on the compute stream.
+- Two accesses of overlapping memory from different streams, one of them a write, must be ordered by waits or host synchronization -> a data race (rules 3, 4 and 5).
+- ``release`` of memory that an unordered side-stream copy used is legal only if ``record_stream`` named that stream; the memory is then freed at once while the queued copy keeps a private copy of its bytes -> the caching allocator does not reuse a block until the recorded streams pass the free (rule 2).
+- Without ``record_stream`` the copy later finds the memory gone (or regrown) and reads poison or writes into the new owner's memory -> a freed block is reused at once.
+- A queued copy whose memory died (was garbage collected) before it ran is reported unless ``record_stream`` named its stream -> rule 2 for memory freed by dropping the last reference.
+- ``regrow`` and ``empty`` give memory filled with poison (NaN for floating dtypes, the maximum for integers, 0xFF bytes for bool); host buffers hold 0xFF bytes until a copy writes them -> fresh memory is garbage, so using state whose H2D was not ordered reads NaN (rules 3 and 4).
+- The host may read a host buffer (``check_readable``) only after a synchronization covering every copy that wrote it; ``free_host_buffer`` demands the same of every copy that used it -> ``event.synchronize()`` before host reads and frees (rule 5).
+- ``note_compute`` marks where the caller's kernels run (an optimizer step): every side-stream write of device memory must be ordered before it (rule 4) and every side-stream read too, since the step overwrites that memory (the rule 2 hazard without a release).
+- ``check`` reports queued work that nothing ever ordered, runs what is left, and raises if anything was violated -> work no stream or host waits for.
+
+Ordering calls carry a ``label`` naming the protocol step. ``skip_labels`` drops every call
+with one of those labels (a negative control: exactly that wait or record is missing), and
+``calls`` / ``skipped`` count the labelled calls issued and dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ..device.base import Device
+
+# Kinds of violation (``Violation.kind``), with the protocol rule each belongs to.
+UNORDERED_DEVICE_ACCESS = "unordered-device-access"  # rule 1
+RELEASE_IN_USE = "release-in-use"  # rule 2
+FREED_IN_USE = "freed-in-use"  # rule 2
+OVERWRITE_WHILE_READ = "overwrite-while-read"  # rule 2
+RELEASED_ACCESS = "released-access"  # rule 3
+DEVICE_RACE = "device-race"  # rule 3
+USE_BEFORE_COPY = "use-before-copy"  # rule 4
+UNORDERED_HOST_READ = "unordered-host-read"  # rule 5
+HOST_OVERWRITE = "host-overwrite-while-read"  # rule 5
+HOST_FREED_IN_USE = "host-buffer-freed-in-use"  # rule 5
+WRITE_BEFORE_ALLOCATION = "write-before-allocation"  # rule 7
+NEVER_ORDERED = "never-ordered"  # rule 4 (device writes) or 5 (host writes)
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One ordering mistake: the protocol rule it breaks and where it was seen."""
+
+    rule: int
+    kind: str
+    message: str
+    label: str = ""  # label of the call that detected it ('' for unlabelled calls)
+
+    def __str__(self) -> str:
+        where = f" at '{self.label}'" if self.label else ""
+        return f"rule {self.rule} ({self.kind}){where}: {self.message}"
+
+
+class ProtocolViolation(AssertionError):
+    """Raised for a ``Violation`` (at the call that detects it, or by ``check``)."""
+
+    def __init__(self, violation: Violation, more: int = 0) -> None:
+        self.violation = violation
+        self.rule = violation.rule
+        self.kind = violation.kind
+        self.label = violation.label
+        suffix = f" (and {more} more)" if more else ""
+        super().__init__(f"{violation}{suffix}")
+
+
+class _Stream:
+    """A stream: a queue of copies plus what it is ordered after."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.pos = 0  # sequence number of the last operation issued (ticks for the compute stream)
+        self.after: dict[_Stream, int] = {}  # stream -> last sequence number ordered before this one
+        self.queue: collections.deque[_Op] = collections.deque()
+
+    def __repr__(self) -> str:
+        return f"<stream {self.name}>"
+
+
+@dataclass(frozen=True, eq=False)
+class _Event:
+    stream: _Stream
+    vector: dict  # stream -> sequence number completed when the event completes
+
+
+class _Memory:
+    """What the model knows about one storage (identified by its storage object)."""
+
+    def __init__(self, storage: torch.UntypedStorage, host: bool) -> None:
+        # Only a weak reference: a strong one would change the storage use counts the
+        # engine reads to decide whether a tensor owns its storage.
+        self._weak = StorageWeakRef(storage)
+        self.host = host
+        self.accesses: list[_Access] = []
+        self.recorded: set[_Stream] = set()  # streams announced with record_stream
+        self.allocated_at: int | None = None  # compute tick of the last regrow/empty
+        self.freed = False  # host buffer given back with free_host_buffer
+
+    def storage(self) -> torch.UntypedStorage | None:
+        return torch.UntypedStorage._new_with_weak_ptr(self._weak.cdata)
+
+    def alive(self) -> bool:
+        return not self._weak.expired()
+
+    def describe(self) -> str:
+        return "host buffer" if self.host else "device memory"
+
+
+@dataclass(eq=False)
+class _Access:
+    stream: _Stream
+    seq: int
+    start: int  # byte range in the storage
+    end: int
+    write: bool
+
+
+class _Ref:
+    """The memory a queued copy will touch, fixed when the copy is issued.
+
+    A queued accelerator copy works on addresses, not on tensor objects: re-pointing the
+    tensor later (``set_``) must not redirect the copy. So the storage, offset, shape and
+    stride are captured, without keeping the storage alive.
+    """
+
+    __slots__ = ("mem", "offset", "shape", "stride", "dtype", "start", "end", "ghost", "reported")
+
+    def __init__(self, mem: _Memory, tensor: torch.Tensor) -> None:
+        self.mem = mem
+        self.offset = tensor.storage_offset()
+        self.shape = tuple(tensor.shape)
+        self.stride = tuple(tensor.stride())
+        self.dtype = tensor.dtype
+        self.start, self.end = _byte_span(tensor)
+        self.ghost: torch.Tensor | None = None  # private bytes kept for a legal release
+        self.reported = False  # a violation already covers this memory going away
+
+    def resolve(self) -> torch.Tensor | None:
+        """A tensor over the captured memory, or None if that memory is gone."""
+        if self.ghost is not None:
+            return self.ghost
+        storage = self.mem.storage()
+        if storage is None or storage.nbytes() < self.end:
+            return None
+        view = torch.empty(0, dtype=self.dtype, device=storage.device)
+        return view.set_(storage, self.offset, self.shape, self.stride)
+
+
+@dataclass(eq=False)
+class _Op:
+    stream: _Stream
+    seq: int
+    dst: _Ref
+    src: _Ref
+    deps: dict  # stream -> sequence number this copy must run after
+
+
+def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
+    start = tensor.storage_offset() * tensor.element_size()
+    if tensor.numel() == 0:
+        return start, start
+    extent = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
+    return start, start + extent * tensor.element_size()
+
+
+def fill_poison(tensor: torch.Tensor) -> None:
+    """Fill ``tensor`` with the model's garbage: NaN, the integer maximum, or 0xFF bytes."""
+    dtype = tensor.dtype
+    with torch.no_grad():
+        if dtype.is_floating_point or dtype.is_complex:
+            tensor.fill_(math.nan)
+        elif dtype == torch.bool:
+            tensor.view(torch.uint8).fill_(0xFF)
+        else:
+            try:
+                tensor.fill_(torch.iinfo(dtype).max)
+            except TypeError:  # a dtype without integer limits: raw all-ones bytes
+                tensor.view(torch.uint8).fill_(0xFF)
+
+
+def _poison_storage(storage: torch.UntypedStorage, dtype: torch.dtype) -> None:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(0, dtype=torch.uint8).set_(storage)
+    whole = raw.numel() // itemsize * itemsize
+    if whole:
+        fill_poison(raw[:whole].view(dtype))
+    raw[whole:].fill_(0xFF)
+
+
+class CheckedDevice(Device):
+    """A ``Device`` on the CPU whose side streams are deferred and checked (see module doc).
+
+    Args:
+        skip_labels: ordering calls with one of these labels are dropped (negative controls).
+        raise_violations: raise ``ProtocolViolation`` where a violation is detected. When
+            False, violations are only collected in ``violations``.
+    """
+
+    is_accelerator = True
+
+    def __init__(self, *, skip_labels: Iterable[str] = (), raise_violations: bool = True) -> None:
+        self.torch_device = torch.device("cpu")
+        self.skip_labels = frozenset(skip_labels)
+        self.raise_violations = raise_violations
+        self.violations: list[Violation] = []
+        self.calls: collections.Counter[str] = collections.Counter()  # labelled calls issued
+        self.skipped: collections.Counter[str] = collections.Counter()  # ... and dropped
+        self._compute = _Stream("compute")
+        self._sides: list[_Stream] = []
+        self._active = [self._compute]
+        self._host: dict[_Stream, int] = {}  # what the host knows to be complete
+        self._memories: dict[int, _Memory] = {}
+        self._sweep_at = 64
+
+    # ------------------------------------------------------------------ memory
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        self._tick()
+        buffer = torch.full((nbytes,), 0xFF, dtype=torch.uint8)
+        self._memory(buffer, host=True)
+        return buffer
+
+    def free_host_buffer(self, buffer: torch.Tensor) -> None:
+        self._tick()
+        mem = self._memory(buffer)
+        for acc in mem.accesses:
+            if not self._ordered(None, acc.stream, acc.seq):
+                self._violation(
+                    5,
+                    HOST_FREED_IN_USE,
+                    f"a host buffer is given back while a copy on {acc.stream.name} that "
+                    f"{'writes' if acc.write else 'reads'} it is not known to be complete: the "
+                    "host must synchronize with that copy first",
+                )
+                break
+        mem.freed = True
+
+    def release(self, tensor: torch.Tensor) -> None:
+        self._tick()
+        mem = self._memory(tensor)
+        for acc in mem.accesses:
+            if acc.stream is self._compute or self._ordered(self._compute, acc.stream, acc.seq):
+                continue
+            if acc.stream not in mem.recorded:
+                self._violation(
+                    2,
+                    RELEASE_IN_USE,
+                    f"device memory is released while a copy on {acc.stream.name} that "
+                    f"{'writes' if acc.write else 'reads'} it is not ordered before the release, "
+                    "and record_stream did not announce that stream to the allocator",
+                )
+                break
+        for op in self._pending():
+            for ref in (op.dst, op.src):
+                if ref.mem is not mem or ref.ghost is not None:
+                    continue
+                if op.stream in mem.recorded:
+                    # The allocator keeps the block for the recorded stream: keep its bytes.
+                    alive = ref.resolve()
+                    if alive is not None:
+                        ref.ghost = alive.clone()
+                else:
+                    ref.reported = True
+        tensor.untyped_storage().resize_(0)
+        mem.accesses = []
+        mem.recorded = set()
+        mem.allocated_at = None
+
+    def regrow(self, tensor: torch.Tensor, nbytes: int) -> None:
+        self._tick()
+        mem = self._memory(tensor)
+        storage = tensor.untyped_storage()
+        fresh = storage.nbytes() == 0
+        storage.resize_(nbytes)
+        if fresh:
+            _poison_storage(storage, tensor.dtype)
+        mem.accesses = []
+        mem.allocated_at = self._compute.pos
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        self._tick()
+        tensor = torch.empty(numel, dtype=dtype)
+        fill_poison(tensor)
+        self._memory(tensor).allocated_at = self._compute.pos
+        return tensor
+
+    # ----------------------------------------------------------------- streams
+    def current_stream(self) -> _Stream:
+        return self._active[-1]
+
+    def new_stream(self) -> _Stream:
+        stream = _Stream(f"side-{len(self._sides) + 1}")
+        self._sides.append(stream)
+        return stream
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: _Stream):
+        self._active.append(stream)
+        try:
+            yield stream
+        finally:
+            self._active.pop()
+
+    def record_event(self, stream: _Stream) -> _Event:
+        return _Event(stream, self._vector(stream))
+
+    def wait_stream(self, waiter: _Stream, waitee: _Stream, *, label: str = "") -> None:
+        self._labelled(label, tick=waiter is self._compute)
+        if label in self.skip_labels:
+            return
+        self._wait(waiter, self._vector(waitee))
+
+    def wait_event(self, stream: _Stream, event: _Event, *, label: str = "") -> None:
+        self._labelled(label, tick=stream is self._compute)
+        if label in self.skip_labels:
+            return
+        self._wait(stream, event.vector)
+
+    def synchronize_event(self, event: _Event, *, label: str = "") -> None:
+        self._labelled(label, tick=True)
+        if label in self.skip_labels:
+            return
+        self._host_wait(event.vector)
+
+    def synchronize(self) -> None:
+        self._tick()
+        self._host_wait(self._vector_all())
+
+    def record_stream(self, tensor: torch.Tensor, stream: _Stream, *, label: str = "") -> None:
+        self._labelled(label, tick=True)
+        if label in self.skip_labels:
+            return
+        self._memory(tensor).recorded.add(stream)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        stream = self._active[-1]
+        self._tick()
+        src_ref = self._ref(src)
+        dst_ref = self._ref(dst)
+        seq = stream.pos if stream is self._compute else stream.pos + 1
+        if not self._check_access(stream, seq, src_ref, write=False):
+            return
+        if not self._check_access(stream, seq, dst_ref, write=True):
+            return
+        self._note_access(stream, seq, src_ref, write=False)
+        self._note_access(stream, seq, dst_ref, write=True)
+        op = _Op(stream, seq, dst_ref, src_ref, dict(stream.after))
+        if stream is self._compute:
+            self._execute(op)
+        else:
+            stream.pos = seq
+            stream.queue.append(op)
+
+    # ------------------------------------------------------- checks for tests
+    def note_compute(self, *, reads: bool = True, writes: bool = True) -> None:
+        """The caller's kernels (an optimizer step) now read and/or write device memory."""
+        self._tick()
+        for mem in list(self._memories.values()):
+            if mem.host:
+                continue
+            for acc in mem.accesses:
+                if acc.stream is self._compute or self._ordered(self._compute, acc.stream, acc.seq):
+                    continue
+                if acc.write and (reads or writes):
+                    self._violation(
+                        4,
+                        USE_BEFORE_COPY,
+                        f"the compute stream uses device memory that a copy on {acc.stream.name} "
+                        "writes, without waiting for that copy",
+                    )
+                    break
+                if not acc.write and writes:
+                    self._violation(
+                        2,
+                        OVERWRITE_WHILE_READ,
+                        f"the compute stream overwrites device memory that a copy on "
+                        f"{acc.stream.name} still reads, without waiting for that copy",
+                    )
+                    break
+
+    def check_readable(self, tensor: torch.Tensor, *, label: str = "") -> None:
+        """Report if ``tensor`` may not be read now: by the host for a host buffer (rule 5),
+        by the compute stream for device memory (rules 3 and 4)."""
+        mem = self._memory(tensor)
+        ref = _Ref(mem, tensor)
+        if ref.end > ref.start and ref.resolve() is None:
+            self._violation(3, RELEASED_ACCESS, "reading memory that has been released", label)
+            return
+        reader = None if mem.host else self._compute
+        for acc in mem.accesses:
+            if not acc.write or acc.end <= ref.start or ref.end <= acc.start:
+                continue
+            if acc.stream is reader or self._ordered(reader, acc.stream, acc.seq):
+                continue
+            if mem.host:
+                self._violation(
+                    5,
+                    UNORDERED_HOST_READ,
+                    f"the host reads a host buffer written by a copy on {acc.stream.name} "
+                    "that it has not synchronized with",
+                    label,
+                )
+            else:
+                self._violation(
+                    4,
+                    USE_BEFORE_COPY,
+                    f"the compute stream reads device memory written by a copy on "
+                    f"{acc.stream.name} that it has not waited for",
+                    label,
+                )
+            return
+
+    def check(self, *, raise_on_violation: bool = True) -> list[Violation]:
+        """Report queued work nothing ever ordered, run all remaining work, and raise
+        ``ProtocolViolation`` if any violation was recorded (or return them)."""
+        for op in list(self._pending()):
+            if any(s.after.get(op.stream, 0) >= op.seq for s in self._streams()) or self._ordered(
+                None, op.stream, op.seq
+            ):
+                continue
+            host = op.dst.mem.host
+            self._violation(
+                5 if host else 4,
+                NEVER_ORDERED,
+                f"a copy on {op.stream.name} into {op.dst.mem.describe()} was never waited for "
+                "by any stream or the host",
+                record_only=True,
+            )
+        for stream in self._sides:
+            self._run_to(stream, stream.pos)
+        if raise_on_violation and self.violations:
+            raise ProtocolViolation(self.violations[0], more=len(self.violations) - 1)
+        return list(self.violations)
+
+    def pending(self) -> int:
+        """Number of queued copies that have not run yet."""
+        return sum(len(s.queue) for s in self._sides)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of released memory kept alive for queued copies (the allocator's deferred frees)."""
+        return sum(
+            ref.ghost.numel() * ref.ghost.element_size()
+            for op in self._pending()
+            for ref in (op.dst, op.src)
+            if ref.ghost is not None
+        )
+
+    # ----------------------------------------------------------------- helpers
+    def _streams(self):
+        return [self._compute, *self._sides]
+
+    def _pending(self):
+        for stream in self._sides:
+            yield from stream.queue
+
+    def _tick(self) -> None:
+        # The caller may have run kernels on the compute stream since its last device call.
+        if self._active[-1] is self._compute:
+            self._compute.pos += 1
+
+    def _labelled(self, label: str, *, tick: bool) -> None:
+        if tick:
+            self._tick()
+        self.calls[label] += 1
+        if label in self.skip_labels:
+            self.skipped[label] += 1
+
+    def _vector(self, stream: _Stream) -> dict:
+        vector = dict(stream.after)
+        vector[stream] = stream.pos
+        return vector
+
+    def _vector_all(self) -> dict:
+        return {s: s.pos for s in self._streams()}
+
+    def _ordered(self, waiter: _Stream | None, stream: _Stream, seq: int) -> bool:
+        """Is operation ``seq`` of ``stream`` ordered before ``waiter``'s next work (None: the host)?"""
+        if waiter is stream or self._host.get(stream, 0) >= seq:
+            return True
+        return waiter is not None and waiter.after.get(stream, 0) >= seq
+
+    def _wait(self, waiter: _Stream, vector: dict) -> None:
+        for stream, seq in vector.items():
+            if stream is not waiter and waiter.after.get(stream, -1) < seq:
+                waiter.after[stream] = seq
+        if waiter is self._compute:
+            for stream, seq in vector.items():
+                if stream is not self._compute:
+                    self._run_to(stream, seq)
+
+    def _host_wait(self, vector: dict) -> None:
+        self._wait(self._compute, vector)
+        for stream, seq in vector.items():
+            if self._host.get(stream, -1) < seq:
+                self._host[stream] = seq
+
+    def _run_to(self, stream: _Stream, seq: int) -> None:
+        while stream.queue and stream.queue[0].seq <= seq:
+            op = stream.queue[0]
+            for dep, dep_seq in op.deps.items():
+                if dep is not self._compute:
+                    self._run_to(dep, dep_seq)
+            stream.queue.popleft()
+            self._execute(op)
+
+    def _execute(self, op: _Op) -> None:
+        src = self._resolve_for(op, op.src)
+        dst = self._resolve_for(op, op.dst)
+        if dst is None:
+            return  # the write lands in memory nobody owns any more
+        with torch.no_grad():
+            if src is None:
+                fill_poison(dst)  # what reused memory would hold
+            else:
+                dst.copy_(src)
+
+    def _resolve_for(self, op: _Op, ref: _Ref) -> torch.Tensor | None:
+        tensor = ref.resolve()
+        if tensor is None and not ref.reported and op.stream not in ref.mem.recorded:
+            ref.reported = True
+            host = ref.mem.host
+            self._violation(
+                5 if host else 2,
+                HOST_FREED_IN_USE if host else FREED_IN_USE,
+                f"a copy on {op.stream.name} runs after its {ref.mem.describe()} was freed, and "
+                "record_stream did not announce that stream to the allocator",
+            )
+        return tensor
+
+    def _memory(self, tensor: torch.Tensor, host: bool = False) -> _Memory:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        mem = self._memories.get(key)
+        # A dead storage's address is not reused while our weak reference lives, but once
+        # the record is dropped a new storage may take it: never trust a dead record.
+        if mem is None or not mem.alive():
+            mem = _Memory(storage, host)
+            self._memories[key] = mem
+            if len(self._memories) >= self._sweep_at:
+                self._sweep()
+        return mem
+
+    def _sweep(self) -> None:
+        self._memories = {k: m for k, m in self._memories.items() if m.alive()}
+        self._sweep_at = max(64, 2 * len(self._memories))
+
+    def _ref(self, tensor: torch.Tensor) -> _Ref:
+        return _Ref(self._memory(tensor), tensor)
+
+    def _check_access(self, stream: _Stream, seq: int, ref: _Ref, *, write: bool) -> bool:
+        """Check one access of an issued copy; False if the copy must not be issued."""
+        mem = ref.mem
+        verb = "writes" if write else "reads"
+        what = mem.describe()
+        if ref.end > ref.start and ref.resolve() is None:
+            self._violation(3, RELEASED_ACCESS, f"a copy on {stream.name} {verb} released {what}")
+            return False
+        if mem.host and mem.freed:
+            self._violation(
+                5, HOST_FREED_IN_USE, f"a copy on {stream.name} {verb} a host buffer already given back"
+            )
+        if not mem.host and stream is not self._compute:
+            seen = stream.after.get(self._compute, -1)
+            if seen < self._compute.pos:
+                if write and mem.allocated_at is not None and mem.allocated_at > seen:
+                    self._violation(
+                        7,
+                        WRITE_BEFORE_ALLOCATION,
+                        f"a copy on {stream.name} writes device memory allocated on the compute "
+                        f"stream after {stream.name} last waited for the compute stream: the "
+                        "block's earlier users may still run",
+                    )
+                else:
+                    self._violation(
+                        1,
+                        UNORDERED_DEVICE_ACCESS,
+                        f"a copy on {stream.name} {verb} device memory without waiting for the "
+                        "compute stream's latest work, which may still be writing it",
+                    )
+                return True
+        for acc in mem.accesses:
+            if acc.stream is stream or not (write or acc.write):
+                continue
+            if acc.end <= ref.start or ref.end <= acc.start:
+                continue
+            if self._ordered(stream, acc.stream, acc.seq):
+                continue
+            rule, kind = self._classify(mem, stream, write, acc.write)
+            self._violation(
+                rule,
+                kind,
+                f"a copy on {stream.name} {verb} {what} that a copy on {acc.stream.name} "
+                f"{'writes' if acc.write else 'reads'}, and the two are not ordered",
+            )
+            break
+        return True
+
+    def _classify(self, mem: _Memory, stream: _Stream, write: bool, other_writes: bool):
+        if mem.host:
+            return (5, HOST_OVERWRITE) if write else (5, UNORDERED_HOST_READ)
+        if stream is self._compute and not write:
+            return 4, USE_BEFORE_COPY
+        if stream is self._compute and not other_writes:
+            return 2, OVERWRITE_WHILE_READ
+        return 3, DEVICE_RACE
+
+    def _note_access(self, stream: _Stream, seq: int, ref: _Ref, *, write: bool) -> None:
+        mem = ref.mem
+        if ref.end <= ref.start:
+            return
+        kept = []
+        for acc in mem.accesses:
+            if self._host.get(acc.stream, 0) >= acc.seq:
+                continue  # complete as far as the host knows: nothing issued later can race it
+            covered = ref.start <= acc.start and acc.end <= ref.end
+            if acc.stream is stream and covered and (write or not acc.write):
+                continue  # anything ordered after the new access is ordered after this one
+            kept.append(acc)
+        kept.append(_Access(stream, seq, ref.start, ref.end, write))
+        mem.accesses = kept
+
+    def _violation(
+        self, rule: int, kind: str, message: str, label: str = "", *, record_only: bool = False
+    ) -> None:
+        dropped = sorted(self.skipped)
+        if dropped:
+            message += f" [ordering calls dropped by skip_labels: {', '.join(dropped)}]"
+        violation = Violation(rule, kind, message, label)
+        self.violations.append(violation)
+        if self.raise_violations and not record_only:
+            raise ProtocolViolation(violation)
+
+    def __repr__(self) -> str:
+        skip = f", skip_labels={sorted(self.skip_labels)}" if self.skip_labels else ""
+        return f"CheckedDevice(cpu{skip})"

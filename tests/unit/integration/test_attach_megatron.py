@@ -1,0 +1,151 @@
+"""attach() on the real megatron-core DDP + DistributedOptimizer, on gloo CPU ranks.
+
+Every comparison is bitwise: the same training run with and without offloading must give
+identical losses, grad norms, parameters and optimizer state. Jobs run in the shared rank
+pool (separate processes), so a bug touching released memory fails the test instead of
+crashing pytest.
+"""
+
+import pytest
+import torch
+
+
+# ------------------------------------------------------------------- rank-side jobs
+def _tracked_storage_bytes(offloader):
+    from megatron_offload.adapters import distributed_optimizer as adapter
+
+    kinds = set(offloader.config.kinds())
+    sizes = []
+    for distrib_optimizer in offloader._distributed:
+        for kind, tensor in adapter.collect(distrib_optimizer):
+            if kind in kinds:
+                sizes.append(tensor.untyped_storage().nbytes())
+    return sizes
+
+
+def train_job(model, dtype, steps, offload, micro_batches=1, offload_before_first_step=False,
+              options=None, **build_kw):
+    import megatron_offload
+    from tests.harness import models
+
+    chunks, optimizer, config = models.build(model, dtype, **build_kw)
+    offloader = megatron_offload.attach(optimizer, **(options or {})) if offload else None
+    figures = []
+    if offloader and offload_before_first_step:
+        offloader.offload()
+        sizes = _tracked_storage_bytes(offloader)
+        figures.append({"before_first_step": True, **_figures(offloader, sizes)})
+    results = []
+    for step in range(steps):
+        results.append(models.train_step(chunks, optimizer, config, step, micro_batches))
+        if offloader:
+            figures.append(_figures(offloader, _tracked_storage_bytes(offloader)))
+    if offloader:
+        offloader.reload()
+        offloader.wait()
+    models.flush_param_gather(chunks)
+    return {"results": results, "figures": figures, "snapshot": models.snapshot(chunks, optimizer)}
+
+
+def _figures(offloader, sizes):
+    stats = offloader.stats()
+    keys = ("tracked_bytes", "offloaded_bytes", "resident_bytes", "host_bytes",
+            "kept_resident_bytes", "d2h_copies", "h2d_copies", "cycles")
+    return {**{k: stats[k] for k in keys}, "tensors": len(sizes), "max_storage": max(sizes, default=0)}
+
+
+# ------------------------------------------------------------------- comparisons
+def assert_bitwise_equal(reference, offloaded):
+    for ref_rank, off_rank in zip(reference, offloaded):
+        assert ref_rank["results"] == off_rank["results"]
+        for section in ("params", "optimizer"):
+            ref, off = ref_rank["snapshot"][section], off_rank["snapshot"][section]
+            assert ref.keys() == off.keys()
+            different = [k for k in ref if not torch.equal(ref[k], off[k])]
+            assert not different, f"{section} differ: {different[:5]}"
+
+
+def assert_offloaded_between_steps(offloaded, expect_masters):
+    for rank in offloaded:
+        for figures in rank["figures"]:
+            assert figures["tracked_bytes"] > 0
+            assert figures["offloaded_bytes"] == figures["tracked_bytes"]
+            assert figures["resident_bytes"] == 0 and figures["kept_resident_bytes"] == 0
+            assert figures["max_storage"] == 0  # every moment and master holds no memory
+            assert figures["host_bytes"] == figures["tracked_bytes"]  # no rounding waste
+        last = rank["figures"][-1]
+        # Steady state: one copy per (kind, dtype) group and direction, whatever the size.
+        groups = 2 if expect_masters else 1
+        assert last["d2h_copies"] == groups and last["h2d_copies"] == groups
+
+
+CASES = [
+    # model, dtype, overlap_grad_reduce, overlap_param_gather, bucket_size
+    ("mlp", "fp32", False, False, None),
+    ("mlp", "bf16", False, False, None),
+    ("mlp", "fp32", True, False, 1000),
+    ("mlp", "bf16", True, False, 1000),
+    ("mlp", "fp32", True, True, 1000),
+    ("mlp", "bf16", True, True, 1000),
+    ("gpt", "fp32", True, True, 3000),
+    ("gpt", "bf16", False, False, None),
+    ("gpt", "bf16", True, True, 3000),
+]
+
+
+def _run_pair(pool, model, dtype, ogr, opg, bucket, steps=10, **kw):
+    build = dict(overlap_grad_reduce=ogr, overlap_param_gather=opg, bucket_size=bucket)
+    reference = pool.run(train_job, model, dtype, steps, False, **build, **kw)
+    offloaded = pool.run(train_job, model, dtype, steps, True, **build, **kw)
+    return reference, offloaded
+
+
+@pytest.mark.parametrize("model,dtype,ogr,opg,bucket", CASES)
+def test_dp2_training_is_bitwise_identical_with_offloading(rank_pool, model, dtype, ogr, opg, bucket):
+    reference, offloaded = _run_pair(rank_pool, model, dtype, ogr, opg, bucket)
+    assert_bitwise_equal(reference, offloaded)
+    assert_offloaded_between_steps(offloaded, expect_masters=dtype == "bf16")
+
+
+@pytest.mark.parametrize("model,dtype,ogr,opg,bucket", [
+    ("mlp", "bf16", True, True, 1000),
+    ("gpt", "bf16", True, False, 3000),
+    ("gpt", "fp32", False, False, None),
+])
+def test_dp4_training_is_bitwise_identical_with_offloading(rank_pool4, model, dtype, ogr, opg, bucket):
+    reference, offloaded = _run_pair(rank_pool4, model, dtype, ogr, opg, bucket)
+    assert_bitwise_equal(reference, offloaded)
+    assert_offloaded_between_steps(offloaded, expect_masters=dtype == "bf16")
+
+
+@pytest.mark.floor
+def test_floor_smoke_mlp_bf16(rank_pool):
+    reference, offloaded = _run_pair(rank_pool, "mlp", "bf16", True, False, 1000, steps=4)
+    assert_bitwise_equal(reference, offloaded)
+    assert_offloaded_between_steps(offloaded, expect_masters=True)
+
+
+def test_masters_offloaded_before_the_first_step(rank_pool):
+    kw = dict(overlap_grad_reduce=False, overlap_param_gather=False, bucket_size=None)
+    reference = rank_pool.run(train_job, "mlp", "bf16", 3, False, **kw)
+    offloaded = rank_pool.run(train_job, "mlp", "bf16", 3, True, offload_before_first_step=True, **kw)
+    assert_bitwise_equal(reference, offloaded)
+    for rank in offloaded:
+        first = rank["figures"][0]
+        assert first["before_first_step"]
+        # Only the masters exist before the first step, and they all went.
+        assert first["offloaded_bytes"] == first["tracked_bytes"] > 0 and first["max_storage"] == 0
+        assert rank["figures"][1]["tracked_bytes"] == 3 * first["tracked_bytes"]  # + 2 moments
+
+
+def test_selective_offload_leaves_the_other_kind_resident(rank_pool):
+    kw = dict(overlap_grad_reduce=False, overlap_param_gather=False, bucket_size=None)
+    reference = rank_pool.run(train_job, "mlp", "bf16", 4, False, **kw)
+    moments_only = rank_pool.run(
+        train_job, "mlp", "bf16", 4, True, options={"offload_primary_weights": False}, **kw
+    )
+    assert_bitwise_equal(reference, moments_only)
+    for rank in moments_only:
+        last = rank["figures"][-1]
+        assert last["offloaded_bytes"] == last["tracked_bytes"] - last["resident_bytes"]
+        assert last["resident_bytes"] == last["offloaded_bytes"] // 2  # masters: half of moments
