@@ -44,6 +44,8 @@ H2D_AFTER_D2H = "h2d-after-d2h"  # rule 5 (the host copy is complete before it i
 H2D_RECORD_STREAM = "h2d-record-stream"  # rule 2, for the H2D's writes
 USE_AFTER_H2D = "use-after-h2d"  # rules 3 and 4
 HOST_READ_AFTER_D2H = "host-read-after-d2h"  # rule 5
+HOST_FREE_AFTER_COPIES = "host-free-after-copies"  # rule 5 (no copy uses a freed host arena)
+WRITE_AFTER_D2H = "write-after-d2h"  # rule 2 (memory kept in place is not rewritten under its D2H)
 
 
 class OffloadStateError(RuntimeError):
@@ -71,6 +73,10 @@ class OffloadEngine:
         self._arena: torch.Tensor | None = None
         self._d2h_stream = None
         self._h2d_stream = None
+        # The newest event of each side stream: streams run in order, so it covers every
+        # earlier copy into or out of the host arena.
+        self._last_d2h_event = None
+        self._last_h2d_event = None
         self._closed = False
         self.unreleasable_bytes = 0  # memory other references kept alive at consolidation
         self.last = _CycleStats()
@@ -135,6 +141,7 @@ class OffloadEngine:
                 for group in to_copy:
                     self._copy_group_to_host(group)
                 event = self.device.record_event(side)
+            self._last_d2h_event = event
             for group in to_copy:
                 group.d2h_event = event
                 group.host_valid = True
@@ -175,8 +182,13 @@ class OffloadEngine:
         selected = list(self._select(kinds))
         start = time.perf_counter()
         # An offloading group still has its device memory: it only has to become resident.
+        # Its D2H may still be reading that memory, and the next writer (the step) runs on
+        # the current stream, so the current stream waits for the D2H first.
+        current = self.device.current_stream()
         for group in selected:
             if group.place is Place.OFFLOADING:
+                if group.d2h_event is not None:
+                    self.device.wait_event(current, group.d2h_event, label=WRITE_AFTER_D2H)
                 group.place = Place.RESIDENT
         released = [g for g in selected if g.place is Place.RELEASED]
         self.last.h2d_copies = self.last.h2d_bytes = 0
@@ -189,7 +201,6 @@ class OffloadEngine:
                 self.device.regrow(group.flat, group.nbytes)
             else:
                 group.consolidate(self.device.empty(group.numel, group.dtype))
-        current = self.device.current_stream()
         side = self._side_stream("h2d")
         # The regrown blocks may have been used by work still queued on the current stream
         # (the allocator reuses memory in stream order): the H2D must come after it. The
@@ -202,6 +213,7 @@ class OffloadEngine:
             for group in released:
                 self._copy(group.flat, group.host, to_host=False)
             event = self.device.record_event(side)
+        self._last_h2d_event = event
         for group in released:
             # The H2D stream writes memory owned by the current stream: if it is released
             # again before the copy ran, the allocator must not reuse it early.
@@ -236,7 +248,6 @@ class OffloadEngine:
                 f"{self.name}: cannot close while states are released; reload() first."
             )
         self.wait()
-        self.synchronize_host()
         self._free_arena()
         self._groups = []
         self._tracked = []
@@ -350,7 +361,6 @@ class OffloadEngine:
                 # contents are obsolete and dropping the host copy loses nothing.
                 continue
         self.wait()
-        self.synchronize_host()
         by_key: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
         for kind, tensor in current:
             by_key.setdefault((kind, tensor.dtype), []).append(tensor)
@@ -382,9 +392,18 @@ class OffloadEngine:
         self._tracked = current
 
     def _free_arena(self) -> None:
-        if self._arena is not None:
-            self.device.free_host_buffer(self._arena)
-            self._arena = None
+        if self._arena is None:
+            return
+        # Rule 5: copies into or out of the arena may still be queued even when the device
+        # streams are ordered; the host must see them finish before the memory goes.
+        for event in (self._last_d2h_event, self._last_h2d_event):
+            if event is not None:
+                self.device.synchronize_event(event, label=HOST_FREE_AFTER_COPIES)
+        self._last_d2h_event = self._last_h2d_event = None
+        for group in self._groups:
+            group.d2h_event = None
+        self.device.free_host_buffer(self._arena)
+        self._arena = None
 
     def __repr__(self) -> str:
         places = ", ".join(f"{g.kind}/{g.dtype}:{g.place.value}" for g in self._groups)

@@ -5,24 +5,50 @@ On the CPU every copy is synchronous, so a missing wait can never show in an ord
 accelerator has: their copies are deferred until something orders them, fresh memory holds
 garbage, and every access is checked against the waits that should protect it.
 
-The model, one rule a line (model rule -> the accelerator rule it stands for):
+The model, one rule per item ("->" names the accelerator rule it stands for):
 
-- The compute stream is eager: the caller's torch ops and the copies issued on it run at once -> kernels on one stream run in issue order.
-- A stream from ``new_stream`` is a FIFO queue: a copy issued under ``use_stream(side)`` is queued, not run -> a non-blocking copy on a side stream runs later, in order.
-- Queued work runs only when the compute stream (``wait_event``/``wait_stream``) or the host (``synchronize_event``/``synchronize``) waits for it -> work is known done only where something waits for it.
-- A side stream waiting on another stream only gains a dependency; running its later work first runs what it waited for -> cross-stream waits order work, they do not run it.
-- Ordering is transitive through events (vector clocks per stream and for the host) -> B waits on the compute stream, which waited on A: B's later work is after A's.
-- Before every device call issued from the compute stream (except handle queries and waits of a side stream) the caller may have run its own kernels, so the compute stream is assumed to have written all device memory then -> the optimizer's kernels are invisible to the offloader.
-- A side-stream copy touching device memory must be ordered after the compute stream's latest such point -> rule 1 (a D2H waits for the step that wrote its source).
-- A side-stream write into memory regrown (or allocated) after that side stream last waited on the compute stream is reported as rule 7 -> stream-ordered allocation: the new block's earlier users run on the compute stream.
-- Two accesses of overlapping memory from different streams, one of them a write, must be ordered by waits or host synchronization -> a data race (rules 3, 4 and 5).
-- ``release`` of memory that an unordered side-stream copy used is legal only if ``record_stream`` named that stream; the memory is then freed at once while the queued copy keeps a private copy of its bytes -> the caching allocator does not reuse a block until the recorded streams pass the free (rule 2).
-- Without ``record_stream`` the copy later finds the memory gone (or regrown) and reads poison or writes into the new owner's memory -> a freed block is reused at once.
-- A queued copy whose memory died (was garbage collected) before it ran is reported unless ``record_stream`` named its stream -> rule 2 for memory freed by dropping the last reference.
-- ``regrow`` and ``empty`` give memory filled with poison (NaN for floating dtypes, the maximum for integers, 0xFF bytes for bool); host buffers hold 0xFF bytes until a copy writes them -> fresh memory is garbage, so using state whose H2D was not ordered reads NaN (rules 3 and 4).
-- The host may read a host buffer (``check_readable``) only after a synchronization covering every copy that wrote it; ``free_host_buffer`` demands the same of every copy that used it -> ``event.synchronize()`` before host reads and frees (rule 5).
-- ``note_compute`` marks where the caller's kernels run (an optimizer step): every side-stream write of device memory must be ordered before it (rule 4) and every side-stream read too, since the step overwrites that memory (the rule 2 hazard without a release).
-- ``check`` reports queued work that nothing ever ordered, runs what is left, and raises if anything was violated -> work no stream or host waits for.
+- The compute stream is eager: the caller's torch ops and copies issued on it run at once.
+  -> Kernels on one stream run in issue order.
+- A stream from ``new_stream`` is a FIFO queue: a copy issued under ``use_stream(side)`` is
+  queued, not run. -> A non-blocking copy on a side stream runs later, in order.
+- Queued work runs only when the compute stream (``wait_event``/``wait_stream``) or the host
+  (``synchronize_event``/``synchronize``) waits for it. -> Work is known to be done only
+  where something waits for it.
+- A side stream waiting on another stream only gains a dependency; running its later work
+  first runs what it waited for. -> Cross-stream waits order work, they do not run it.
+- Ordering is transitive through events (a vector clock per stream and one for the host).
+  -> B waits on the compute stream, which waited on A: B's later work comes after A's.
+- Before every device call made from the compute stream (except handle and test queries
+  and waits of a side stream) the caller may have run kernels: the compute stream is then
+  assumed to have written all device memory. -> The optimizer's kernels are invisible to
+  the offloader.
+- A side-stream copy touching device memory must be ordered after the compute stream's
+  latest such point. -> Rule 1: a D2H waits for the step that wrote its source.
+- A side-stream write into memory regrown (or allocated) after that stream last waited on
+  the compute stream breaks rule 7. -> Stream-ordered allocation: the new block's earlier
+  users ran on the compute stream.
+- Two accesses of overlapping memory from different streams, one a write, must be ordered
+  by waits or host synchronization. -> A data race (rules 3, 4 and 5).
+- ``release`` of memory an unordered side-stream copy used is legal only if
+  ``record_stream`` named that stream; the storage is freed at once and the queued copy
+  keeps a private copy of its bytes. -> The caching allocator does not reuse a block until
+  the recorded streams pass the free (rule 2).
+- Without ``record_stream`` the queued copy later finds the memory gone or regrown, and
+  reads poison or writes into the new owner's memory. -> A freed block is reused at once.
+- A queued copy whose memory died (its last reference dropped) before it ran breaks rule 2
+  unless ``record_stream`` named its stream. -> The same, for memory freed by the
+  garbage collector.
+- ``regrow``/``empty`` memory holds poison (NaN for floating dtypes, the maximum for
+  integers, 0xFF bytes for bool), host buffers hold 0xFF bytes, until a copy writes them.
+  -> Fresh memory is garbage: state used before its H2D ran reads NaN (rules 3 and 4).
+- The host may read a host buffer (``check_readable``) or give it back
+  (``free_host_buffer``) only after a host synchronization covering every copy that used
+  it. -> ``event.synchronize()`` before host reads and frees (rule 5).
+- ``note_compute`` marks the caller's kernels (an optimizer step): side-stream writes of
+  device memory must be ordered before it (rule 4), and reads too, since the step
+  overwrites that memory. -> The rule 2 hazard without a release.
+- ``check`` reports queued work nothing ever ordered, runs what is left, and raises if
+  anything was violated. -> Work no stream or host waits for may never be seen complete.
 
 Ordering calls carry a ``label`` naming the protocol step. ``skip_labels`` drops every call
 with one of those labels (a negative control: exactly that wait or record is missing), and
@@ -89,7 +115,8 @@ class _Stream:
     def __init__(self, name: str) -> None:
         self.name = name
         self.pos = 0  # sequence number of the last operation issued (ticks for the compute stream)
-        self.after: dict[_Stream, int] = {}  # stream -> last sequence number ordered before this one
+        # stream -> the last of its sequence numbers ordered before this stream's next work
+        self.after: dict[_Stream, int] = {}
         self.queue: collections.deque[_Op] = collections.deque()
 
     def __repr__(self) -> str:
@@ -230,6 +257,7 @@ class CheckedDevice(Device):
         self._host: dict[_Stream, int] = {}  # what the host knows to be complete
         self._memories: dict[int, _Memory] = {}
         self._sweep_at = 64
+        self._label = ""  # label of the wait whose work is running
 
     # ------------------------------------------------------------------ memory
     def host_buffer(self, nbytes: int) -> torch.Tensor:
@@ -323,32 +351,27 @@ class CheckedDevice(Device):
         return _Event(stream, self._vector(stream))
 
     def wait_stream(self, waiter: _Stream, waitee: _Stream, *, label: str = "") -> None:
-        self._labelled(label, tick=waiter is self._compute)
-        if label in self.skip_labels:
-            return
-        self._wait(waiter, self._vector(waitee))
+        if self._labelled(label, tick=waiter is self._compute):
+            with self._detecting(label):
+                self._wait(waiter, self._vector(waitee))
 
     def wait_event(self, stream: _Stream, event: _Event, *, label: str = "") -> None:
-        self._labelled(label, tick=stream is self._compute)
-        if label in self.skip_labels:
-            return
-        self._wait(stream, event.vector)
+        if self._labelled(label, tick=stream is self._compute):
+            with self._detecting(label):
+                self._wait(stream, event.vector)
 
     def synchronize_event(self, event: _Event, *, label: str = "") -> None:
-        self._labelled(label, tick=True)
-        if label in self.skip_labels:
-            return
-        self._host_wait(event.vector)
+        if self._labelled(label, tick=True):
+            with self._detecting(label):
+                self._host_wait(event.vector)
 
     def synchronize(self) -> None:
         self._tick()
         self._host_wait(self._vector_all())
 
     def record_stream(self, tensor: torch.Tensor, stream: _Stream, *, label: str = "") -> None:
-        self._labelled(label, tick=True)
-        if label in self.skip_labels:
-            return
-        self._memory(tensor).recorded.add(stream)
+        if self._labelled(label, tick=True):
+            self._memory(tensor).recorded.add(stream)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         stream = self._active[-1]
@@ -374,7 +397,7 @@ class CheckedDevice(Device):
         """The caller's kernels (an optimizer step) now read and/or write device memory."""
         self._tick()
         for mem in list(self._memories.values()):
-            if mem.host:
+            if mem.host or not mem.alive():
                 continue
             for acc in mem.accesses:
                 if acc.stream is self._compute or self._ordered(self._compute, acc.stream, acc.seq):
@@ -456,7 +479,7 @@ class CheckedDevice(Device):
 
     @property
     def held_bytes(self) -> int:
-        """Bytes of released memory kept alive for queued copies (the allocator's deferred frees)."""
+        """Bytes of released memory kept for queued copies (the allocator's deferred frees)."""
         return sum(
             ref.ghost.numel() * ref.ghost.element_size()
             for op in self._pending()
@@ -477,12 +500,24 @@ class CheckedDevice(Device):
         if self._active[-1] is self._compute:
             self._compute.pos += 1
 
-    def _labelled(self, label: str, *, tick: bool) -> None:
+    def _labelled(self, label: str, *, tick: bool) -> bool:
+        """Count an ordering call; False if ``skip_labels`` drops it."""
         if tick:
             self._tick()
         self.calls[label] += 1
         if label in self.skip_labels:
             self.skipped[label] += 1
+            return False
+        return True
+
+    @contextlib.contextmanager
+    def _detecting(self, label: str):
+        # Work run by a labelled wait reports its violations under that label.
+        outer, self._label = self._label, label
+        try:
+            yield
+        finally:
+            self._label = outer
 
     def _vector(self, stream: _Stream) -> dict:
         vector = dict(stream.after)
@@ -493,7 +528,10 @@ class CheckedDevice(Device):
         return {s: s.pos for s in self._streams()}
 
     def _ordered(self, waiter: _Stream | None, stream: _Stream, seq: int) -> bool:
-        """Is operation ``seq`` of ``stream`` ordered before ``waiter``'s next work (None: the host)?"""
+        """Is operation ``seq`` of ``stream`` ordered before ``waiter``'s next work?
+
+        ``waiter`` None stands for the host.
+        """
         if waiter is stream or self._host.get(stream, 0) >= seq:
             return True
         return waiter is not None and waiter.after.get(stream, 0) >= seq
@@ -576,7 +614,9 @@ class CheckedDevice(Device):
             return False
         if mem.host and mem.freed:
             self._violation(
-                5, HOST_FREED_IN_USE, f"a copy on {stream.name} {verb} a host buffer already given back"
+                5,
+                HOST_FREED_IN_USE,
+                f"a copy on {stream.name} {verb} a host buffer already given back",
             )
         if not mem.host and stream is not self._compute:
             seen = stream.after.get(self._compute, -1)
@@ -644,7 +684,7 @@ class CheckedDevice(Device):
         dropped = sorted(self.skipped)
         if dropped:
             message += f" [ordering calls dropped by skip_labels: {', '.join(dropped)}]"
-        violation = Violation(rule, kind, message, label)
+        violation = Violation(rule, kind, message, label or self._label)
         self.violations.append(violation)
         if self.raise_violations and not record_only:
             raise ProtocolViolation(violation)

@@ -1,0 +1,344 @@
+"""The engine's copy protocol on the checked device, with negative controls.
+
+A scenario drives the real ``OffloadEngine`` over a torch AdamW through every path of the
+cycle and compares it bit for bit with the same optimizer run without offloading. On the
+checked device side streams are deferred, so a missing wait shows: it either raises a
+``ProtocolViolation`` where the mistake happens or lets poisoned memory into the results.
+Each negative control drops exactly one labelled ordering call (``skip_labels``) and asserts
+how it is caught.
+
+Everything that drives the engine runs in the isolated process: a protocol bug can leave a
+tensor released while torch touches it, which kills a CPU process outright.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+
+import pytest
+import torch
+
+from megatron_offload.engine import OffloadEngine
+from megatron_offload.engine import engine as engine_module
+from megatron_offload.testing import (
+    FREED_IN_USE,
+    HOST_FREED_IN_USE,
+    OVERWRITE_WHILE_READ,
+    RELEASE_IN_USE,
+    UNORDERED_DEVICE_ACCESS,
+    UNORDERED_HOST_READ,
+    USE_BEFORE_COPY,
+    WRITE_BEFORE_ALLOCATION,
+    CheckedDevice,
+    ProtocolViolation,
+)
+
+STATES, MASTERS = "optimizer_states", "primary_weights"
+
+# Every label constant the engine passes to the device (upper-case names holding
+# "words-like-this"), found by reading the module so a new label cannot go without a
+# negative control.
+LABELS = sorted(
+    value
+    for name, value in vars(engine_module).items()
+    if name.isupper() and isinstance(value, str) and re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)+", value)
+)
+
+
+class Model:
+    """Parameters of several dtypes with an AdamW; gradients depend only on the step index."""
+
+    SHAPES = (
+        ((4, 3), torch.float32),
+        ((7,), torch.float32),
+        ((5,), torch.float64),
+        ((6,), torch.bfloat16),
+    )
+
+    def __init__(self, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.params = [
+            torch.nn.Parameter(torch.randn(shape, generator=gen).to(dtype))
+            for shape, dtype in self.SHAPES
+        ]
+        self.opt = torch.optim.AdamW(self.params, lr=0.01)
+
+    def collect(self):
+        for p in self.params:
+            yield MASTERS, p
+        for p in self.params:
+            state = self.opt.state.get(p, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    yield STATES, state[key]
+
+    def step(self, index: int) -> None:
+        for j, p in enumerate(self.params):
+            gen = torch.Generator().manual_seed(1000 * index + j)
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+        self.opt.step()
+
+    def tensors(self):
+        return [t for _, t in self.collect()]
+
+
+def _outcome(device: CheckedDevice, raised: ProtocolViolation | None, **extra) -> dict:
+    return {
+        "raised": None if raised is None else (raised.rule, raised.kind),
+        "violations": [(v.rule, v.kind) for v in device.violations],
+        "calls": dict(device.calls),
+        "skipped": dict(device.skipped),
+        **extra,
+    }
+
+
+def run_cycles(skip_labels=(), raise_violations=True) -> dict:
+    """Offload/release/reload/wait cycles with steps, skipped steps, back-to-back calls and
+    host reads; returns where the results differ from the run without offloading."""
+    ref, off = Model(), Model()
+    device = CheckedDevice(skip_labels=skip_labels, raise_violations=raise_violations)
+    engine = OffloadEngine(device, off.collect, name="checked")
+    mismatches, host_mismatches, held, skipped_step_copies = [], [], [], None
+
+    def step(index):
+        engine.mark_dirty()
+        device.note_compute()  # the update reads and writes every tracked tensor
+        off.step(index)
+        ref.step(index)
+        if not all(torch.equal(a, b) for a, b in zip(off.tensors(), ref.tensors())):
+            mismatches.append(index)
+
+    def full_cycle():
+        engine.offload()
+        engine.release()
+        held.append(device.held_bytes)  # released memory queued D2Hs still read
+        engine.reload()
+        engine.wait()
+
+    raised = None
+    try:
+        step(0)  # Adam creates its states: the first offload finds them with the parameters
+        full_cycle()  # first cycle: per-tensor copies, then consolidation at the reload
+        step(1)
+        full_cycle()  # consolidated groups: one copy per group and direction
+        step(2)
+
+        # The host copy is read by the host (a checkpoint would do this).
+        engine.offload()
+        engine.synchronize_host()
+        for group in engine.groups:
+            device.check_readable(group.host)
+            if not all(torch.equal(host, t) for t, host in group.host_slices()):
+                host_mismatches.append(group.kind)
+        engine.release()
+        engine.reload()
+        engine.wait()
+        step(3)
+
+        # A skipped step: nothing changed, so the second offload copies nothing (rule 6).
+        full_cycle()
+        engine.offload(skip_unchanged=True)
+        skipped_step_copies = engine.stats()["d2h_copies"]
+        engine.release()
+        engine.reload()
+        engine.wait()
+        step(4)
+
+        # Back to back without a step: offload then reload with the memory still there;
+        # offload again; reload then offload before anything waited for the copy-back.
+        engine.offload()
+        engine.reload()
+        engine.offload()
+        engine.release()
+        engine.reload()
+        engine.offload()
+        engine.release()
+        engine.reload()
+        engine.wait()
+        step(5)
+
+        full_cycle()
+        if not all(torch.equal(a, b) for a, b in zip(off.tensors(), ref.tensors())):
+            mismatches.append("final")
+        engine.close()  # detach: the host arena is given back
+        device.check(raise_on_violation=raise_violations)
+    except ProtocolViolation as exc:
+        raised = exc
+    return _outcome(
+        device,
+        raised,
+        mismatches=mismatches,
+        host_mismatches=host_mismatches,
+        held_after_release=held,
+        skipped_step_copies=skipped_step_copies,
+    )
+
+
+def run_dropped_prefetch(skip_labels=()) -> dict:
+    """A copy-back is issued and the optimizer is dropped before anything waited for it.
+
+    The regrown memory dies with its last tensor while the H2D may still write it: only
+    ``record_stream`` keeps the allocator from handing that block out early. The host copy
+    is kept alive here so that only the device side is in question.
+    """
+    off = Model()
+    device = CheckedDevice(skip_labels=skip_labels)
+    engine = OffloadEngine(device, off.collect, name="checked")
+    raised = None
+    try:
+        off.step(0)
+        engine.offload()
+        engine.release()
+        engine.reload()
+        hosts = [group.host for group in engine.groups]
+        del engine, off
+        gc.collect()
+        device.synchronize()
+        del hosts
+    except ProtocolViolation as exc:
+        raised = exc
+    return _outcome(device, raised)
+
+
+def run_rebuild_after_reload(skip_labels=()) -> dict:
+    """States appear after a cycle (Adam's first step comes after the first offload): the
+    engine lays the groups out again and gives back the old host arena."""
+    off = Model()
+    device = CheckedDevice(skip_labels=skip_labels)
+    engine = OffloadEngine(device, off.collect, name="checked")
+    raised = None
+    try:
+        engine.offload()
+        engine.release()
+        engine.reload()
+        engine.wait()
+        device.note_compute()
+        off.step(0)
+        engine.offload()  # new tensors: the layout is rebuilt and the old arena freed
+        engine.release()
+        engine.reload()
+        engine.wait()
+    except ProtocolViolation as exc:
+        raised = exc
+    return _outcome(device, raised)
+
+
+def run_close_after_reload(skip_labels=()) -> dict:
+    """Detach right after a copy-back: close() gives back the host arena."""
+    off = Model()
+    device = CheckedDevice(skip_labels=skip_labels)
+    engine = OffloadEngine(device, off.collect, name="checked")
+    raised = None
+    try:
+        off.step(0)
+        engine.offload()
+        engine.release()
+        engine.reload()
+        engine.close()
+    except ProtocolViolation as exc:
+        raised = exc
+    return _outcome(device, raised)
+
+
+def run_step_after_unreleased_offload(skip_labels=()) -> dict:
+    """offload() then reload() without release(): the memory never left, and a step follows."""
+    off = Model()
+    device = CheckedDevice(skip_labels=skip_labels)
+    engine = OffloadEngine(device, off.collect, name="checked")
+    raised = None
+    try:
+        off.step(0)
+        engine.offload()
+        engine.reload()
+        engine.wait()
+        engine.mark_dirty()
+        device.note_compute()
+        off.step(1)
+    except ProtocolViolation as exc:
+        raised = exc
+    return _outcome(device, raised)
+
+
+# --------------------------------------------------------------------- tests
+def test_every_engine_label_is_known():
+    assert LABELS, "no label constants found in engine.py"
+    controlled = set(CAUGHT_BY) | set(CAUGHT_ONLY_WHEN_DROPPED)
+    assert set(LABELS) == controlled, f"labels without a control: {set(LABELS) - controlled}"
+
+
+def test_full_protocol_is_clean_and_bitwise(isolated):
+    out = isolated.run(run_cycles)
+    assert out["raised"] is None, out
+    assert out["violations"] == []
+    assert out["mismatches"] == [] and out["host_mismatches"] == []
+    assert out["skipped_step_copies"] == 0  # the skipped step left the host copy valid
+    # The D2Hs were still queued at release(): the deferred free (record_stream) was used.
+    assert out["held_after_release"][0] > 0
+    for label in LABELS:
+        assert out["calls"].get(label, 0) > 0, f"the scenario never issues '{label}'"
+    assert out["skipped"] == {}
+
+
+# label -> (rule, kind) of the ProtocolViolation raised when that call is dropped, and
+# whether the same run without raising also corrupts the results (poison reaches the
+# optimizer or the host read).
+CAUGHT_BY = {
+    engine_module.D2H_AFTER_WRITERS: ((1, UNORDERED_DEVICE_ACCESS), False),
+    engine_module.D2H_RECORD_STREAM: ((2, RELEASE_IN_USE), True),
+    engine_module.H2D_AFTER_ALLOCATION: ((7, WRITE_BEFORE_ALLOCATION), False),
+    engine_module.H2D_AFTER_D2H: ((5, UNORDERED_HOST_READ), True),
+    engine_module.USE_AFTER_H2D: ((4, USE_BEFORE_COPY), True),
+    engine_module.HOST_READ_AFTER_D2H: ((5, UNORDERED_HOST_READ), True),
+    engine_module.HOST_FREE_AFTER_COPIES: ((5, HOST_FREED_IN_USE), False),
+}
+# Labels whose call matters only on a path the main scenario does not need: each has its own
+# scenario, clean with the call and caught without it.
+CAUGHT_ONLY_WHEN_DROPPED = {
+    engine_module.H2D_RECORD_STREAM: (run_dropped_prefetch, (2, FREED_IN_USE)),
+    engine_module.WRITE_AFTER_D2H: (run_step_after_unreleased_offload, (2, OVERWRITE_WHILE_READ)),
+}
+
+
+@pytest.mark.parametrize("label", sorted(CAUGHT_BY))
+def test_dropped_ordering_call_is_caught(isolated, label):
+    (rule, kind), corrupts = CAUGHT_BY[label]
+    out = isolated.run(run_cycles, skip_labels=(label,))
+    assert out["skipped"].get(label, 0) > 0
+    assert out["raised"] == (rule, kind), out
+
+    data = isolated.run(run_cycles, skip_labels=(label,), raise_violations=False)
+    assert (rule, kind) in data["violations"]
+    corrupted = bool(data["mismatches"] or data["host_mismatches"])
+    # On the CPU the compute stream runs eagerly, so a missing wait *for* the compute
+    # stream cannot change data here; every other missing call lets poison through.
+    assert corrupted == corrupts, data
+
+
+@pytest.mark.parametrize("label", sorted(CAUGHT_ONLY_WHEN_DROPPED))
+def test_ordering_call_needed_on_a_side_path_is_caught(isolated, label):
+    scenario, caught = CAUGHT_ONLY_WHEN_DROPPED[label]
+    clean = isolated.run(scenario)
+    assert clean["raised"] is None and clean["violations"] == [], clean
+    assert clean["calls"].get(label, 0) > 0
+    dropped = isolated.run(scenario, skip_labels=(label,))
+    assert dropped["skipped"].get(label, 0) > 0
+    assert dropped["raised"] == caught, dropped
+
+
+def test_h2d_record_stream_is_not_needed_on_the_main_path(isolated):
+    # Every release() comes after offload() ordered the copy-back before the compute
+    # stream, which owns the memory: the record is not needed there, and nothing can show.
+    label = engine_module.H2D_RECORD_STREAM
+    out = isolated.run(run_cycles, skip_labels=(label,))
+    assert out["skipped"].get(label, 0) > 0
+    assert out["raised"] is None and out["mismatches"] == [], out
+
+
+@pytest.mark.parametrize("scenario", [run_rebuild_after_reload, run_close_after_reload])
+def test_host_arena_is_freed_only_after_its_copies(isolated, scenario):
+    clean = isolated.run(scenario)
+    assert clean["raised"] is None and clean["violations"] == [], clean
+    label = engine_module.HOST_FREE_AFTER_COPIES
+    dropped = isolated.run(scenario, skip_labels=(label,))
+    assert dropped["raised"] == (5, HOST_FREED_IN_USE), dropped
