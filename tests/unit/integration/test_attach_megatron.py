@@ -24,12 +24,22 @@ def _tracked_storage_bytes(offloader):
 
 
 def train_job(model, dtype, steps, offload, micro_batches=1, offload_before_first_step=False,
-              options=None, **build_kw):
+              options=None, checked=False, **build_kw):
     import megatron_offload
     from tests.harness import models
 
     chunks, optimizer, config = models.build(model, dtype, **build_kw)
-    offloader = megatron_offload.attach(optimizer, **(options or {})) if offload else None
+    options = dict(options or {})
+    devices = []
+    if checked:  # the stream-model device: every ordering mistake raises
+        from megatron_offload.testing import CheckedDevice
+
+        def factory(torch_device):
+            devices.append(CheckedDevice())
+            return devices[-1]
+
+        options["device_factory"] = factory
+    offloader = megatron_offload.attach(optimizer, **options) if offload else None
     figures = []
     if offloader and offload_before_first_step:
         offloader.offload()
@@ -44,7 +54,11 @@ def train_job(model, dtype, steps, offload, micro_batches=1, offload_before_firs
         offloader.reload()
         offloader.wait()
     models.flush_param_gather(chunks)
-    return {"results": results, "figures": figures, "snapshot": models.snapshot(chunks, optimizer)}
+    snapshot = models.snapshot(chunks, optimizer)
+    for device in devices:
+        device.check()  # nothing left unordered, no violation recorded
+    return {"results": results, "figures": figures, "snapshot": snapshot,
+            "checked_calls": [dict(d.calls) for d in devices]}
 
 
 def _figures(offloader, sizes):
@@ -149,3 +163,15 @@ def test_selective_offload_leaves_the_other_kind_resident(rank_pool):
         last = rank["figures"][-1]
         assert last["offloaded_bytes"] == last["tracked_bytes"] - last["resident_bytes"]
         assert last["resident_bytes"] == last["offloaded_bytes"] // 2  # masters: half of moments
+
+
+@pytest.mark.parametrize("model,dtype", [("mlp", "bf16"), ("gpt", "bf16")])
+def test_training_under_the_checked_stream_model(rank_pool, model, dtype):
+    """The automatic cycle on real megatron-core with side streams deferred and memory
+    poisoned until its copy ran: any missing wait raises or corrupts the comparison."""
+    reference, offloaded = _run_pair(rank_pool, model, dtype, True, True, 1000, steps=6, checked=True)
+    assert_bitwise_equal(reference, offloaded)
+    assert_offloaded_between_steps(offloaded, expect_masters=True)
+    for rank in offloaded:
+        (calls,) = rank["checked_calls"]
+        assert calls["use-after-h2d"] > 0 and calls["d2h-after-writers"] > 0
