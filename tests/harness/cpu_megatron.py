@@ -1,0 +1,236 @@
+"""Run the real megatron-core (DDP, DistributedOptimizer, GPTModel) on CPU processes.
+
+megatron-core assumes a CUDA device in a handful of places. `install()` redirects those to the
+CPU, process-wide, and nothing else. Every redirect names the megatron-core call that needs it.
+Those marked "needed" were found by leaving them out of a DDP + DistributedOptimizer + GPTModel
+run on 0.16.1 and 0.19.2 (it raised, or silently drew different random numbers); the others
+serve megatron-core paths the model builders do not reach (training initialization,
+checkpointing, multi-instance DDP) and are plain no-ops.
+
+What deliberately stays untouched: `torch.cuda.is_available()` and
+`torch.accelerator.is_available()` keep returning False, so code with its own device layer
+(the offloader under test) still sees a machine without an accelerator. `torch.cuda.device_count()`
+reports one device because megatron-core only skips work when it is zero.
+
+Caveats: the function mode below also rewrites `device='cuda'` arguments and makes
+`Tensor.type()` report CUDA names for every caller in the process, not just megatron-core. Torch
+function modes are thread-local: it is active on the thread that called install() (the rank's
+main thread, where jobs run), not on threads megatron-core or a test may start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_installed = False
+_mode: TorchFunctionMode | None = None
+# (owner, attribute) -> the value install() replaced; kept for diagnosis of what was patched.
+ORIGINALS: dict = {}
+
+
+def _patch(owner, name: str, value) -> None:
+    ORIGINALS[(owner, name)] = getattr(owner, name)
+    setattr(owner, name, value)
+
+
+class _HostStream:
+    """Stand-in for torch.cuda.Stream: on the CPU every op is complete when it returns."""
+
+    def __init__(self, device=None, priority=0, **kwargs):
+        self.device = torch.device('cpu')
+        self.priority = priority
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _HostEvent()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _HostEvent:
+    """Stand-in for torch.cuda.Event (completed as soon as it is recorded)."""
+
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, end_event):
+        return 0.0
+
+
+_HOST_STREAM = _HostStream()
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == 'cuda'
+    if isinstance(device, str):
+        return device.startswith('cuda')
+    # A bare integer device index means a CUDA device to torch; none exists here.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+def _cuda_type_name(cpu_name: str) -> str:
+    # 'torch.FloatTensor' -> 'torch.cuda.FloatTensor'
+    prefix = 'torch.'
+    if cpu_name.startswith(prefix) and not cpu_name.startswith('torch.cuda.'):
+        return 'torch.cuda.' + cpu_name[len(prefix):]
+    return cpu_name
+
+
+def _cpu_type_name(name):
+    if isinstance(name, str) and name.startswith('torch.cuda.'):
+        return 'torch.' + name[len('torch.cuda.'):]
+    return name
+
+
+class _CudaOnCpuMode(TorchFunctionMode):
+    """Makes torch calls written for CUDA run on the CPU.
+
+    - `device='cuda'` / `device=torch.device('cuda')` in factories (optimizer flags
+      `torch.tensor([0.0], device='cuda')` in optimizer.py, grad_scaler.py, clip_grads.py, the
+      token counter in pipeline_parallel/schedules.py, `torch.zeros([1], device="cuda")` in
+      param_and_grad_buffer.py) are redirected to the CPU.
+      Needed: without it DistributedOptimizer.__init__ fails creating its flags.
+    - `Tensor.to('cuda')` / `Tensor.cuda()` return the CPU tensor (dist_checkpointing's
+      exchange_utils, the DistributedOptimizer's checkpoint gather, GradScaler.load_state_dict).
+    - `Tensor.type()` reports 'torch.cuda.FloatTensor' etc. Needed: DistributedOptimizer and
+      MixedPrecisionOptimizer dispatch on `param.type()` against the CUDA names and raise
+      TypeError for anything else; clip_grads asserts it for fp32 grads.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs) if kwargs else {}
+        if func is torch.Tensor.type:
+            if len(args) == 1 and not kwargs:
+                return _cuda_type_name(func(*args))
+            if len(args) > 1:
+                args = (args[0], _cpu_type_name(args[1])) + tuple(args[2:])
+            if 'dtype' in kwargs:
+                kwargs['dtype'] = _cpu_type_name(kwargs['dtype'])
+            return func(*args, **kwargs)
+        if func is torch.Tensor.cuda:
+            # A real .cuda() returns the tensor itself when it already lives on the device.
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], 'cpu') + tuple(args[2:])
+        if _is_cuda_device(kwargs.get('device')):
+            kwargs['device'] = 'cpu'
+        return func(*args, **kwargs)
+
+
+def _cpu_get_rng_state(device='cuda'):
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state, device=-1, graph_safe=False):
+    torch.set_rng_state(new_state)
+
+
+def _cpu_get_rng_state_megatron(device='cuda', clone=False, graph_safe=False):
+    return torch.get_rng_state()
+
+
+def _cpu_manual_seed(seed):
+    torch.default_generator.manual_seed(int(seed))
+
+
+def install() -> None:
+    """Redirect megatron-core's CUDA assumptions to the CPU for this whole process (idempotent).
+
+    Must be called in every process that runs megatron-core, before it builds models, so
+    that tensor allocations, RNG trackers and the function mode are in place.
+    """
+    global _installed, _mode
+    if _installed:
+        return
+
+    # megatron.core.jit wraps fused helpers (bias-gelu, bias-dropout-add) in torch.compile.
+    # The model builders run either way, but megatron.training's JIT warm-up compiles them at
+    # start-up and fails under the function mode below. The eager versions compute the same.
+    os.environ['TORCH_COMPILE_DISABLE'] = '1'
+    import torch._dynamo.config as dynamo_config
+
+    _patch(dynamo_config, 'disable', True)
+
+    cuda = torch.cuda
+    # Needed: ParamAndGradBuffer, DistributedOptimizer, tensor_parallel layers and
+    # rotary embeddings allocate with `device=torch.cuda.current_device()`.
+    _patch(cuda, 'current_device', lambda: torch.device('cpu'))
+    # Needed (0.19): _ParamAndGradBucketGroup.start_grad_sync/finish_grad_sync call
+    # torch.cuda.current_stream() on every gradient reduction.
+    _patch(cuda, 'current_stream', lambda device=None: _HOST_STREAM)
+
+    # Not reached by build()/train_step, kept for the megatron-core paths tests may add:
+    # initialize_megatron skips model-parallel and RNG setup when device_count() == 0, and
+    # pins each rank with set_device(rank % device_count()).
+    _patch(cuda, 'device_count', lambda: 1)
+    _patch(cuda, 'set_device', lambda device: None)
+    # DDP with num_distributed_optimizer_instances > 1 creates a communication Stream and
+    # enters torch.cuda.stream(); 0.16 also waits on default_stream() there.
+    _patch(cuda, 'Stream', _HostStream)
+    _patch(cuda, 'Event', _HostEvent)
+    _patch(cuda, 'default_stream', lambda device=None: _HOST_STREAM)
+    _patch(cuda, 'stream', lambda stream=None: contextlib.nullcontext(stream))
+    # DDP.offload_grad_buffers/restore_grad_buffers, MegatronOptimizer.offload_to_cpu and the
+    # dist_checkpointing save strategies synchronize / empty the cache.
+    _patch(cuda, 'synchronize', lambda device=None: None)
+    _patch(cuda, 'empty_cache', lambda: None)
+
+    # The model-parallel RNG tracker (tensor_parallel/random.py) saves, seeds and restores the
+    # CUDA generator around weight init and dropout; CPU kernels draw from the CPU default
+    # generator, so the tracker must drive that one. Found by leaving each out:
+    # - CudaRNGStatesTracker.add reads torch.cuda.get_rng_state(): raises without CUDA.
+    _patch(cuda, 'get_rng_state', _cpu_get_rng_state)
+    # - model_parallel_cuda_manual_seed/add call torch.cuda.manual_seed(), which without CUDA
+    #   is queued forever: every tracker state silently equals the current CPU state.
+    _patch(cuda, 'manual_seed', _cpu_manual_seed)
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    # - fork() switches states with _set_cuda_rng_state, which defers through
+    #   torch.cuda._lazy_call and so never runs: silently different dropout/init draws.
+    _patch(mcore_random, '_set_cuda_rng_state', _cpu_set_rng_state)
+    # - fork() reads the current state through torch.cuda.random.get_rng_state().
+    _patch(mcore_random, '_get_cuda_rng_state', _cpu_get_rng_state_megatron)
+    # With one generator in both roles, fork() sees the "CPU" state change inside every forked
+    # region (dropout) and logs a warning each time; that is expected here.
+    logging.getLogger(mcore_random.__name__).setLevel(logging.ERROR)
+
+    _mode = _CudaOnCpuMode()
+    _mode.__enter__()
+    _installed = True
+
+
+def is_installed() -> bool:
+    return _installed
