@@ -68,13 +68,8 @@ class _AutomaticCycle:
 
     def _after_step(self) -> None:
         offloader = self._offloader
-        kinds = offloader._kinds(None, None)
-        for engine in offloader.engines:
-            # Rule 6: a skipped step left the states as they were copied last time.
-            engine.offload(kinds, skip_unchanged=True)
-            engine.release(kinds)
-        offloader._drop_master_grads()
-        offloader._ever_offloaded = True
+        # Rule 6: a skipped step left the states as they were copied last time.
+        offloader._offload(offloader._kinds(None, None), skip_unchanged=True)
         offloader._cycles += 1
 
     def remove(self) -> None:

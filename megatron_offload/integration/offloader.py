@@ -171,12 +171,7 @@ class OptimizerStateOffloader:
         the copy has read it.
         """
         self._check_attached()
-        kinds = self._kinds(offload_optimizer_states, offload_primary_weights)
-        for engine in self._engines:
-            engine.offload(kinds)
-            engine.release(kinds)
-        self._drop_master_grads()
-        self._ever_offloaded = True
+        self._offload(self._kinds(offload_optimizer_states, offload_primary_weights))
 
     def release_gpu_memory(self) -> None:
         """Free the device memory of offloaded states (``offload`` already did; kept for
@@ -230,6 +225,29 @@ class OptimizerStateOffloader:
                 self.reload()
                 self.wait()
 
+    @contextlib.contextmanager
+    def resident(self, *, read_only: bool = False) -> Iterator["OptimizerStateOffloader"]:
+        """States on the device for the duration of the block (checkpointing, inspection).
+
+        If they were offloaded on entry they are offloaded again on exit. With
+        ``read_only=True`` the block promises not to change them, so the still-valid host
+        copy is kept and nothing is copied back out (a checkpoint save); otherwise the
+        states are copied out again (a checkpoint load, or any in-place change).
+        """
+        self._check_attached()
+        was_offloaded = self.is_offloaded
+        if was_offloaded:
+            self.reload()
+            self.wait()
+            if not read_only:
+                for engine in self._engines:
+                    engine.mark_dirty()
+        try:
+            yield self
+        finally:
+            if was_offloaded and not self._detached:
+                self._offload(self._kinds(None, None), skip_unchanged=True)
+
     def detach(self) -> None:
         """Stop offloading and give back the host memory; the states must be on the device."""
         if self._detached:
@@ -258,6 +276,14 @@ class OptimizerStateOffloader:
             for kind, wanted in ((OPTIMIZER_STATES, states), (PRIMARY_WEIGHTS, primaries))
             if wanted
         )
+
+    def _offload(self, kinds: tuple[str, ...], *, skip_unchanged: bool = False) -> None:
+        """Copy out (unless ``skip_unchanged`` and still valid) and release ``kinds``."""
+        for engine in self._engines:
+            engine.offload(kinds, skip_unchanged=skip_unchanged)
+            engine.release(kinds)
+        self._drop_master_grads()
+        self._ever_offloaded = True
 
     def _check_attached(self) -> None:
         if self._detached:

@@ -175,3 +175,54 @@ def test_training_under_the_checked_stream_model(rank_pool, model, dtype):
     for rank in offloaded:
         (calls,) = rank["checked_calls"]
         assert calls["use-after-h2d"] > 0 and calls["d2h-after-writers"] > 0
+
+
+def resident_job(offload):
+    """Between steps: a read-only look at the states, then an in-place change to them."""
+    import megatron_offload
+    from tests.harness import models
+
+    chunks, optimizer, config = models.build("mlp", "bf16")
+    offloader = megatron_offload.attach(optimizer) if offload else None
+    inner = models.distributed_optimizers(optimizer)[0].optimizer
+    seen = {}
+    for step in range(4):
+        models.train_step(chunks, optimizer, config, step)
+        if step == 1:
+            ctx = offloader.resident(read_only=True) if offloader else _nothing()
+            with ctx:
+                seen["read_only_sum"] = sum(float(s["exp_avg"].sum()) for s in inner.state.values())
+            if offloader:
+                seen["read_only_copies"] = offloader.stats()["d2h_copies"]
+                seen["offloaded_after_read_only"] = offloader.is_offloaded
+        if step == 2:  # e.g. a user rescaling the moments (a checkpoint load writes likewise)
+            ctx = offloader.resident() if offloader else _nothing()
+            with ctx:
+                for s in inner.state.values():
+                    s["exp_avg"].mul_(0.5)
+            if offloader:
+                seen["write_copies"] = offloader.stats()["d2h_copies"]
+    if offloader:
+        offloader.reload()
+        offloader.wait()
+    return {"seen": seen, "snapshot": models.snapshot(chunks, optimizer)}
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_resident_block_for_reads_and_in_place_changes(rank_pool):
+    reference = rank_pool.run(resident_job, False)
+    offloaded = rank_pool.run(resident_job, True)
+    for ref, off in zip(reference, offloaded):
+        assert ref["seen"]["read_only_sum"] == off["seen"]["read_only_sum"]
+        assert off["seen"]["read_only_copies"] == 0  # the host copy was still valid
+        assert off["seen"]["offloaded_after_read_only"]
+        assert off["seen"]["write_copies"] == 2  # the change was copied out: nothing lost
+        for key, value in ref["snapshot"]["optimizer"].items():
+            assert torch.equal(value, off["snapshot"]["optimizer"][key]), key
