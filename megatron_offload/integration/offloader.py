@@ -16,7 +16,9 @@ offload_primary_weights)``            their device memory (asynchronous on accel
                                       every offload
 ====================================  ================================================
 
-``attach`` (see ``attach.py``) adds the automatic per-step cycle on top.
+Methods of the optimizers that touch the states (state dicts, checkpointing, megatron's
+own ``offload_to_cpu``) are made safe while offloaded by ``guard.py``; ``attach`` (see
+``attach.py``) adds the automatic per-step cycle on top.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from ..adapters import distributed_optimizer as dopt_adapter
 from ..config import OffloadConfig
 from ..device import device_for
 from ..engine import OffloadEngine, OffloadStateError, Place
+from .guard import StateAccessGuard
 
 _SUMMED = (
     "tracked_bytes",
@@ -130,6 +133,7 @@ class OptimizerStateOffloader:
             )
         for distrib_optimizer in distributed:
             distrib_optimizer._state_offloader = self
+        self._guard = StateAccessGuard(self)
         self._ever_offloaded = False
         self._detached = False
         self._cycles = 0
@@ -260,6 +264,7 @@ class OptimizerStateOffloader:
         if self._automatic is not None:
             self._automatic.remove()
             self._automatic = None
+        self._guard.remove()
         for engine in self._engines:
             engine.close()
         for distrib_optimizer in self._distributed:
@@ -284,6 +289,21 @@ class OptimizerStateOffloader:
             engine.release(kinds)
         self._drop_master_grads()
         self._ever_offloaded = True
+
+    def _make_resident(self, *, changes: bool) -> None:
+        """Bring every offloaded state back and order it before the current stream.
+
+        The states then stay on the device until the next offload. ``changes``: the caller
+        may write them, so the next offload must copy them out again.
+        """
+        if self._detached:
+            return
+        for engine in self._engines:
+            if engine.is_released():
+                engine.reload()
+            engine.wait()
+            if changes:
+                engine.mark_dirty()
 
     def _check_attached(self) -> None:
         if self._detached:

@@ -1,0 +1,78 @@
+"""Run megatron.training (``pretrain`` and its training loop) on CPU ranks with gloo.
+
+`install()` first installs `cpu_megatron` (the megatron-core redirects), then the few
+megatron.training-specific ones below, each found by leaving it out of a 2-rank
+``pretrain`` run with mock data (megatron-core 0.19.2). Nothing here is used by the offloader:
+it only lets the example script and the functional tests run the stock training loop on a
+machine without an accelerator. Call it only when no GPU exists.
+
+CLI flags a CPU run also needs (not redirects): ``--distributed-backend gloo
+--transformer-impl local --no-gradient-accumulation-fusion --no-persist-layer-norm
+--no-masked-softmax-fusion`` and an ``--eval-interval`` (even with ``--eval-iters 0``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from . import cpu_megatron
+
+_installed = False
+# (owner, attribute) -> the value install() replaced.
+ORIGINALS: dict = {}
+
+
+def _patch(owner, name: str, value) -> None:
+    ORIGINALS[(owner, name)] = getattr(owner, name)
+    setattr(owner, name, value)
+
+
+def _allow_no_cuda(initialize_megatron):
+    """initialize_megatron asserts torch.cuda.is_available() unless allow_no_cuda=True.
+
+    (With the assert passed, the device count of one that cpu_megatron reports makes it run
+    the model-parallel and RNG setup it would skip for zero devices.)
+    """
+
+    @functools.wraps(initialize_megatron)
+    def initialize(*args, **kwargs):
+        kwargs['allow_no_cuda'] = True
+        return initialize_megatron(*args, **kwargs)
+
+    return initialize
+
+
+def install() -> None:
+    """Install the megatron-core and megatron.training CPU redirects (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    cpu_megatron.install()
+
+    import megatron.training
+    import megatron.training.initialize as initialize
+    import megatron.training.training as training
+
+    # Needed: pretrain() calls initialize_megatron() without allow_no_cuda, which asserts CUDA.
+    wrapped = _allow_no_cuda(initialize.initialize_megatron)
+    _patch(initialize, 'initialize_megatron', wrapped)
+    _patch(training, 'initialize_megatron', wrapped)
+    _patch(megatron.training, 'initialize_megatron', wrapped)
+
+    # The first torch_dist checkpoint save creates a multiprocessing Manager for its write
+    # results with the 'spawn' context, which re-imports __main__ (the whole training script,
+    # several seconds per rank). A forked Manager serves the same queue.
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    original_queue = filesystem_async.get_write_results_queue
+
+    @functools.wraps(original_queue)
+    def fork_results_queue(mp_mode: str = 'fork'):
+        return original_queue('fork')
+
+    _patch(filesystem_async, 'get_write_results_queue', fork_results_queue)
+    _installed = True
+
+
+def is_installed() -> bool:
+    return _installed
