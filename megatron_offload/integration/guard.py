@@ -16,7 +16,8 @@ tensors themselves behind its back.
 The inner torch optimizer is covered with its own ``state_dict`` / ``load_state_dict``
 pre-hooks. After a load, megatron-core (up to 0.19.2) gives every parameter of a
 ``torch.optim`` optimizer the same ``step`` tensor, which Adam then increments once per
-parameter per step; each parameter gets its own copy back here.
+parameter per step, and a DistributedOptimizer checkpoint load leaves that step at a stale
+value; each parameter gets its own tensor with the saved step back here.
 """
 
 from __future__ import annotations
@@ -104,7 +105,10 @@ class StateAccessGuard:
                 result = previous(*args, **kwargs)
                 if name in LOAD_METHODS:
                     for distrib_optimizer in offloader._distributed:
-                        unshare_step_tensors(distrib_optimizer.optimizer)
+                        if distrib_optimizer is target and name == "load_state_dict" and args:
+                            restore_step_tensors(distrib_optimizer.optimizer, args[0])
+                        else:
+                            unshare_step_tensors(distrib_optimizer.optimizer)
                 return result
 
             return call
@@ -149,6 +153,27 @@ def _inner_pre_hook(offloader, optimizer, *args) -> None:
     # torch's state_dict() returns references to the live tensors, which the caller may
     # write through, and load_state_dict() writes: either way the host copy is stale.
     offloader._make_resident(changes=True)
+
+
+def restore_step_tensors(optimizer, state_dict) -> None:
+    """Per-parameter ``step`` tensors after a DistributedOptimizer load (torch optimizers).
+
+    megatron-core (0.16-0.19) keeps the step of a torch optimizer only in the saved
+    ``param_groups``; on load it puts one shared tensor with that value into every
+    parameter's state, and then the DP-reshardable parameter-state load copies in whatever
+    ``step`` the optimizer had before the load (for example 1 after the dummy step that
+    initializes states for loading). Each parameter gets its own tensor with the saved value.
+    """
+    groups = state_dict.get("optimizer", {}).get("param_groups", []) if isinstance(state_dict, dict) else []
+    steps = {float(g["step"]) for g in groups if g.get("step") is not None}
+    if len(steps) != 1:
+        unshare_step_tensors(optimizer)
+        return
+    (value,) = steps
+    for state in optimizer.state.values():
+        step = state.get("step") if isinstance(state, dict) else None
+        if isinstance(step, torch.Tensor):
+            state["step"] = torch.full_like(step, value)
 
 
 def unshare_step_tensors(optimizer) -> None:

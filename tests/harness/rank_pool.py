@@ -434,7 +434,9 @@ class RankPool:
                 target=_rank_main,
                 args=(rank, self.world_size, port, child_conn, log_path, self.env, pg_timeout),
                 name=f'rank{rank}',
-                daemon=True,
+                # Not daemonic: jobs may start processes of their own (dist_checkpointing's
+                # writer uses a multiprocessing Manager). close() (also run at exit) ends them.
+                daemon=False,
             )
             proc.start()
             child_conn.close()
