@@ -22,6 +22,12 @@ class OffloadConfig:
     before the next iteration; with bf16 gradients it is an fp32 copy worth 4 bytes per
     parameter that otherwise stays on the device between iterations."""
 
+    per_optimizer: dict[int, dict[str, bool]] | None = None
+    """Overrides of ``offload_optimizer_states`` / ``offload_primary_weights`` for single
+    optimizers of a ChainedOptimizer, by index in ``chained_optimizers`` (for example
+    ``{1: {"offload_primary_weights": False}}`` to keep the expert optimizer's masters on
+    the device in a MoE model). Optimizers not named use the fields above."""
+
     device_factory: Callable[[Any], Any] | None = None
     """Advanced/testing: ``device_factory(torch_device) -> megatron_offload.device.Device``
     replaces the device layer picked from the parameters' device."""
@@ -35,6 +41,24 @@ class OffloadConfig:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"OffloadConfig.{name} must be True or False, got {value!r}.")
+        selectable = ("offload_optimizer_states", "offload_primary_weights")
+        for index, override in (self.per_optimizer or {}).items():
+            if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+                raise TypeError(
+                    f"OffloadConfig.per_optimizer keys are optimizer indices (0, 1, ...), got {index!r}."
+                )
+            if not isinstance(override, dict):
+                raise TypeError(f"OffloadConfig.per_optimizer[{index}] must be a dict of options.")
+            for name, value in override.items():
+                if name not in selectable:
+                    raise TypeError(
+                        f"OffloadConfig.per_optimizer[{index}] has unknown option {name!r}; "
+                        f"per-optimizer options are {', '.join(selectable)}."
+                    )
+                if not isinstance(value, bool):
+                    raise TypeError(
+                        f"OffloadConfig.per_optimizer[{index}][{name!r}] must be True or False, got {value!r}."
+                    )
         if self.device_factory is not None and not callable(self.device_factory):
             raise TypeError("OffloadConfig.device_factory must be callable(torch_device) -> Device.")
 
@@ -52,12 +76,14 @@ class OffloadConfig:
         base.update(options)
         return cls(**base)
 
-    def kinds(self) -> tuple[str, ...]:
+    def kinds(self, index: int | None = None) -> tuple[str, ...]:
+        """The kinds offloaded for optimizer ``index`` (the defaults when None)."""
         from .adapters import OPTIMIZER_STATES, PRIMARY_WEIGHTS
 
+        override = (self.per_optimizer or {}).get(index, {}) if index is not None else {}
         selected = []
-        if self.offload_optimizer_states:
+        if override.get("offload_optimizer_states", self.offload_optimizer_states):
             selected.append(OPTIMIZER_STATES)
-        if self.offload_primary_weights:
+        if override.get("offload_primary_weights", self.offload_primary_weights):
             selected.append(PRIMARY_WEIGHTS)
         return tuple(selected)

@@ -45,3 +45,18 @@ def rank_pool():
 def rank_pool4():
     """A RankPool of 4 ranks shared by the whole session (created on first use)."""
     yield from _session_pool(4)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say how large the correctness matrix was, when it ran."""
+    matrix = sys.modules.get('tests.unit.integration.test_matrix')
+    if matrix is None:
+        return
+    ran = [r for r in terminalreporter.stats.get('passed', []) + terminalreporter.stats.get('failed', [])
+           if 'test_matrix_offloading_is_bitwise_invisible' in r.nodeid]
+    dims = {name: sorted({str(case[i]) for case in matrix.CASES})
+            for i, name in enumerate(('layout', 'dtype', 'model', 'overlap_grad_reduce',
+                                      'overlap_param_gather', 'bucket_size', 'micro_batches'))}
+    terminalreporter.write_line(
+        f'correctness matrix: {len(matrix.CASES)} cases ({len(ran)} ran) over '
+        + '; '.join(f'{k}={"/".join(v)}' for k, v in dims.items()))

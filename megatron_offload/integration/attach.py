@@ -69,7 +69,7 @@ class _AutomaticCycle:
     def _after_step(self) -> None:
         offloader = self._offloader
         # Rule 6: a skipped step left the states as they were copied last time.
-        offloader._offload(offloader._kinds(None, None), skip_unchanged=True)
+        offloader._offload(offloader._selection(None, None), skip_unchanged=True)
         offloader._cycles += 1
 
     def remove(self) -> None:

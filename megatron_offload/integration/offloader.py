@@ -175,7 +175,7 @@ class OptimizerStateOffloader:
         the copy has read it.
         """
         self._check_attached()
-        self._offload(self._kinds(offload_optimizer_states, offload_primary_weights))
+        self._offload(self._selection(offload_optimizer_states, offload_primary_weights))
 
     def release_gpu_memory(self) -> None:
         """Free the device memory of offloaded states (``offload`` already did; kept for
@@ -250,7 +250,7 @@ class OptimizerStateOffloader:
             yield self
         finally:
             if was_offloaded and not self._detached:
-                self._offload(self._kinds(None, None), skip_unchanged=True)
+                self._offload(self._selection(None, None), skip_unchanged=True)
 
     def detach(self) -> None:
         """Stop offloading and give back the host memory; the states must be on the device."""
@@ -273,21 +273,29 @@ class OptimizerStateOffloader:
         self._detached = True
 
     # ----------------------------------------------------------------- internals
-    def _kinds(self, states: bool | None, primaries: bool | None) -> tuple[str, ...]:
-        states = self.config.offload_optimizer_states if states is None else states
-        primaries = self.config.offload_primary_weights if primaries is None else primaries
-        return tuple(
-            kind
-            for kind, wanted in ((OPTIMIZER_STATES, states), (PRIMARY_WEIGHTS, primaries))
-            if wanted
-        )
+    def _selection(self, states: bool | None, primaries: bool | None) -> list[tuple[str, ...]]:
+        """The kinds to offload, per optimizer: an explicit argument applies to every
+        optimizer, None means as configured (``per_optimizer`` included)."""
+        selection = []
+        for index in range(len(self._engines)):
+            configured = self.config.kinds(index)
+            wanted = (
+                (OPTIMIZER_STATES, OPTIMIZER_STATES in configured if states is None else states),
+                (PRIMARY_WEIGHTS, PRIMARY_WEIGHTS in configured if primaries is None else primaries),
+            )
+            selection.append(tuple(kind for kind, on in wanted if on))
+        return selection
 
-    def _offload(self, kinds: tuple[str, ...], *, skip_unchanged: bool = False) -> None:
-        """Copy out (unless ``skip_unchanged`` and still valid) and release ``kinds``."""
-        for engine in self._engines:
+    def _offload(self, selection: list[tuple[str, ...]], *, skip_unchanged: bool = False) -> None:
+        """Copy out (unless ``skip_unchanged`` and still valid) and release, per optimizer."""
+        for engine, kinds in zip(self._engines, selection):
             engine.offload(kinds, skip_unchanged=skip_unchanged)
             engine.release(kinds)
-        self._drop_master_grads()
+        if self.config.release_master_grads:
+            for distrib_optimizer, kinds in zip(self._distributed, selection):
+                if PRIMARY_WEIGHTS in kinds:
+                    for master in dopt_adapter.master_weights(distrib_optimizer):
+                        master.grad = None
         self._ever_offloaded = True
 
     def _make_resident(self, *, changes: bool) -> None:
@@ -308,13 +316,6 @@ class OptimizerStateOffloader:
     def _check_attached(self) -> None:
         if self._detached:
             raise OffloadStateError("this offloader was detached; attach a new one to offload.")
-
-    def _drop_master_grads(self) -> None:
-        if not (self.config.release_master_grads and self.config.offload_primary_weights):
-            return
-        for distrib_optimizer in self._distributed:
-            for master in dopt_adapter.master_weights(distrib_optimizer):
-                master.grad = None
 
     def __repr__(self) -> str:
         return f"OptimizerStateOffloader({', '.join(map(repr, self._engines))})"

@@ -2,7 +2,7 @@
 
 Run inside a rank job (see rank_pool). Public API:
 
-    model_chunks, optimizer, config = build(model='mlp' | 'gpt', dtype='fp32' | 'bf16', ...)
+    model_chunks, optimizer, config = build(model='mlp' | 'gpt', dtype='fp32' | 'bf16' | 'fp16', ...)
     stats = train_step(model_chunks, optimizer, config, step_index, micro_batches=1)
     snap = snapshot(model_chunks, optimizer)
 
@@ -40,7 +40,7 @@ __all__ = [
     'train_step',
 ]
 
-_DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16}
+_DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +128,7 @@ def _transformer_config(spec_model, dtype, num_layers, hidden, heads, **override
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=dtype == 'bf16',
+        fp16=dtype == 'fp16',
         # The fused CUDA kernels these select do not exist on the CPU (same as the CLI flags
         # --no-gradient-accumulation-fusion --no-persist-layer-norm --no-masked-softmax-fusion).
         gradient_accumulation_fusion=False,
@@ -152,7 +153,10 @@ def _build_module(spec: HarnessSpec, config: TransformerConfig):
 
         return GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
+            # MoE layers when the config asks for experts (transformer_overrides).
+            transformer_layer_spec=get_gpt_layer_local_spec(
+                num_experts=config.num_moe_experts, moe_grouped_gemm=False
+            ),
             vocab_size=spec.vocab_size,
             max_sequence_length=spec.seq_length,
             pre_process=pre_process,
@@ -203,7 +207,7 @@ def build(
     megatron.training.training.train() sets them.
     """
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be 'fp32' or 'bf16', got {dtype!r}")
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     if overlap_param_gather and not overlap_grad_reduce:
         # Same rule as megatron/training/arguments.py.
         raise ValueError('overlap_param_gather requires overlap_grad_reduce')
@@ -221,7 +225,7 @@ def build(
     config = _transformer_config(model, dtype, num_layers, hidden, heads,
                                  **(transformer_overrides or {}))
     module = _build_module(spec, config)
-    if dtype == 'bf16':
+    if dtype in ('bf16', 'fp16'):
         module = Float16Module(config, module)
 
     ddp_config = DistributedDataParallelConfig(
@@ -242,6 +246,7 @@ def build(
         weight_decay=weight_decay,
         clip_grad=clip_grad,
         bf16=dtype == 'bf16',
+        fp16=dtype == 'fp16',  # dynamic loss scaling: steps with inf/nan grads are skipped
         params_dtype=_DTYPES[dtype],
         use_distributed_optimizer=True,
         **(optimizer_overrides or {}),
@@ -378,7 +383,9 @@ def flush_param_gather(model_chunks) -> None:
     forward, so between steps the non-owned parts of the model params are stale.
     """
     for chunk in model_chunks:
-        if chunk.ddp_config.overlap_param_gather:
+        # The pre-hook is enabled only after the first successful update (see build): while
+        # it is not, no update happened and the parameters are in sync.
+        if chunk.ddp_config.overlap_param_gather and chunk.remove_forward_pre_hook_handles:
             chunk.disable_forward_pre_hook(param_sync=True)
             chunk.enable_forward_pre_hook()
 

@@ -1,0 +1,129 @@
+"""Long runs of offload/reload cycles, and RL-style phases around the per-step cycle."""
+
+import torch
+
+
+def _resident_sizes(offloader, distributed):
+    from megatron_offload.adapters import distributed_optimizer as adapter
+
+    # Consolidated tensors share one storage per group: count each storage once.
+    storages = {}
+    for d in distributed:
+        for _, t in adapter.collect(d):
+            storage = t.untyped_storage()
+            storages[(storage.data_ptr(), id(t)) if storage.nbytes() == 0 else storage.data_ptr()] = storage.nbytes()
+    return list(storages.values())
+
+
+def thousand_cycles_job(cycles):
+    import megatron_offload
+    from tests.harness import models
+
+    chunks, optimizer, config = models.build("mlp", "bf16")
+    offloader = megatron_offload.attach(optimizer)
+    for step in range(2):
+        models.train_step(chunks, optimizer, config, step)
+    distributed = models.distributed_optimizers(optimizer)
+    offloader.reload()
+    offloader.wait()
+    before = models.snapshot(chunks, optimizer)
+    arena = offloader.engines[0]._arena.data_ptr()
+    figures = set()
+    for _ in range(cycles):
+        offloader.offload()
+        released = sum(_resident_sizes(offloader, distributed))
+        offloaded = offloader.stats()
+        offloader.reload()
+        offloader.wait()
+        stats = offloader.stats()
+        figures.add((released, offloaded["offloaded_bytes"], stats["resident_bytes"], stats["host_bytes"],
+                     stats["d2h_copies"], stats["h2d_copies"], sum(_resident_sizes(offloader, distributed)),
+                     offloader.engines[0]._arena.data_ptr() == arena))
+    after = models.snapshot(chunks, optimizer)
+    same = all(torch.equal(before[s][k], after[s][k]) for s in ("params", "optimizer") for k in before[s])
+    return {"same": same, "figures": sorted(figures)}
+
+
+def test_thousand_cycles_leave_state_bitwise_unchanged_and_bytes_flat(rank_pool):
+    for rank in rank_pool.run(thousand_cycles_job, 1000):
+        assert rank["same"]
+        # One set of figures for all 1000 cycles: nothing grows, nothing is reallocated.
+        ((released, offloaded, resident, host, d2h, h2d, held, same_arena),) = rank["figures"]
+        assert released == 0 and offloaded == resident == host == held > 0
+        assert (d2h, h2d) == (2, 2) and same_arena
+
+
+def rl_job(offload):
+    """Training steps with rollouts between them, in every combination a loop may use."""
+    import megatron_offload
+    from tests.harness import models
+
+    chunks, optimizer, config = models.build("mlp", "bf16", overlap_grad_reduce=True, bucket_size=1000)
+    offloader = megatron_offload.attach(optimizer) if offload else None
+    seen, results = {}, []
+
+    def rollout():  # stands for inference: reads the model's current weights
+        with torch.no_grad():
+            return sum(float(p.float().sum()) for p in chunks[0].parameters())
+
+    def phase(name, body):
+        value = body()
+        if offloader:
+            seen[name] = offloader.is_offloaded
+        return value
+
+    def offloaded():
+        return offloader.offloaded() if offloader else _Null()
+
+    results.append(models.train_step(chunks, optimizer, config, 0))
+    # A rollout while the per-step cycle already offloaded: entering and leaving changes nothing.
+    with offloaded():
+        results.append(phase("rollout-after-step", rollout))
+    if offloader:
+        seen["still-offloaded-after-block"] = offloader.is_offloaded
+        offloader.reload()  # explicit reload, twice: idempotent
+        offloader.reload()
+        offloader.wait()
+        seen["resident-after-reload"] = not offloader.is_offloaded
+    # States resident on entry: offloaded inside, nested blocks, resident again after.
+    with offloaded():
+        results.append(phase("inside-outer", rollout))
+        with offloaded():
+            results.append(phase("inside-nested", rollout))
+        results.append(phase("after-nested", rollout))
+    if offloader:
+        seen["resident-after-outer"] = not offloader.is_offloaded
+        offloader.offload()  # explicit offload, twice: idempotent
+        offloader.offload()
+    results.append(models.train_step(chunks, optimizer, config, 1))  # the step reloads by itself
+    with offloaded():
+        results.append(models.train_step(chunks, optimizer, config, 2))  # a step inside a block
+    results.append(models.train_step(chunks, optimizer, config, 3))
+    if offloader:
+        offloader.reload()
+        offloader.wait()
+    models.flush_param_gather(chunks)
+    return {"results": results, "seen": seen, "snapshot": models.snapshot(chunks, optimizer)}
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_rl_phases_nest_and_compose_with_the_step_cycle(rank_pool):
+    reference = rank_pool.run(rl_job, False)
+    offloaded = rank_pool.run(rl_job, True)
+    for ref, off in zip(reference, offloaded):
+        assert off["results"] == ref["results"]
+        for section in ("params", "optimizer"):
+            for key, value in ref["snapshot"][section].items():
+                assert torch.equal(value, off["snapshot"][section][key]), (section, key)
+        seen = off["seen"]
+        assert seen["rollout-after-step"] and seen["still-offloaded-after-block"]
+        assert seen["resident-after-reload"]
+        assert seen["inside-outer"] and seen["inside-nested"] and seen["after-nested"]
+        assert seen["resident-after-outer"]

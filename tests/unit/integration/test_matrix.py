@@ -1,0 +1,176 @@
+"""The correctness matrix: offloading on vs off, bitwise, across Megatron's training modes.
+
+Dimensions: dtype (fp32, bf16, fp16 with dynamic loss scaling, whose first steps overflow
+and are skipped) x layout (DP=2, DP=4, TP=2 x DP=2, PP=2 x DP=2, MoE with expert
+parallelism: a ChainedOptimizer of a dense and an expert DistributedOptimizer) x overlap
+(none, grad reduce, grad reduce + param gather) x gradient accumulation (1 or 2
+micro-batches) x model (MLP, GPT). Each (layout, dtype) pair appears, and the overlap and
+accumulation settings rotate through them so every value of every dimension is covered
+several times; the size is printed at the end of the test run.
+
+Every case also skips one step in the middle (grad-norm threshold), after the moments
+exist, and checks that the skipped step copied nothing. Planted bugs (negative controls)
+show that the comparison catches a broken offloader.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+LAYOUTS = {
+    # name: (world size, run() options, build() options)
+    "dp2": (2, {}, {}),
+    "dp4": (4, {}, {}),
+    "tp2": (4, {"tp": 2}, {}),
+    "pp2": (4, {"pp": 2}, {}),
+}
+OVERLAPS = [(False, False, None), (True, False, 1000), (True, True, 1000)]
+STEPS, SKIP_AT = 6, 4
+
+
+def _cases():
+    cases = []
+    rotation = itertools.cycle(itertools.product(OVERLAPS, (1, 2)))
+    models = itertools.cycle(("mlp", "gpt"))
+    for layout, dtype in itertools.product(LAYOUTS, ("fp32", "bf16", "fp16")):
+        (ogr, opg, bucket), micro = next(rotation)
+        model = next(models)
+        if layout == "pp2":
+            model = "mlp"  # keeps 4-rank pipeline cases short; GPT runs PP in the functional tests
+        cases.append((layout, dtype, model, ogr, opg, bucket, micro))
+    for dtype, (ogr, opg, bucket) in (("bf16", OVERLAPS[2]), ("fp32", OVERLAPS[1]), ("fp16", OVERLAPS[0])):
+        cases.append(("moe", dtype, "gpt", ogr, opg, bucket, 2))
+    return cases
+
+
+CASES = _cases()
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="allgather",
+           expert_model_parallel_size=2)
+
+
+def _build_options(layout, dtype, model, ogr, opg, bucket):
+    options = dict(overlap_grad_reduce=ogr, overlap_param_gather=opg,
+                   bucket_size=bucket if model == "mlp" else (bucket and 3 * bucket))
+    if dtype == "fp16":  # the first steps overflow and are skipped by the loss scaler
+        options["optimizer_overrides"] = {"initial_loss_scale": 2.0**24, "hysteresis": 1}
+    if layout == "moe":
+        options["transformer_overrides"] = dict(MOE)
+    return options
+
+
+def matrix_job(layout, dtype, model, ogr, opg, bucket, micro, *, offload, plant=None, options=None):
+    import megatron_offload
+    from megatron_offload.adapters import distributed_optimizer as adapter
+    from tests.harness import models
+
+    if plant:
+        _plant(plant)
+    chunks, optimizer, config = models.build(model, dtype, **_build_options(layout, dtype, model, ogr, opg, bucket))
+    offloader = megatron_offload.attach(optimizer, **(options or {})) if offload else None
+    distributed = models.distributed_optimizers(optimizer)
+    results, figures = [], []
+    for step in range(STEPS):
+        skip = step == SKIP_AT
+        if skip:  # a step skipped by the grad-norm threshold, as ChainedOptimizer does
+            for distrib in distributed:
+                distrib.config.grad_norm_skip_threshold = 0.0
+        results.append(models.train_step(chunks, optimizer, config, step, micro))
+        if skip:
+            for distrib in distributed:
+                distrib.config.grad_norm_skip_threshold = float("inf")
+        if offloader:
+            stats = offloader.stats()
+            sizes = [t.untyped_storage().nbytes() for index, d in enumerate(distributed)
+                     for kind, t in adapter.collect(d) if kind in offloader.config.kinds(index)]
+            figures.append({"offloaded": stats["offloaded_bytes"], "d2h": stats["d2h_copies"],
+                            "held": sum(sizes), "host": stats["host_bytes"], "tracked": stats["tracked_bytes"]})
+    if offloader:
+        offloader.reload()
+        offloader.wait()
+    models.flush_param_gather(chunks)
+    return {"results": results, "figures": figures, "snapshot": models.snapshot(chunks, optimizer),
+            "optimizers": len(distributed)}
+
+
+def _plant(bug):
+    """Test-only sabotage of the offloader in this rank process (negative controls)."""
+    from megatron_offload.engine import engine as engine_module
+
+    if bug == "stale-host-copy":
+        # The step no longer marks the host copy stale: later cycles keep the first copy.
+        engine_module.OffloadEngine.mark_dirty = lambda self: None
+    elif bug == "reload-drops-a-tensor":
+        original = engine_module.OffloadEngine._copy
+
+        def copy(self, dst, src, *, to_host):
+            original(self, dst, src, to_host=to_host)
+            if not to_host:  # the copy-back loses the first element of every group
+                dst.view(-1)[:1].zero_()
+
+        engine_module.OffloadEngine._copy = copy
+    else:
+        raise ValueError(bug)
+
+
+def _run_ranks(pool, pool4, case, **kw):
+    layout = case[0]
+    world, run_options, _ = LAYOUTS.get(layout, (2, {"ep": 2}, {}))
+    target = pool if world == 2 else pool4
+    return target.run(matrix_job, *case, **kw, **run_options)
+
+
+def _compare(reference, offloaded):
+    mismatches = []
+    for rank, (ref, off) in enumerate(zip(reference, offloaded)):
+        if ref["results"] != off["results"]:
+            mismatches.append((rank, "results"))
+        for section in ("params", "optimizer"):
+            a, b = ref["snapshot"][section], off["snapshot"][section]
+            mismatches += [(rank, section, k) for k in a if not torch.equal(a[k], b[k])]
+    return mismatches
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
+def test_matrix_offloading_is_bitwise_invisible(rank_pool, request, case):
+    pool4 = request.getfixturevalue("rank_pool4") if LAYOUTS.get(case[0], (2,))[0] == 4 else None
+    reference = _run_ranks(rank_pool, pool4, case, offload=False)
+    offloaded = _run_ranks(rank_pool, pool4, case, offload=True)
+    assert _compare(reference, offloaded) == []
+    layout, dtype = case[0], case[1]
+    for ref, off in zip(reference, offloaded):
+        if layout == "moe":
+            assert off["optimizers"] == 2  # dense + expert DistributedOptimizers
+        skipped = [not r["update_successful"] for r in ref["results"]]
+        assert skipped[SKIP_AT]
+        if dtype == "fp16":
+            assert skipped[0]  # the loss scaler's overflow skips
+        for step, figures in enumerate(off["figures"]):
+            assert figures["held"] == 0 and figures["offloaded"] == figures["tracked"] > 0
+            assert figures["host"] == figures["tracked"]
+            if step == SKIP_AT or (step > 0 and skipped[step] and skipped[step - 1]):
+                assert figures["d2h"] == 0, step  # nothing changed: no needless copy
+
+
+@pytest.mark.parametrize("plant", ["stale-host-copy", "reload-drops-a-tensor"])
+def test_planted_bug_makes_the_matrix_fail(rank_pool, plant):
+    """Negative control: a broken offloader must not pass the comparison above."""
+    case = ("dp2", "bf16", "mlp", True, False, 1000, 1)
+    reference = rank_pool.run(matrix_job, *case, offload=False)
+    sabotaged = rank_pool.run(matrix_job, *case, offload=True, plant=plant)
+    assert _compare(reference, sabotaged) != []
+    # The plant lives in the rank processes: make sure the next test gets clean ones.
+    rank_pool.restart()
+
+
+def test_per_optimizer_selection_in_a_moe_model(rank_pool):
+    """Keep the expert optimizer's masters on the device, offload everything else."""
+    case = ("moe", "bf16", "gpt", True, True, 1000, 1)
+    options = {"per_optimizer": {1: {"offload_primary_weights": False}}}
+    reference = rank_pool.run(matrix_job, *case, offload=False, ep=2)
+    offloaded = rank_pool.run(matrix_job, *case, offload=True, options=options, ep=2)
+    assert _compare(reference, offloaded) == []
+    for off in offloaded:
+        last = off["figures"][-1]
+        assert last["held"] == 0  # everything selected is released...
+        assert 0 < last["offloaded"] < last["tracked"]  # ... and the expert masters stayed
