@@ -22,7 +22,7 @@ class AcceleratorDevice(Device):
 
     is_accelerator = True
 
-    def __init__(self, torch_device: torch.device) -> None:  # pragma: no cover - needs an accelerator
+    def __init__(self, torch_device: torch.device) -> None:
         if torch_device.index is None:
             module = torch.get_device_module(torch_device.type)
             torch_device = torch.device(torch_device.type, module.current_device())
@@ -30,7 +30,7 @@ class AcceleratorDevice(Device):
         self._module = torch.get_device_module(torch_device.type)
 
     # ----------------------------------------------------------------- memory
-    def host_buffer(self, nbytes: int) -> torch.Tensor:  # pragma: no cover - needs an accelerator
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
         if self.torch_device.type == "cuda":
             # torch's pinned-memory allocator rounds every request up to a power of two
             # (up to 2x the host RAM for one large arena). Registering an exactly sized
@@ -50,37 +50,37 @@ class AcceleratorDevice(Device):
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     # ---------------------------------------------------------------- streams
-    def current_stream(self):  # pragma: no cover - needs an accelerator
+    def current_stream(self):
         return self._module.current_stream(self.torch_device)
 
-    def new_stream(self):  # pragma: no cover - needs an accelerator
+    def new_stream(self):
         return self._module.Stream(device=self.torch_device)
 
-    def use_stream(self, stream):  # pragma: no cover - needs an accelerator
+    def use_stream(self, stream):
         return self._module.stream(stream)
 
-    def wait_stream(self, waiter, waitee, *, label="") -> None:  # pragma: no cover - needs an accelerator
+    def wait_stream(self, waiter, waitee, *, label="") -> None:
         waiter.wait_stream(waitee)
 
-    def record_event(self, stream):  # pragma: no cover - needs an accelerator
+    def record_event(self, stream):
         event = self._module.Event()
         event.record(stream)
         return event
 
-    def wait_event(self, stream, event, *, label="") -> None:  # pragma: no cover - needs an accelerator
+    def wait_event(self, stream, event, *, label="") -> None:
         stream.wait_event(event)
 
-    def synchronize_event(self, event, *, label="") -> None:  # pragma: no cover - needs an accelerator
+    def synchronize_event(self, event, *, label="") -> None:
         event.synchronize()
 
-    def record_stream(self, tensor, stream, *, label="") -> None:  # pragma: no cover - needs an accelerator
+    def record_stream(self, tensor, stream, *, label="") -> None:
         tensor.record_stream(stream)
 
-    def copy(self, dst, src) -> None:  # pragma: no cover - needs an accelerator
+    def copy(self, dst, src) -> None:
         dst.copy_(src, non_blocking=True)
 
-    def synchronize(self) -> None:  # pragma: no cover - needs an accelerator
+    def synchronize(self) -> None:
         self._module.synchronize(self.torch_device)
 
-    def memory_allocated(self):  # pragma: no cover - needs an accelerator
+    def memory_allocated(self):
         return self._module.memory_allocated(self.torch_device)

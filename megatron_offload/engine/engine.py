@@ -27,6 +27,7 @@ The copy protocol (numbers refer to the rules in the project's design notes):
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -41,7 +42,6 @@ D2H_AFTER_WRITERS = "d2h-after-writers"  # rule 1
 D2H_RECORD_STREAM = "d2h-record-stream"  # rule 2
 H2D_AFTER_ALLOCATION = "h2d-after-allocation"  # rule 7 (the regrown block's earlier users)
 H2D_AFTER_D2H = "h2d-after-d2h"  # rule 5 (the host copy is complete before it is read)
-H2D_RECORD_STREAM = "h2d-record-stream"  # rule 2, for the H2D's writes
 USE_AFTER_H2D = "use-after-h2d"  # rules 3 and 4
 HOST_READ_AFTER_D2H = "host-read-after-d2h"  # rule 5
 HOST_FREE_AFTER_COPIES = "host-free-after-copies"  # rule 5 (no copy uses a freed host arena)
@@ -70,13 +70,13 @@ class OffloadEngine:
         self._groups: list[FlatGroup] = []
         self._tracked: list[tuple[str, torch.Tensor]] = []
         self._kept_resident: list[tuple[str, torch.Tensor, str]] = []
-        self._arena: torch.Tensor | None = None
+        # The host arena and the newest copy into or out of it on each side stream. Kept
+        # apart from the engine so that an engine dropped with copies in flight still waits
+        # for them before its arena is freed (the finalizer below).
+        self._host = _HostArena(device)
+        weakref.finalize(self, self._host.free)
         self._d2h_stream = None
         self._h2d_stream = None
-        # The newest event of each side stream: streams run in order, so it covers every
-        # earlier copy into or out of the host arena.
-        self._last_d2h_event = None
-        self._last_h2d_event = None
         self._closed = False
         self.unreleasable_bytes = 0  # memory other references kept alive at consolidation
         self.last = _CycleStats()
@@ -101,7 +101,7 @@ class OffloadEngine:
             "tracked_bytes": tracked,
             "offloaded_bytes": on_host,
             "resident_bytes": tracked - on_host + kept,
-            "host_bytes": 0 if self._arena is None else self._arena.numel(),
+            "host_bytes": self._host.nbytes,
             "kept_resident_bytes": kept,
             "unreleasable_bytes": self.unreleasable_bytes,
             "groups": len(self._groups),
@@ -141,7 +141,7 @@ class OffloadEngine:
                 for group in to_copy:
                     self._copy_group_to_host(group)
                 event = self.device.record_event(side)
-            self._last_d2h_event = event
+            self._host.last_d2h = event
             for group in to_copy:
                 group.d2h_event = event
                 group.host_valid = True
@@ -213,11 +213,11 @@ class OffloadEngine:
             for group in released:
                 self._copy(group.flat, group.host, to_host=False)
             event = self.device.record_event(side)
-        self._last_h2d_event = event
+        self._host.last_h2d = event
         for group in released:
-            # The H2D stream writes memory owned by the current stream: if it is released
-            # again before the copy ran, the allocator must not reuse it early.
-            self.device.record_stream(group.flat, side, label=H2D_RECORD_STREAM)
+            # No record_stream for the H2D's writes: nothing frees this memory before the
+            # H2D is ordered before the current stream (offload, rebuild and close wait for
+            # it first) or the host has waited for it (a dropped engine's finalizer).
             group.h2d_event = event
             group.d2h_event = None  # the H2D waited for it, so the host copy is complete
             group.place = Place.RELOADING
@@ -382,32 +382,55 @@ class OffloadEngine:
         # without padding, and host bytes equal tracked bytes exactly.
         groups.sort(key=lambda g: -g.itemsize)
         self._free_arena()
-        total = sum(g.nbytes for g in groups)
-        self._arena = self.device.host_buffer(total)
+        arena = self._host.allocate(sum(g.nbytes for g in groups))
         offset = 0
         for group in groups:
-            group.host = self._arena[offset : offset + group.nbytes].view(group.dtype)
+            group.host = arena[offset : offset + group.nbytes].view(group.dtype)
             offset += group.nbytes
         self._groups = groups
         self._tracked = current
 
     def _free_arena(self) -> None:
-        if self._arena is None:
-            return
-        # Rule 5: copies into or out of the arena may still be queued even when the device
-        # streams are ordered; the host must see them finish before the memory goes.
-        for event in (self._last_d2h_event, self._last_h2d_event):
-            if event is not None:
-                self.device.synchronize_event(event, label=HOST_FREE_AFTER_COPIES)
-        self._last_d2h_event = self._last_h2d_event = None
         for group in self._groups:
             group.d2h_event = None
-        self.device.free_host_buffer(self._arena)
-        self._arena = None
+            group.host = None
+        self._host.free()
 
     def __repr__(self) -> str:
         places = ", ".join(f"{g.kind}/{g.dtype}:{g.place.value}" for g in self._groups)
         return f"OffloadEngine({self.name}: {places or 'empty'})"
+
+
+class _HostArena:
+    """The engine's one host buffer, and the newest copy using it on each side stream."""
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self.buffer: torch.Tensor | None = None
+        # Side streams run in order, so the newest event of each covers every earlier copy.
+        self.last_d2h = None
+        self.last_h2d = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel()
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        self.free()
+        self.buffer = self.device.host_buffer(nbytes)
+        return self.buffer
+
+    def free(self) -> None:
+        if self.buffer is None:
+            return
+        # Rule 5: copies into or out of the arena may still be queued even when the device
+        # streams are ordered; the host must see them finish before the memory goes.
+        for event in (self.last_d2h, self.last_h2d):
+            if event is not None:
+                self.device.synchronize_event(event, label=HOST_FREE_AFTER_COPIES)
+        self.last_d2h = self.last_h2d = None
+        self.device.free_host_buffer(self.buffer)
+        self.buffer = None
 
 
 class _CycleStats:

@@ -29,17 +29,12 @@ def train_job(model, dtype, steps, offload, micro_batches=1, offload_before_firs
     from tests.harness import models
 
     chunks, optimizer, config = models.build(model, dtype, **build_kw)
-    options = dict(options or {})
+    from tests.support.checked import check_devices, checked_device_options
+
     devices = []
     if checked:  # the stream-model device: every ordering mistake raises
-        from megatron_offload.testing import CheckedDevice
-
-        def factory(torch_device):
-            devices.append(CheckedDevice())
-            return devices[-1]
-
-        options["device_factory"] = factory
-    offloader = megatron_offload.attach(optimizer, **options) if offload else None
+        options, devices = checked_device_options(options)
+    offloader = megatron_offload.attach(optimizer, **(options or {})) if offload else None
     figures = []
     if offloader and offload_before_first_step:
         offloader.offload()
@@ -55,8 +50,7 @@ def train_job(model, dtype, steps, offload, micro_batches=1, offload_before_firs
         offloader.wait()
     models.flush_param_gather(chunks)
     snapshot = models.snapshot(chunks, optimizer)
-    for device in devices:
-        device.check()  # nothing left unordered, no violation recorded
+    check_devices(devices)
     return {"results": results, "figures": figures, "snapshot": snapshot,
             "checked_calls": [dict(d.calls) for d in devices]}
 

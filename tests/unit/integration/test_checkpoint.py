@@ -73,19 +73,21 @@ def _shared_directory(path):
     return shared[0]
 
 
-def checkpoint_job(offload, dtype, async_save, directory):
+def checkpoint_job(offload, dtype, async_save, directory, checked=False):
     """Phase 1: train STEPS steps, saving after SAVE_AFTER (states offloaded at that point).
     Phase 2: a fresh model+optimizer loads the checkpoint and trains the remaining steps.
     Phase 3: a third one trains 2 steps of its own (offloaded), then loads the checkpoint
     into the running optimizer and trains the remaining steps."""
     import megatron_offload
     from tests.harness import models
+    from tests.support.checked import check_devices, checked_device_options
 
     directory = _shared_directory(directory)
     out = {}
+    options, devices = checked_device_options() if checked else ({}, [])
 
     chunks, optimizer, config = models.build("mlp", dtype)
-    offloader = megatron_offload.attach(optimizer) if offload else None
+    offloader = megatron_offload.attach(optimizer, **options) if offload else None
     results, pending = [], None
     for step in range(STEPS):
         results.append(models.train_step(chunks, optimizer, config, step))
@@ -103,7 +105,7 @@ def checkpoint_job(offload, dtype, async_save, directory):
     # Phase 2: resume in a fresh optimizer (offloaded before anything, like a restarted job).
     torch.manual_seed(99)  # different init: everything must come from the checkpoint
     chunks, optimizer, config = models.build("mlp", dtype)
-    offloader = megatron_offload.attach(optimizer) if offload else None
+    offloader = megatron_offload.attach(optimizer, **options) if offload else None
     _load(chunks, optimizer, directory, offload)
     out["resumed"] = [models.train_step(chunks, optimizer, config, s) for s in range(SAVE_AFTER, STEPS)]
     out["resumed_snapshot"] = _final_snapshot(chunks, optimizer, offloader)
@@ -111,7 +113,7 @@ def checkpoint_job(offload, dtype, async_save, directory):
     # Phase 3: load into a running optimizer whose states are offloaded.
     torch.manual_seed(7)
     chunks, optimizer, config = models.build("mlp", dtype)
-    offloader = megatron_offload.attach(optimizer) if offload else None
+    offloader = megatron_offload.attach(optimizer, **options) if offload else None
     for step in range(2):
         models.train_step(chunks, optimizer, config, 100 + step)
     if offloader:
@@ -122,6 +124,10 @@ def checkpoint_job(offload, dtype, async_save, directory):
     if offloader:
         stats = offloader.stats()
         out["host_equals_tracked"] = stats["host_bytes"] == stats["tracked_bytes"]
+        for engine in offloader.engines:  # the last offload's D2H has nothing after it to order it
+            engine.synchronize_host()
+    check_devices(devices)
+    out["checked"] = len(devices)
     torch.distributed.barrier()
     return out
 
@@ -142,10 +148,13 @@ def _equal(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("dtype,async_save", [("fp32", False), ("bf16", False), ("bf16", True)])
-def test_save_while_offloaded_then_resume_is_bitwise(rank_pool, tmp_path, dtype, async_save):
+@pytest.mark.parametrize("dtype,async_save,checked", [
+    ("fp32", False, False), ("bf16", False, False), ("bf16", True, False), ("bf16", True, True),
+], ids=["fp32-sync", "bf16-sync", "bf16-async", "bf16-async-checked-device"])
+def test_save_while_offloaded_then_resume_is_bitwise(rank_pool, tmp_path, dtype, async_save, checked):
     reference = rank_pool.run(checkpoint_job, False, dtype, async_save, str(tmp_path / "ref"))
-    offloaded = rank_pool.run(checkpoint_job, True, dtype, async_save, str(tmp_path / "off"))
+    offloaded = rank_pool.run(checkpoint_job, True, dtype, async_save, str(tmp_path / "off"), checked)
+    assert all(rank["checked"] == (3 if checked else 0) for rank in offloaded)
     for ref, off in zip(reference, offloaded):
         assert off["offloaded_at_save"] and off["resident_after_save"]
         assert off["offloaded_before_load"] and off["host_equals_tracked"]

@@ -1,5 +1,6 @@
 """Long runs of offload/reload cycles, and RL-style phases around the per-step cycle."""
 
+import pytest
 import torch
 
 
@@ -27,7 +28,7 @@ def thousand_cycles_job(cycles):
     offloader.reload()
     offloader.wait()
     before = models.snapshot(chunks, optimizer)
-    arena = offloader.engines[0]._arena.data_ptr()
+    arena = offloader.engines[0]._host.buffer.data_ptr()
     figures = set()
     for _ in range(cycles):
         offloader.offload()
@@ -38,7 +39,7 @@ def thousand_cycles_job(cycles):
         stats = offloader.stats()
         figures.add((released, offloaded["offloaded_bytes"], stats["resident_bytes"], stats["host_bytes"],
                      stats["d2h_copies"], stats["h2d_copies"], sum(_resident_sizes(offloader, distributed)),
-                     offloader.engines[0]._arena.data_ptr() == arena))
+                     offloader.engines[0]._host.buffer.data_ptr() == arena))
     after = models.snapshot(chunks, optimizer)
     same = all(torch.equal(before[s][k], after[s][k]) for s in ("params", "optimizer") for k in before[s])
     return {"same": same, "figures": sorted(figures)}
@@ -53,13 +54,15 @@ def test_thousand_cycles_leave_state_bitwise_unchanged_and_bytes_flat(rank_pool)
         assert (d2h, h2d) == (2, 2) and same_arena
 
 
-def rl_job(offload):
+def rl_job(offload, checked=False):
     """Training steps with rollouts between them, in every combination a loop may use."""
     import megatron_offload
     from tests.harness import models
+    from tests.support.checked import check_devices, checked_device_options
 
     chunks, optimizer, config = models.build("mlp", "bf16", overlap_grad_reduce=True, bucket_size=1000)
-    offloader = megatron_offload.attach(optimizer) if offload else None
+    options, devices = checked_device_options() if checked else ({}, [])
+    offloader = megatron_offload.attach(optimizer, **options) if offload else None
     seen, results = {}, []
 
     def rollout():  # stands for inference: reads the model's current weights
@@ -103,7 +106,9 @@ def rl_job(offload):
         offloader.reload()
         offloader.wait()
     models.flush_param_gather(chunks)
-    return {"results": results, "seen": seen, "snapshot": models.snapshot(chunks, optimizer)}
+    snapshot = models.snapshot(chunks, optimizer)
+    check_devices(devices)
+    return {"results": results, "seen": seen, "snapshot": snapshot}
 
 
 class _Null:
@@ -114,9 +119,10 @@ class _Null:
         return False
 
 
-def test_rl_phases_nest_and_compose_with_the_step_cycle(rank_pool):
+@pytest.mark.parametrize("checked", [False, True], ids=["cpu-device", "checked-device"])
+def test_rl_phases_nest_and_compose_with_the_step_cycle(rank_pool, checked):
     reference = rank_pool.run(rl_job, False)
-    offloaded = rank_pool.run(rl_job, True)
+    offloaded = rank_pool.run(rl_job, True, checked)
     for ref, off in zip(reference, offloaded):
         assert off["results"] == ref["results"]
         for section in ("params", "optimizer"):

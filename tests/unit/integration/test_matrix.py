@@ -59,13 +59,18 @@ def _build_options(layout, dtype, model, ogr, opg, bucket):
     return options
 
 
-def matrix_job(layout, dtype, model, ogr, opg, bucket, micro, *, offload, plant=None, options=None):
+def matrix_job(layout, dtype, model, ogr, opg, bucket, micro, *, offload, plant=None, options=None,
+               checked=False):
     import megatron_offload
     from megatron_offload.adapters import distributed_optimizer as adapter
     from tests.harness import models
+    from tests.support.checked import check_devices, checked_device_options
 
     if plant:
         _plant(plant)
+    devices = []
+    if checked:
+        options, devices = checked_device_options(options)
     chunks, optimizer, config = models.build(model, dtype, **_build_options(layout, dtype, model, ogr, opg, bucket))
     offloader = megatron_offload.attach(optimizer, **(options or {})) if offload else None
     distributed = models.distributed_optimizers(optimizer)
@@ -89,8 +94,10 @@ def matrix_job(layout, dtype, model, ogr, opg, bucket, micro, *, offload, plant=
         offloader.reload()
         offloader.wait()
     models.flush_param_gather(chunks)
-    return {"results": results, "figures": figures, "snapshot": models.snapshot(chunks, optimizer),
-            "optimizers": len(distributed)}
+    snapshot = models.snapshot(chunks, optimizer)
+    check_devices(devices)
+    return {"results": results, "figures": figures, "snapshot": snapshot,
+            "optimizers": len(distributed), "checked": len(devices)}
 
 
 def _plant(bug):
@@ -174,3 +181,15 @@ def test_per_optimizer_selection_in_a_moe_model(rank_pool):
         last = off["figures"][-1]
         assert last["held"] == 0  # everything selected is released...
         assert 0 < last["offloaded"] < last["tracked"]  # ... and the expert masters stayed
+
+
+@pytest.mark.parametrize("case", [("dp2", "fp16", "mlp", True, True, 1000, 2), ("moe", "bf16", "gpt", True, False, 1000, 1)])
+def test_matrix_cases_under_the_checked_stream_model(rank_pool, case):
+    """Skipped steps (loss scaler and grad-norm), overlaps, accumulation and a chained MoE
+    optimizer with side streams deferred and fresh memory poisoned: any missing wait
+    raises in the ranks or corrupts the comparison."""
+    extra = {"ep": 2} if case[0] == "moe" else {}
+    reference = rank_pool.run(matrix_job, *case, offload=False, **extra)
+    checked = rank_pool.run(matrix_job, *case, offload=True, checked=True, **extra)
+    assert _compare(reference, checked) == []
+    assert all(rank["checked"] == rank["optimizers"] for rank in checked)

@@ -1,0 +1,205 @@
+"""--offload-optimizer-states and its tuning flags on Megatron's own argument parser, and every
+combination validate_args refuses (each message names both flags and says what to do)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from megatron_offload.config import OffloadConfig
+from megatron_offload.integration.arguments import (
+    OFFLOAD_FLAG,
+    TUNING_FLAGS,
+    OffloadArgumentError,
+    add_arguments,
+    config_from_args,
+    validate_args,
+)
+
+OK_BASE = [OFFLOAD_FLAG, '--use-distributed-optimizer', '--bf16']
+
+
+@pytest.fixture(scope='module')
+def megatron_parser():
+    """Megatron's full parser (megatron.training.arguments) plus this project's flags."""
+    arguments = pytest.importorskip('megatron.training.arguments')
+    parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    return add_arguments(parser)
+
+
+def _parse(parser, argv):
+    return parser.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------- the flags
+def test_add_arguments_is_an_extra_args_provider():
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    assert add_arguments(parser) is parser
+    assert add_arguments(parser) is parser  # twice on one parser: no argparse conflict
+    args = parser.parse_args([])
+    assert args.offload_optimizer_states is False
+    for _, dest in TUNING_FLAGS:
+        assert getattr(args, dest) is True
+    flags = [OFFLOAD_FLAG] + [flag for flag, _ in TUNING_FLAGS]
+    for flag in flags:
+        action = parser._option_string_actions[flag]
+        assert action.help and len(action.help) > 40, flag
+        # Megatron's conventions: lower-case, hyphenated, dest = flag name with underscores.
+        assert flag == flag.lower() and '_' not in flag
+    assert parser._option_string_actions[OFFLOAD_FLAG].dest == 'offload_optimizer_states'
+
+
+def test_flags_coexist_with_megatrons(megatron_parser):
+    args = _parse(megatron_parser, OK_BASE + ['--no-offload-master-weights',
+                                              '--no-offload-prefetch'])
+    assert args.offload_optimizer_states and not args.offload_master_weights
+    assert not args.offload_prefetch and args.offload_moments and args.log_offload_stats
+    validate_args(args)
+
+
+def test_config_from_args():
+    args = argparse.Namespace(offload_optimizer_states=True, offload_moments=False,
+                              offload_master_weights=True, offload_release_master_grads=False)
+    assert config_from_args(args) == OffloadConfig(
+        offload_optimizer_states=False, offload_primary_weights=True, release_master_grads=False
+    )
+    assert config_from_args(argparse.Namespace()) == OffloadConfig()
+
+
+# ---------------------------------------------------------------------------- accepted runs
+@pytest.mark.parametrize('argv', [
+    [],  # no flag at all: nothing to check
+    ['--use-distributed-optimizer'],
+    OK_BASE,
+    [OFFLOAD_FLAG, '--use-distributed-optimizer'],  # fp32: moments only
+    OK_BASE + ['--fp16'],
+    OK_BASE + ['--no-offload-moments'],  # master weights only (bf16)
+    OK_BASE + ['--no-offload-master-weights', '--qk-clip'],
+    [OFFLOAD_FLAG, '--use-distributed-optimizer', '--qk-clip'],  # fp32: no master weights
+    OK_BASE + ['--cuda-graph-impl', 'full_iteration', '--no-offload-prefetch'],
+    OK_BASE + ['--cuda-graph-impl', 'local'],
+    OK_BASE + ['--overlap-grad-reduce', '--overlap-param-gather'],
+    OK_BASE + ['--use-precision-aware-optimizer'],
+    ['--use-distributed-optimizer', '--optimizer-cpu-offload'],  # theirs alone is not ours to judge
+], ids=lambda argv: ' '.join(argv) or 'no-flags')
+def test_accepted(megatron_parser, argv):
+    validate_args(_parse(megatron_parser, argv))
+
+
+# ---------------------------------------------------------------------------- refused runs
+REFUSED = [
+    pytest.param(
+        OK_BASE + ['--optimizer-cpu-offload'],
+        [OFFLOAD_FLAG, '--optimizer-cpu-offload', 'mutually exclusive', 'runs Adam on the CPU',
+         'drop --optimizer-cpu-offload'],
+        id='optimizer-cpu-offload'),
+    pytest.param(
+        OK_BASE + ['--optimizer-cpu-offload', '--use-precision-aware-optimizer'],
+        [OFFLOAD_FLAG, '--optimizer-cpu-offload', 'mutually exclusive'],
+        id='optimizer-cpu-offload-precision-aware'),
+    pytest.param(
+        [OFFLOAD_FLAG, '--bf16'],
+        [OFFLOAD_FLAG, 'requires --use-distributed-optimizer', 'Add --use-distributed-optimizer'],
+        id='no-distributed-optimizer'),
+    pytest.param(
+        OK_BASE + ['--optimizer', 'sgd'],
+        [OFFLOAD_FLAG, '--optimizer sgd', 'Use --optimizer adam'],
+        id='sgd'),
+    pytest.param(
+        OK_BASE + ['--optimizer', 'muon'],
+        [OFFLOAD_FLAG, '--optimizer muon', 'Use --optimizer adam'],
+        id='muon'),
+    pytest.param(
+        OK_BASE + ['--optimizer', 'lion'],
+        [OFFLOAD_FLAG, '--optimizer lion', 'Use --optimizer adam'],
+        id='lion'),
+    pytest.param(
+        OK_BASE + ['--use-megatron-fsdp'],
+        [OFFLOAD_FLAG, 'Megatron-FSDP (--use-megatron-fsdp)', 'Drop --use-megatron-fsdp',
+         '--use-distributed-optimizer'],
+        id='megatron-fsdp'),
+    pytest.param(
+        [OFFLOAD_FLAG, '--bf16', '--use-megatron-fsdp'],  # FSDP would switch the dist-opt on
+        [OFFLOAD_FLAG, '--use-megatron-fsdp'],
+        id='megatron-fsdp-without-distributed-optimizer'),
+    pytest.param(
+        [OFFLOAD_FLAG, '--bf16', '--use-torch-fsdp2'],
+        [OFFLOAD_FLAG, '--use-torch-fsdp2', 'Drop --use-torch-fsdp2'],
+        id='torch-fsdp2'),
+    pytest.param(
+        OK_BASE + ['--optimizer-cuda-graph'],
+        [OFFLOAD_FLAG, '--optimizer-cuda-graph', 'fixed device addresses',
+         'Drop --optimizer-cuda-graph'],
+        id='optimizer-cuda-graph'),
+    pytest.param(
+        OK_BASE + ['--cuda-graph-impl', 'full_iteration'],
+        [OFFLOAD_FLAG, '--cuda-graph-impl full_iteration', 'Add --no-offload-prefetch'],
+        id='full-iteration-cuda-graph'),
+    pytest.param(
+        OK_BASE + ['--enable-cuda-graph', '--cuda-graph-scope', 'full_iteration'],
+        [OFFLOAD_FLAG, '--cuda-graph-impl full_iteration', '--no-offload-prefetch'],
+        id='deprecated-full-iteration-cuda-graph'),
+    pytest.param(
+        OK_BASE + ['--qk-clip'],
+        [OFFLOAD_FLAG, '--qk-clip', 'master weights', 'Add --no-offload-master-weights'],
+        id='qk-clip'),
+    pytest.param(
+        OK_BASE + ['--reuse-grad-buf-for-mxfp8-param-ag', '--overlap-grad-reduce',
+                   '--overlap-param-gather'],
+        [OFFLOAD_FLAG, '--reuse-grad-buf-for-mxfp8-param-ag', '--overlap-param-gather',
+         'Add --no-offload-master-weights'],
+        id='mxfp8-param-buffer-reuse'),
+    pytest.param(
+        OK_BASE + ['--rl-offload-optimizer-during-inference'],
+        [OFFLOAD_FLAG, '--rl-offload-optimizer-during-inference',
+         'Drop --rl-offload-optimizer-during-inference'],
+        id='rl-offload-optimizer'),
+    pytest.param(
+        OK_BASE + ['--freeze-all-layers'],
+        [OFFLOAD_FLAG, '--freeze-all-layers', 'Drop one'],
+        id='freeze-all-layers'),
+    pytest.param(
+        OK_BASE + ['--no-offload-moments', '--no-offload-master-weights'],
+        [OFFLOAD_FLAG, '--no-offload-moments', '--no-offload-master-weights', 'nothing to offload'],
+        id='nothing-selected'),
+    pytest.param(
+        [OFFLOAD_FLAG, '--use-distributed-optimizer', '--no-offload-moments'],
+        [OFFLOAD_FLAG, '--no-offload-moments', '--bf16 or --fp16'],
+        id='master-weights-only-in-fp32'),
+    pytest.param(
+        ['--use-distributed-optimizer', '--no-offload-prefetch'],
+        ['--no-offload-prefetch has no effect without ' + OFFLOAD_FLAG, 'add ' + OFFLOAD_FLAG],
+        id='tuning-flag-without-offloading'),
+    pytest.param(
+        ['--no-log-offload-stats', '--no-offload-master-weights'],
+        ['--no-offload-master-weights', '--no-log-offload-stats', OFFLOAD_FLAG],
+        id='tuning-flags-without-offloading'),
+]
+
+
+@pytest.mark.parametrize('argv, expected', REFUSED)
+def test_refused(megatron_parser, argv, expected):
+    args = _parse(megatron_parser, argv)
+    with pytest.raises(OffloadArgumentError) as error:
+        validate_args(args)
+    message = str(error.value)
+    for text in expected:
+        assert text in message, f'{text!r} not in: {message}'
+    assert isinstance(error.value, ValueError)
+
+
+def test_refused_after_megatron_derived_it():
+    """validate_args also runs on the namespace Megatron's validate_args produced: Megatron
+    turns the distributed optimizer off for emerging optimizers and --freeze-all-layers."""
+    derived = argparse.Namespace(offload_optimizer_states=True, use_distributed_optimizer=False,
+                                 optimizer='adam', bf16=True)
+    with pytest.raises(OffloadArgumentError, match='requires --use-distributed-optimizer'):
+        validate_args(derived)
+
+
+def test_namespace_from_another_parser_is_read_with_defaults():
+    validate_args(argparse.Namespace())
+    validate_args(argparse.Namespace(offload_optimizer_states=False))
+    validate_args(argparse.Namespace(offload_optimizer_states=True,
+                                     use_distributed_optimizer=True))

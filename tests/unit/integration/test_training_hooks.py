@@ -1,0 +1,347 @@
+"""The megatron.training hooks: patch_megatron() (idempotent, a no-op without the flag), the
+finalize_model_grads prefetch, checkpoint residency and the log line / scalars.
+
+The wrapper logic is tested on stand-ins in this process; the same helpers then drive a real
+DistributedOptimizer on the gloo rank pool (bitwise equal training, reload inside the
+gradient finalization, residency around a checkpoint)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import pytest
+
+from megatron_offload.integration import training as hooks
+from megatron_offload.integration.arguments import OffloadArgumentError
+
+OFFLOAD_ARGS = dict(offload_optimizer_states=True, offload_moments=True,
+                    offload_master_weights=True, offload_release_master_grads=True,
+                    offload_prefetch=True, log_offload_stats=True, log_interval=2)
+
+
+# ------------------------------------------------------------------------------ stand-ins
+class FakeOffloader:
+    def __init__(self, events, offloaded=True):
+        self.events = events
+        self._offloaded = offloaded
+        self.optimizer = None
+        self._detached = False
+        self.config = argparse.Namespace(offload_primary_weights=True)
+
+    @property
+    def is_offloaded(self):
+        return self._offloaded
+
+    def reload(self):
+        self.events.append('reload')
+        self._offloaded = False
+
+    @contextlib.contextmanager
+    def resident(self, *, read_only=False):
+        self.events.append(('resident', read_only))
+        yield self
+        self.events.append(('offloaded again', read_only))
+
+    def stats(self):
+        return {'offloaded_bytes': 3 << 29, 'host_bytes': 3 << 29,
+                'offload_seconds': 0.0125, 'reload_seconds': 0.0031}
+
+
+class FakeOptimizer:
+    """Stands in for a ChainedOptimizer whose DistributedOptimizer carries the offloader."""
+
+    def __init__(self, offloader=None):
+        inner = argparse.Namespace(_state_offloader=offloader)
+        self.chained_optimizers = [inner]
+        if offloader is not None:
+            offloader.optimizer = self
+
+
+@pytest.fixture
+def megatron_args(monkeypatch):
+    args = argparse.Namespace(**OFFLOAD_ARGS)
+    monkeypatch.setattr(hooks, '_get_args', lambda: args)
+    return args
+
+
+# ------------------------------------------------------------------- patching and no-ops
+@pytest.fixture
+def megatron_training():
+    arguments = pytest.importorskip('megatron.training.arguments')
+    import megatron.training.training as training
+
+    assert not hooks.is_patched()
+    yield arguments, training
+    hooks.unpatch_megatron()
+
+
+def test_patch_is_idempotent_and_reversible(megatron_training):
+    arguments, training = megatron_training
+    names = [(arguments, 'add_megatron_arguments'), (arguments, 'validate_args'),
+             (training, 'setup_model_and_optimizer'), (training, 'train'),
+             (training, 'save_checkpoint'), (training, 'load_checkpoint'),
+             (training, 'calc_params_l2_norm'), (training, 'training_log')]
+    originals = [getattr(module, name) for module, name in names]
+    hooks.patch_megatron()
+    wrapped = [getattr(module, name) for module, name in names]
+    assert all(w is not o for w, o in zip(wrapped, originals))
+    assert all(w.__wrapped__ is o for w, o in zip(wrapped, originals))
+    hooks.patch_megatron()
+    assert [getattr(module, name) for module, name in names] == wrapped
+    assert hooks.is_patched()
+    hooks.unpatch_megatron()
+    assert [getattr(module, name) for module, name in names] == originals
+    assert not hooks.is_patched()
+
+
+def test_patched_parser_has_the_flags(megatron_training):
+    arguments, _ = megatron_training
+    hooks.patch_megatron()
+    parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    args = parser.parse_args(['--offload-optimizer-states', '--use-distributed-optimizer'])
+    assert args.offload_optimizer_states and args.offload_prefetch
+
+
+def test_validate_wrapper_checks_before_and_after_megatron():
+    calls = []
+
+    def megatron_validate(args, defaults={}):
+        calls.append('megatron')
+        args.use_distributed_optimizer = False  # as Megatron does for --freeze-all-layers
+        return args
+
+    validate = hooks._wrap_validate_args(megatron_validate)
+    with pytest.raises(OffloadArgumentError, match='--optimizer-cpu-offload'):
+        validate(argparse.Namespace(offload_optimizer_states=True, optimizer_cpu_offload=True,
+                                    use_distributed_optimizer=True))
+    assert calls == []  # refused before Megatron's own checks ran
+    with pytest.raises(OffloadArgumentError, match='requires --use-distributed-optimizer'):
+        validate(argparse.Namespace(offload_optimizer_states=True, use_distributed_optimizer=True))
+    assert calls == ['megatron']
+    plain = argparse.Namespace(use_distributed_optimizer=True)
+    assert validate(plain) is plain  # without the flag: Megatron's result, untouched
+
+
+def _train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator,
+           valid_data_iterator, process_non_loss_data_func, config, checkpointing_context,
+           non_loss_data_func, inference_model=None, p2p_communicator=None, pg_collection=None):
+    """The signature of megatron.training.training.train; runs two 'iterations'."""
+    config.seen = config.finalize_model_grads_func
+    for _ in range(2):
+        config.finalize_model_grads_func()
+    return 'trained'
+
+
+def _call_train(train, optimizer, config):
+    return train(None, [], optimizer, None, None, None, None, config, {}, None)
+
+
+def test_train_without_offloader_is_untouched(megatron_args):
+    seen = []
+
+    def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator,
+              valid_data_iterator, process_non_loss_data_func, config, checkpointing_context,
+              non_loss_data_func, inference_model=None, p2p_communicator=None,
+              pg_collection=None):
+        seen.append(config.finalize_model_grads_func)
+        return 'trained'
+
+    module = argparse.Namespace(finalize_model_grads=lambda: None)
+    config = argparse.Namespace(finalize_model_grads_func=None)
+    assert _call_train(hooks._wrap_train(train, module), FakeOptimizer(), config) == 'trained'
+    assert seen == [None] and config.finalize_model_grads_func is None
+
+
+@pytest.mark.parametrize('builder_hook', [False, True])
+def test_prefetch_wraps_finalize_and_restores_it(megatron_args, builder_hook):
+    events = []
+    offloader = FakeOffloader(events)
+    optimizer = FakeOptimizer(offloader)
+
+    def finalize_model_grads(*args, **kwargs):
+        events.append('default finalize')
+
+    def builder_finalize(*args, **kwargs):
+        events.append('builder finalize')
+
+    module = argparse.Namespace(finalize_model_grads=finalize_model_grads)
+    config = argparse.Namespace(finalize_model_grads_func=builder_finalize if builder_hook else None)
+    before = config.finalize_model_grads_func
+    assert _call_train(hooks._wrap_train(_train, module), optimizer, config) == 'trained'
+    name = 'builder finalize' if builder_hook else 'default finalize'
+    # The reload starts first, then the (kept) gradient finalization runs; once reloaded,
+    # the next finalization does not reload again.
+    assert events == ['reload', name, name]
+    assert config.seen.__wrapped__ is (builder_finalize if builder_hook else finalize_model_grads)
+    assert config.finalize_model_grads_func is before  # restored after train()
+
+
+def test_no_prefetch_flag_and_idempotent_install(megatron_args):
+    events = []
+    optimizer = FakeOptimizer(FakeOffloader(events))
+    config = argparse.Namespace(finalize_model_grads_func=lambda: events.append('finalize'))
+    megatron_args.offload_prefetch = False
+    assert not hooks.install_prefetch(config, optimizer, megatron_args)
+    megatron_args.offload_prefetch = True
+    assert hooks.install_prefetch(config, optimizer, megatron_args)
+    once = config.finalize_model_grads_func
+    assert hooks.install_prefetch(config, optimizer, megatron_args)
+    assert config.finalize_model_grads_func is once  # not wrapped twice
+    assert not hooks.install_prefetch(config, FakeOptimizer(), megatron_args)  # no offloader
+    config.finalize_model_grads_func()
+    assert events == ['reload', 'finalize']
+
+
+def test_prefetch_skips_a_detached_offloader():
+    events = []
+    offloader = FakeOffloader(events)
+    optimizer = FakeOptimizer(offloader)
+    finalize = hooks.prefetching_finalize(lambda: events.append('finalize'), offloader)
+    optimizer.chained_optimizers[0]._state_offloader = None  # what detach() does
+    finalize()
+    assert events == ['finalize']
+
+
+def test_checkpoints_run_with_resident_states():
+    events = []
+    optimizer = FakeOptimizer(FakeOffloader(events))
+
+    def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, *rest, **kwargs):
+        events.append('save')
+
+    def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, *rest, **kwargs):
+        events.append('load')
+        return 7, 0
+
+    hooks._wrap_checkpoint(save_checkpoint, read_only=True)(3, [], optimizer, None)
+    hooks._wrap_checkpoint(save_checkpoint, read_only=True)(3, [], optimizer=optimizer,
+                                                            opt_param_scheduler=None)
+    assert hooks._wrap_checkpoint(load_checkpoint, read_only=False)([], optimizer, None) == (7, 0)
+    hooks._wrap_checkpoint(save_checkpoint, read_only=True)(3, [], None, None)  # no optimizer
+    assert events == [
+        ('resident', True), 'save', ('offloaded again', True),
+        ('resident', True), 'save', ('offloaded again', True),
+        ('resident', False), 'load', ('offloaded again', False),
+        'save',
+    ]
+
+
+def test_training_log_logs_at_each_log_interval(megatron_args, monkeypatch):
+    logged = []
+    monkeypatch.setattr(hooks, 'log_for_megatron', logged.append)
+
+    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
+                     report_memory_flag, skipped_iter, grad_norm, params_norm,
+                     num_zeros_in_grad, max_attention_logit, pg_collection=None,
+                     is_first_iteration=False, **kwargs):
+        return report_memory_flag
+
+    wrapped = hooks._wrap_training_log(training_log)
+    for iteration in range(1, 6):
+        assert wrapped({}, {}, 1e-3, iteration, 1.0, 'flag', 0, 1.0, None, None, 0,
+                       is_first_iteration=iteration == 1) == 'flag'
+    assert logged == [1, 2, 4]
+
+
+def test_log_line_and_scalars():
+    class Writer:
+        def __init__(self):
+            self.scalars = []
+
+        def add_scalar(self, name, value, iteration):
+            self.scalars.append((name, value, iteration))
+
+    class Wandb:
+        def __init__(self):
+            self.logged = []
+
+        def log(self, values, iteration):
+            self.logged.append((values, iteration))
+
+    writer, wandb, printed = Writer(), Wandb(), []
+    figures = hooks.log_offload_stats(10, FakeOffloader([]), writer=writer, wandb_writer=wandb,
+                                      printer=printed.append)
+    assert figures == {'offloaded_gib': 1.5, 'host_gib': 1.5, 'd2h_ms': 12.5,
+                       'h2d_ms': pytest.approx(3.1)}
+    assert printed == [' [optimizer-state offload] iteration       10 | offloaded: 1.500000 GiB'
+                       ' | host: 1.500000 GiB | D2H: 12.500 ms | H2D: 3.100 ms |']
+    assert [(name, iteration) for name, _, iteration in writer.scalars] == [
+        ('optimizer-offload/offloaded-GiB', 10), ('optimizer-offload/host-GiB', 10),
+        ('optimizer-offload/d2h-ms', 10), ('optimizer-offload/h2d-ms', 10)]
+    assert wandb.logged == [({name: value for name, value, _ in writer.scalars}, 10)]
+
+
+def test_attach_for_training_needs_the_flag():
+    assert hooks.attach_for_training(object(), argparse.Namespace()) is None
+    assert hooks.attach_for_training(None, argparse.Namespace(**OFFLOAD_ARGS)) is None
+    existing = FakeOffloader([])
+    assert hooks.attach_for_training(FakeOptimizer(existing),
+                                     argparse.Namespace(**OFFLOAD_ARGS)) is existing
+
+
+# ---------------------------------------------------------------- a real optimizer (rank pool)
+def hooks_job(offload: bool, steps: int = 3):
+    """Train the harness GPT (bf16) with the training-loop helpers, as pretrain() would."""
+    from megatron.core.distributed import finalize_model_grads
+
+    from megatron_offload.integration import training as hooks
+    from tests.harness import models
+
+    chunks, optimizer, config = models.build('gpt', 'bf16')
+    args = argparse.Namespace(**{**OFFLOAD_ARGS, 'offload_optimizer_states': offload})
+    offloader = hooks.attach_for_training(optimizer, args)
+    trace = []
+    if offloader is not None:
+        config.finalize_model_grads_func = finalize_model_grads
+        assert hooks.install_prefetch(config, optimizer, args)
+        prefetching = config.finalize_model_grads_func
+        inside = []
+
+        def finalize(*a, **k):  # what the schedule calls: marks the gradient finalization
+            inside.append(True)
+            try:
+                return prefetching(*a, **k)
+            finally:
+                inside.pop()
+
+        config.finalize_model_grads_func = finalize
+        reload = offloader.reload
+
+        def traced_reload():
+            trace.append('in finalize' if inside else 'elsewhere')
+            return reload()
+
+        offloader.reload = traced_reload
+    results = [models.train_step(chunks, optimizer, config, step) for step in range(steps)]
+    report = {'results': results, 'trace': list(trace)}
+    if offloader is not None:
+        with hooks.checkpoint_residency(optimizer, read_only=True):
+            report['resident_inside'] = not offloader.is_offloaded
+        report['offloaded_after'] = offloader.is_offloaded
+        report['d2h_after_read_only'] = offloader.stats()['d2h_copies']
+        with hooks.master_weights_residency():
+            report['masters_inside'] = not offloader.is_offloaded
+        printed = []
+        report['figures'] = hooks.log_offload_stats(steps, offloader, printer=printed.append)
+        report['printed'] = printed
+        report['own_offloaded_bytes'] = offloader.stats()['offloaded_bytes']
+        offloader.reload()
+        offloader.wait()
+        offloader.detach()
+    return report
+
+
+def test_hooks_on_a_real_distributed_optimizer(rank_pool):
+    reference = rank_pool.run(hooks_job, False)
+    offloaded = rank_pool.run(hooks_job, True)
+    for ref, off in zip(reference, offloaded):
+        assert ref['results'] == off['results']  # bitwise: loss and grad norm per step
+        # The first step has nothing to reload; every later one reloads inside finalize.
+        assert off['trace'] == ['in finalize', 'in finalize']
+        assert off['resident_inside'] and off['offloaded_after'] and off['masters_inside']
+        assert off['d2h_after_read_only'] == 0  # the host copy stayed valid: nothing copied
+        assert len(off['printed']) == 1 and '(max over 2 ranks)' in off['printed'][0]
+    most = max(rank['own_offloaded_bytes'] for rank in offloaded)
+    assert all(rank['figures']['offloaded_gib'] == most / (1 << 30) for rank in offloaded)
+    assert offloaded[0]['printed'] == offloaded[1]['printed']
