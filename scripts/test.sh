@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The test suite, as CI runs it: sets up both environments on a fresh machine, then runs the
-# main suite on megatron-core 0.19.2 (Python 3.12) and the smoke set marked `floor` on
-# megatron-core 0.16.1 (Python 3.11). Extra arguments go to the main pytest run.
+# The test suite, as CI runs it: sets up both environments on a fresh machine, then runs
+#  1. the main suite on megatron-core 0.19.2 (Python 3.12) under coverage, every rank and
+#     isolated process included, and prints the line coverage of megatron_offload/;
+#  2. the smoke set marked `floor` on megatron-core 0.16.1 (Python 3.11).
+# Extra arguments go to the main pytest run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -9,16 +11,24 @@ main=$(scripts/venv.sh py312) || exit 1
 floor=$(scripts/venv.sh py311-floor) || exit 1
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
 
-run_pytest() {  # name python args...: pytest's "no tests ran" (exit 5) is a failure too
-  local name=$1 python=$2; shift 2
-  echo "== $name: $("$python" -c 'import megatron.core, sys; print("megatron-core", megatron.core.__version__, "python", sys.version.split()[0])')"
-  "$python" -m pytest -p no:cacheprovider "$@"
-  local rc=$?
-  if [ "$rc" -eq 5 ]; then echo "== $name: no tests were collected: failing" >&2; fi
-  return "$rc"
+banner() {  # name python
+  echo "== $1: $("$2" -c 'import megatron.core, sys; print("megatron-core", megatron.core.__version__, "python", sys.version.split()[0])')"
+}
+no_tests() {  # pytest's "no tests ran" (exit 5) is a failure too
+  [ "$1" -eq 5 ] && echo "== $2: no tests were collected: failing" >&2
+  return 0
 }
 
 status=0
-run_pytest "main suite" "$main/bin/python" tests -q "$@" || status=1
-run_pytest "compatibility floor" "$floor/bin/python" tests -q -m floor || status=1
+banner "main suite" "$main/bin/python"
+"$main/bin/python" -m coverage erase
+COVERAGE_PROCESS_START="$root/.coveragerc" \
+  "$main/bin/python" -m coverage run -m pytest -p no:cacheprovider tests -q "$@"
+rc=$?; no_tests $rc "main suite"; [ $rc -eq 0 ] || status=1
+echo "== line coverage of megatron_offload/ (all processes)"
+"$main/bin/python" -m coverage combine -q && "$main/bin/python" -m coverage report || status=1
+
+banner "compatibility floor" "$floor/bin/python"
+"$floor/bin/python" -m pytest -p no:cacheprovider tests -q -m floor
+rc=$?; no_tests $rc "compatibility floor"; [ $rc -eq 0 ] || status=1
 exit $status
