@@ -10,9 +10,16 @@ The package is layered: ``device`` (the only code that knows accelerators), ``en
 """
 
 from .config import OffloadConfig
-from .engine import OffloadStateError
+from .engine import HostMemoryBudgetError, OffloadStateError
 from .integration import OptimizerStateOffloader, attach
 
 __version__ = "0.1.0"
 
-__all__ = ["OffloadConfig", "OffloadStateError", "OptimizerStateOffloader", "attach", "__version__"]
+__all__ = [
+    "HostMemoryBudgetError",
+    "OffloadConfig",
+    "OffloadStateError",
+    "OptimizerStateOffloader",
+    "attach",
+    "__version__",
+]

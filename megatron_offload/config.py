@@ -22,6 +22,15 @@ class OffloadConfig:
     before the next iteration; with bf16 gradients it is an fp32 copy worth 4 bytes per
     parameter that otherwise stays on the device between iterations."""
 
+    offload_fraction: float = 1.0
+    """Partial offload: offload only this fraction of each optimizer's selected bytes,
+    whole tensors, largest first (0 keeps everything on the device, 1 offloads all). For
+    users with some device memory to spare who want less traffic."""
+
+    host_memory_budget: int | None = None
+    """Most host bytes the offloader may hold (None: no limit). Checked before any host
+    memory is allocated; exceeding it raises ``HostMemoryBudgetError`` naming the need."""
+
     per_optimizer: dict[int, dict[str, bool]] | None = None
     """Overrides of ``offload_optimizer_states`` / ``offload_primary_weights`` for single
     optimizers of a ChainedOptimizer, by index in ``chained_optimizers`` (for example
@@ -41,6 +50,16 @@ class OffloadConfig:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"OffloadConfig.{name} must be True or False, got {value!r}.")
+        fraction = self.offload_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+            raise ValueError(
+                f"OffloadConfig.offload_fraction must be a number from 0 to 1, got {fraction!r}."
+            )
+        budget = self.host_memory_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise ValueError(
+                f"OffloadConfig.host_memory_budget must be a number of bytes (int >= 0) or None, got {budget!r}."
+            )
         selectable = ("offload_optimizer_states", "offload_primary_weights")
         for index, override in (self.per_optimizer or {}).items():
             if not isinstance(index, int) or isinstance(index, bool) or index < 0:

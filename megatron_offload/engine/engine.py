@@ -63,10 +63,28 @@ class OffloadEngine:
         name: used in error messages.
     """
 
-    def __init__(self, device: Device, collect: Collect, *, name: str = "offload engine") -> None:
+    def __init__(
+        self,
+        device: Device,
+        collect: Collect,
+        *,
+        name: str = "offload engine",
+        fingerprint: Callable[[], object] | None = None,
+        budget: "HostBudget | None" = None,
+        fraction: float = 1.0,
+    ) -> None:
         self.device = device
         self.name = name
         self._collect = collect
+        # Walking every optimizer state at every offload costs milliseconds for thousands of
+        # parameters; a cheap fingerprint (None: always walk) says when it may have changed,
+        # and invalidate() covers changes it cannot see (tensors replaced by a load).
+        self._fingerprint = fingerprint
+        self._last_fingerprint: object = _NEVER
+        self._budget = budget
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"offload fraction must be between 0 and 1, got {fraction!r}.")
+        self._fraction = fraction
         self._groups: list[FlatGroup] = []
         self._tracked: list[tuple[str, torch.Tensor]] = []
         self._kept_resident: list[tuple[str, torch.Tensor, str]] = []
@@ -332,8 +350,17 @@ class OffloadEngine:
                 self.unreleasable_bytes += old.nbytes()
 
     # ------------------------------------------------------------ (re)tracking
+    def invalidate(self) -> None:
+        """The tracked tensors may have been replaced: look at them again at the next offload."""
+        self._last_fingerprint = _NEVER
+
     def _rescan(self) -> None:
         """Pick up tensors created or replaced since the last offload."""
+        if self._fingerprint is not None:
+            fingerprint = self._fingerprint()
+            if fingerprint == self._last_fingerprint:
+                return
+            self._last_fingerprint = fingerprint
         current: list[tuple[str, torch.Tensor]] = []
         kept: list[tuple[str, torch.Tensor, str]] = []
         for kind, tensor in self._collect():
@@ -342,6 +369,9 @@ class OffloadEngine:
                 kept.append((kind, tensor, reason))
             elif tensor.numel():
                 current.append((kind, tensor))
+        if self._fraction < 1.0:
+            current, partial = _largest_first(current, self._fraction)
+            kept += [(kind, tensor, "partial offload") for kind, tensor in partial]
         self._kept_resident = kept
         if len(current) == len(self._tracked) and all(
             a is b and k == j for (k, a), (j, b) in zip(current, self._tracked)
@@ -381,8 +411,13 @@ class OffloadEngine:
         # Largest element size first: every group's host slice is then aligned for its dtype
         # without padding, and host bytes equal tracked bytes exactly.
         groups.sort(key=lambda g: -g.itemsize)
+        need = sum(g.nbytes for g in groups)
+        if self._budget is not None:
+            self._budget.check(self, need, self.name)  # before anything is allocated
         self._free_arena()
-        arena = self._host.allocate(sum(g.nbytes for g in groups))
+        arena = self._host.allocate(need)
+        if self._budget is not None:
+            self._budget.hold(self, need)
         offset = 0
         for group in groups:
             group.host = arena[offset : offset + group.nbytes].view(group.dtype)
@@ -399,6 +434,54 @@ class OffloadEngine:
     def __repr__(self) -> str:
         places = ", ".join(f"{g.kind}/{g.dtype}:{g.place.value}" for g in self._groups)
         return f"OffloadEngine({self.name}: {places or 'empty'})"
+
+
+_NEVER = object()
+
+
+class HostMemoryBudgetError(MemoryError):
+    """Offloading would hold more host memory than the configured budget."""
+
+
+class HostBudget:
+    """A limit on the host memory held by several engines (one offloader's optimizers)."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self._held: dict[int, int] = {}
+
+    def check(self, engine, nbytes: int, name: str) -> None:
+        if self.limit is None:
+            return
+        others = sum(n for owner, n in self._held.items() if owner != id(engine))
+        if others + nbytes > self.limit:
+            raise HostMemoryBudgetError(
+                f"{name}: offloading needs {nbytes:,} bytes of host memory ({others:,} already "
+                f"held by the other optimizers), over host_memory_budget={self.limit:,}. Raise "
+                "host_memory_budget, or offload less: offload_fraction, per_optimizer, or "
+                "offload_primary_weights=False."
+            )
+
+    def hold(self, engine, nbytes: int) -> None:
+        self._held[id(engine)] = nbytes
+
+
+def _largest_first(pairs, fraction):
+    """Split ``pairs`` into the largest tensors making up ``fraction`` of the bytes, and the rest.
+
+    Whole tensors only; ties keep their order, so the choice is the same on every rank
+    and from run to run.
+    """
+    total = sum(t.numel() * t.element_size() for _, t in pairs)
+    budget = fraction * total
+    order = sorted(range(len(pairs)), key=lambda i: -pairs[i][1].numel() * pairs[i][1].element_size())
+    chosen, used = set(), 0
+    for i in order:
+        nbytes = pairs[i][1].numel() * pairs[i][1].element_size()
+        if used + nbytes <= budget:
+            chosen.add(i)
+            used += nbytes
+    return ([p for i, p in enumerate(pairs) if i in chosen], [p for i, p in enumerate(pairs) if i not in chosen])
 
 
 class _HostArena:

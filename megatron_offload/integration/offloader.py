@@ -30,7 +30,7 @@ from ..adapters import OPTIMIZER_STATES, PRIMARY_WEIGHTS
 from ..adapters import distributed_optimizer as dopt_adapter
 from ..config import OffloadConfig
 from ..device import device_for
-from ..engine import OffloadEngine, OffloadStateError, Place
+from ..engine import HostBudget, OffloadEngine, OffloadStateError, Place
 from .guard import StateAccessGuard
 
 _SUMMED = (
@@ -121,6 +121,7 @@ class OptimizerStateOffloader:
         self.optimizer = optimizer
         self._distributed = distributed
         self._engines: list[OffloadEngine] = []
+        budget = HostBudget(self.config.host_memory_budget)
         for index, distrib_optimizer in enumerate(distributed):
             torch_device = dopt_adapter.device_of(distrib_optimizer)
             factory = self.config.device_factory or device_for
@@ -129,6 +130,9 @@ class OptimizerStateOffloader:
                     factory(torch_device),
                     _collector(distrib_optimizer),
                     name=f"optimizer {index} ({type(distrib_optimizer.optimizer).__name__})",
+                    fingerprint=_fingerprinter(distrib_optimizer),
+                    budget=budget,
+                    fraction=float(self.config.offload_fraction),
                 )
             )
         for distrib_optimizer in distributed:
@@ -208,7 +212,13 @@ class OptimizerStateOffloader:
     sync_before_step = wait
 
     def mark_optimizer_states_initialized(self) -> None:
-        """Compatibility no-op: states created by the first step are found at every offload."""
+        """Look for new or replaced state tensors at the next offload.
+
+        New states (Adam's moments after the first step) are noticed without this; call it
+        after replacing state tensors by hand (loads through the optimizer are noticed too).
+        """
+        for engine in self._engines:
+            engine.invalidate()
 
     # ------------------------------------------------------------- conveniences
     @contextlib.contextmanager
@@ -298,11 +308,12 @@ class OptimizerStateOffloader:
                         master.grad = None
         self._ever_offloaded = True
 
-    def _make_resident(self, *, changes: bool) -> None:
+    def _make_resident(self, *, changes: bool, replaced: bool = False) -> None:
         """Bring every offloaded state back and order it before the current stream.
 
         The states then stay on the device until the next offload. ``changes``: the caller
-        may write them, so the next offload must copy them out again.
+        may write them, so the next offload must copy them out again. ``replaced``: the
+        caller may put new tensor objects into the state (a load).
         """
         if self._detached:
             return
@@ -312,6 +323,8 @@ class OptimizerStateOffloader:
             engine.wait()
             if changes:
                 engine.mark_dirty()
+            if replaced:
+                engine.invalidate()
 
     def _check_attached(self) -> None:
         if self._detached:
@@ -319,6 +332,16 @@ class OptimizerStateOffloader:
 
     def __repr__(self) -> str:
         return f"OptimizerStateOffloader({', '.join(map(repr, self._engines))})"
+
+
+def _fingerprinter(distrib_optimizer):
+    """Cheap: changes when states are created (lazily, per parameter) or entries added."""
+    state = distrib_optimizer.optimizer.state
+
+    def fingerprint():
+        return len(state), sum(map(len, state.values()))
+
+    return fingerprint
 
 
 def _collector(distrib_optimizer):

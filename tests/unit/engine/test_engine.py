@@ -232,3 +232,66 @@ def test_kinds_move_independently():
     engine.reload([STATES])
     engine.wait()
     assert [g.place for g in engine.groups] == [Place.RESIDENT, Place.RESIDENT]
+
+
+def test_host_budget_is_checked_before_anything_is_allocated():
+    from megatron_offload.engine import HostBudget, HostMemoryBudgetError
+
+    model = Model()
+    model.step()
+    need = sum(t.numel() * t.element_size() for _, t in model.collect())
+    engine = OffloadEngine(CPUDevice(), model.collect, budget=HostBudget(need - 1), name="optimizer 0")
+    with pytest.raises(HostMemoryBudgetError, match=f"needs {need:,} bytes.*host_memory_budget={need - 1:,}"):
+        engine.offload()
+    assert engine.stats()["host_bytes"] == 0
+    assert all(t.untyped_storage().nbytes() > 0 for _, t in model.collect())
+    fits = OffloadEngine(CPUDevice(), model.collect, budget=HostBudget(need))
+    fits.offload()
+    assert fits.stats()["host_bytes"] == need
+
+
+def test_the_budget_is_shared_by_the_engines_of_one_offloader():
+    from megatron_offload.engine import HostBudget, HostMemoryBudgetError
+
+    first, second = Model(seed=1), Model(seed=2)
+    need = sum(t.numel() * t.element_size() for _, t in first.collect())
+    budget = HostBudget(need + need // 2)
+    OffloadEngine(CPUDevice(), first.collect, budget=budget).offload()
+    with pytest.raises(HostMemoryBudgetError, match="already held by the other optimizers"):
+        OffloadEngine(CPUDevice(), second.collect, budget=budget).offload()
+
+
+def _partial(fraction):
+    ref, off = Model(sizes=(40, 30, 20, 10)), Model(sizes=(40, 30, 20, 10))
+    engine = OffloadEngine(CPUDevice(), off.collect, fraction=fraction)
+    moved = []
+    for _ in range(4):
+        if engine.is_released():
+            engine.reload()
+            engine.wait()
+        engine.mark_dirty()
+        ref.step()
+        off.step()
+        engine.offload()
+        engine.release()
+        stats = engine.stats()
+        moved.append((stats["offloaded_bytes"], stats["kept_resident_bytes"]))
+    engine.reload()
+    engine.wait()
+    return all(torch.equal(a, b) for a, b in zip(ref.snapshot(), off.snapshot())), moved
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_partial_offload_moves_the_largest_tensors_up_to_the_fraction(isolated, fraction):
+    same, moved = isolated.run(_partial, fraction)
+    assert same
+    total = 3 * 4 * (40 + 30 + 20 + 10)  # masters + two moments, fp32
+    # Largest first, whole tensors: 0.5 takes the three 40-element and the three 30-element
+    # tensors (840 of 1200 bytes would exceed 600, so: 3*160=480, then one 30: 600).
+    expected = {0.0: 0, 0.5: 600, 1.0: total}[fraction]
+    assert moved[-1] == (expected, total - expected)
+
+
+def test_offload_fraction_out_of_range_is_refused():
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        OffloadEngine(CPUDevice(), lambda: [], fraction=1.5)

@@ -220,3 +220,43 @@ def test_resident_block_for_reads_and_in_place_changes(rank_pool):
         assert off["seen"]["write_copies"] == 2  # the change was copied out: nothing lost
         for key, value in ref["snapshot"]["optimizer"].items():
             assert torch.equal(value, off["snapshot"]["optimizer"][key]), key
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_partial_offload_is_bitwise_and_moves_the_expected_bytes(rank_pool, fraction):
+    kw = dict(overlap_grad_reduce=True, overlap_param_gather=False, bucket_size=1000)
+    reference = rank_pool.run(train_job, "mlp", "bf16", 4, False, **kw)
+    partial = rank_pool.run(train_job, "mlp", "bf16", 4, True, options={"offload_fraction": fraction}, **kw)
+    assert_bitwise_equal(reference, partial)
+    for rank in partial:
+        last = rank["figures"][-1]
+        tracked_plus_kept = last["tracked_bytes"] + last["kept_resident_bytes"]
+        assert last["offloaded_bytes"] <= fraction * tracked_plus_kept
+        if fraction == 0.0:
+            assert last["offloaded_bytes"] == 0 and last["host_bytes"] == 0
+        elif fraction == 1.0:
+            assert last["offloaded_bytes"] == tracked_plus_kept
+        else:  # whole tensors, largest first: close to half, never over
+            assert 0.4 * tracked_plus_kept < last["offloaded_bytes"] <= 0.5 * tracked_plus_kept
+        assert last["host_bytes"] == last["offloaded_bytes"]
+
+
+def budget_job(budget):
+    import megatron_offload
+    from tests.harness import models
+
+    chunks, optimizer, config = models.build("mlp", "bf16")
+    offloader = megatron_offload.attach(optimizer, host_memory_budget=budget)
+    try:
+        models.train_step(chunks, optimizer, config, 0)
+    except megatron_offload.HostMemoryBudgetError as exc:
+        return str(exc), offloader.stats()["host_bytes"]
+    return None, offloader.stats()["host_bytes"]
+
+
+def test_host_memory_budget_refuses_before_allocating(rank_pool):
+    (message, held), _ = rank_pool.run(budget_job, 1000)
+    assert "host_memory_budget=1,000" in message and "offload_fraction" in message
+    assert held == 0
+    (message, held), _ = rank_pool.run(budget_job, 10**9)
+    assert message is None and held > 0
