@@ -1,5 +1,14 @@
 """Adapters: where each optimizer kind keeps the tensors worth offloading."""
 
 from .distributed_optimizer import KINDS, OPTIMIZER_STATES, PRIMARY_WEIGHTS, collect
+from .inner_optimizers import StateAccess, kind_of, state_access
 
-__all__ = ["KINDS", "OPTIMIZER_STATES", "PRIMARY_WEIGHTS", "collect"]
+__all__ = [
+    "KINDS",
+    "OPTIMIZER_STATES",
+    "PRIMARY_WEIGHTS",
+    "StateAccess",
+    "collect",
+    "kind_of",
+    "state_access",
+]

@@ -8,14 +8,16 @@ Two kinds of tensors are offloaded (the names match the upstream ``offload`` arg
 * ``primary_weights``: the fp32 master weights. megatron-core keeps them either in
   ``shard_fp32_from_float16_groups`` (fp32 clones of the bf16/fp16 parameter shards) or,
   on the precision-aware path (Transformer Engine FusedAdam with master weights), inside
-  the optimizer state as ``master_param``.
+  the optimizer state as ``master_param`` (fp32, fp16, or the int16 low bits of an fp32 master
+  whose high bits are the bf16 parameter, with ``store_param_remainders``).
 
 The fp32 *parameter* shards (``shard_fp32_groups``) are views into the model's own
 parameters: the forward pass needs them, so they are never offloaded.
 
 The inner optimizer may be Transformer Engine's FusedAdam, apex's FusedAdam or the
-``torch.optim.AdamW`` fallback: all keep ``state[param][name]`` tensors, which is all this
-module relies on.
+``torch.optim.AdamW`` fallback: all keep ``state[param][name]`` tensors. What differs (low-
+precision and FP8 moments, int16 master remainders, state only for parameters with gradients)
+is described and handled in ``inner_optimizers.py``.
 """
 
 from __future__ import annotations
@@ -24,14 +26,11 @@ from typing import Iterator
 
 import torch
 
+from . import inner_optimizers
+
 OPTIMIZER_STATES = "optimizer_states"
 PRIMARY_WEIGHTS = "primary_weights"
 KINDS = (OPTIMIZER_STATES, PRIMARY_WEIGHTS)
-
-# Per-parameter state entries that are not moved, whatever their size.
-_NEVER_MOVED = frozenset({"step"})
-# State entries that hold master weights rather than moments.
-_MASTER_KEYS = frozenset({"master_param"})
 
 
 def inner_params(distrib_optimizer) -> Iterator[torch.Tensor]:
@@ -52,14 +51,9 @@ def collect(distrib_optimizer) -> Iterator[tuple[str, torch.Tensor]]:
     for param in inner_params(distrib_optimizer):
         entries = state.get(param)
         if not entries:
-            continue
-        for key in sorted(entries):
-            value = entries[key]
-            if key in _NEVER_MOVED or not isinstance(value, torch.Tensor):
-                continue
-            if value.numel() != param.numel():
-                continue  # scalars and per-tensor scales stay where they are
-            yield (PRIMARY_WEIGHTS if key in _MASTER_KEYS else OPTIMIZER_STATES), value
+            continue  # apex FusedAdam: no state until the parameter had a gradient
+        for key, tensor in inner_optimizers.state_tensors(param, entries):
+            yield (PRIMARY_WEIGHTS if inner_optimizers.is_master_key(key) else OPTIMIZER_STATES), tensor
 
 
 def master_weights(distrib_optimizer) -> Iterator[torch.Tensor]:

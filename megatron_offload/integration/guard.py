@@ -26,6 +26,8 @@ import functools
 
 import torch
 
+from ..adapters import state_access
+
 # Public methods (on DistributedOptimizer, ChainedOptimizer and their bases, megatron-core
 # 0.16-0.19) that read or write the offloaded tensors. Names absent on a version are skipped.
 STATE_METHODS = (
@@ -89,6 +91,29 @@ class StateAccessGuard:
                 bring_back = functools.partial(_inner_pre_hook, offloader)
                 self._hooks.append(inner.register_state_dict_pre_hook(bring_back))
                 self._hooks.append(inner.register_load_state_dict_pre_hook(bring_back))
+            # Methods of the inner optimizer itself that touch state outside step() (TE's
+            # get_unscaled_state / set_scaled_state / initialize_state): the torch hooks
+            # above cover only state_dict and load_state_dict.
+            access = state_access(inner)
+            for name in access.reads + access.writes + access.replaces:
+                if name in ("state_dict", "load_state_dict") or not callable(getattr(inner, name, None)):
+                    continue
+                self._wrap(inner, name, self._inner_state_call(name in access.replaces))
+
+    def _inner_state_call(self, replaces: bool):
+        offloader = self._offloader
+
+        def make(previous):
+            def call(*args, **kwargs):
+                # TE's own step() calls these while everything is resident: nothing to do
+                # then beyond noting that the states change. Otherwise bring them back;
+                # they hand out (or write) the live tensors, so the host copy goes stale.
+                offloader._make_resident(changes=True, replaced=replaces)
+                return previous(*args, **kwargs)
+
+            return call
+
+        return make
 
     def _wrap(self, target, name: str, make) -> None:
         had_instance_attr = name in vars(target)
@@ -101,7 +126,9 @@ class StateAccessGuard:
 
         def make(previous):
             def call(*args, **kwargs):
-                offloader._make_resident(changes=name not in READ_ONLY_METHODS)
+                changes = name not in READ_ONLY_METHODS
+                # Loads may put new tensor objects into the state.
+                offloader._make_resident(changes=changes, replaced=changes)
                 result = previous(*args, **kwargs)
                 if name in LOAD_METHODS:
                     for distrib_optimizer in offloader._distributed:
@@ -152,7 +179,7 @@ def _rl_restore(offloader):
 def _inner_pre_hook(offloader, optimizer, *args) -> None:
     # torch's state_dict() returns references to the live tensors, which the caller may
     # write through, and load_state_dict() writes: either way the host copy is stale.
-    offloader._make_resident(changes=True)
+    offloader._make_resident(changes=True, replaced=True)
 
 
 def restore_step_tensors(optimizer, state_dict) -> None:

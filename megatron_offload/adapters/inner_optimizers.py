@@ -1,0 +1,156 @@
+"""How the inner optimizers of a DistributedOptimizer keep their per-parameter tensors.
+
+megatron-core's ``get_megatron_optimizer`` wraps one of three Adams (in order of preference):
+
+==========================  =================================================================
+Transformer Engine           ``state[p]``: ``exp_avg``, ``exp_avg_sq`` and, on the
+``FusedAdam`` (TE 2.x;       precision-aware path (``--use-precision-aware-optimizer``, master
+read from TE 2.17,           weights in the optimizer), ``master_param``; each shaped like ``p``
+the release megatron-core    (the bf16 parameter shard), created for every parameter of a group
+0.19 pins)                   at the first ``step()``. Dtypes: fp32; fp16 (value/scale, the fp32
+                             ``[1]`` scale in ``optimizer._scales[p][name]``); bf16 (plain);
+                             FP8 E4M3 (``exp_avg_dtype=torch.uint8``): a ``Float8Tensor``, a
+                             wrapper subclass whose ``.dtype`` reads float32 and whose bytes are
+                             in ``_data`` (uint8, ``p``'s shape) and ``_transpose`` (uint8, the
+                             same number of elements; allocated because TE creates the moment's
+                             quantizer with columnwise usage), with ``[1]`` tensors beside them
+                             (``_scale_inv``, the quantizer's ``scale`` and ``amax``).
+                             ``master_param`` is fp32 (fp16 with ``main_params_dtype=fp16``), or
+                             int16 low bits with ``store_param_remainders`` and bf16 params (the
+                             high bits are the bf16 parameter itself). No per-parameter step:
+                             ``group["step"]`` is an int.
+apex ``FusedAdam``           ``state[p]``: fp32 ``exp_avg``, ``exp_avg_sq`` created at the first
+                             step in which ``p`` has a gradient (not at all for parameters that
+                             never get one); ``group["step"]`` is an int; its own master weights
+                             (``param_groups_master``) are never enabled by megatron-core.
+``torch.optim.AdamW``        ``state[p]``: ``step`` (a scalar tensor), ``exp_avg``,
+(the fallback)               ``exp_avg_sq`` (and ``max_exp_avg_sq`` with amsgrad), fp32.
+==========================  =================================================================
+
+What is moved: every tensor holding per-element data of a parameter, that is each plain state
+tensor with as many elements as the parameter, and, for a quantized state (a tensor subclass
+such as ``Float8Tensor``), the plain data buffers inside it (``_data``, ``_transpose``, and the
+``_rowwise_data``/``_columnwise_data`` of TE's other quantized layouts) that have as many
+elements as the parameter. The wrapper object itself owns no memory and stays in the state, so
+the optimizer and its state-dict keys never notice. Scalars and ``[1]`` scales never move: they
+are tiny, and TE reads and writes them around every update.
+
+A tensor subclass whose layout is not known here is handed over as it is; the engine keeps
+such tensors resident and reports them (``kept_resident_bytes``) rather than guessing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+# Per-parameter state entries that are not moved, whatever their size.
+NEVER_MOVED = frozenset({"step"})
+# State entries that hold master weights rather than moments.
+MASTER_KEYS = frozenset({"master_param"})
+# Plain data buffers inside TE's quantized tensors (Float8Tensor: _data, _transpose; MXFP8 and
+# blockwise-FP8 tensors: _rowwise_data, _columnwise_data). Their scale tensors are not listed:
+# they are either [1] or a fraction of the parameter's size.
+QUANTIZED_DATA_ATTRS = ("_data", "_transpose", "_rowwise_data", "_columnwise_data")
+
+TE_FUSED_ADAM = "Transformer Engine FusedAdam"
+APEX_FUSED_ADAM = "apex FusedAdam"
+TORCH_ADAM = "torch Adam/AdamW"
+OTHER = "other"
+
+
+def is_plain(tensor) -> bool:
+    """A torch.Tensor (or Parameter) that is not a subclass: its memory is its storage."""
+    return type(tensor) in (torch.Tensor, torch.nn.Parameter)
+
+
+def quantized_buffers(value: torch.Tensor, numel: int) -> list[torch.Tensor] | None:
+    """The plain per-element buffers of a quantized tensor subclass, or None if not one.
+
+    ``numel`` is the parameter's element count: only buffers of that size are per-element data.
+    """
+    if is_plain(value):
+        return None
+    buffers = []
+    for name in QUANTIZED_DATA_ATTRS:
+        inner = getattr(value, name, None)
+        if isinstance(inner, torch.Tensor) and is_plain(inner) and inner.numel() == numel:
+            buffers.append(inner)
+    return buffers or None
+
+
+def state_tensors(param: torch.Tensor, entries) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(state key, tensor)`` for every per-element tensor of one parameter's state.
+
+    Keys are visited in sorted order and the buffers of a quantized state in a fixed order, so
+    an unchanged state yields the same tensors in the same order every time.
+    """
+    numel = param.numel()
+    for key in sorted(entries):
+        value = entries[key]
+        if key in NEVER_MOVED or not isinstance(value, torch.Tensor):
+            continue
+        buffers = quantized_buffers(value, numel)
+        if buffers is not None:
+            for buffer in buffers:
+                yield key, buffer
+        elif value.numel() == numel:
+            # A plain tensor, or a subclass of unknown layout (which the engine keeps resident).
+            yield key, value
+        # Anything else (scalars, [1] scales) stays where it is.
+
+
+def is_master_key(key: str) -> bool:
+    return key in MASTER_KEYS
+
+
+def kind_of(optimizer) -> str:
+    """Which of megatron-core's Adams ``optimizer`` is (by what it offers, not by import)."""
+    if all(hasattr(optimizer, name) for name in ("get_unscaled_state", "set_scaled_state", "name_to_dtype_map")):
+        return TE_FUSED_ADAM
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return TORCH_ADAM
+    if type(optimizer).__name__ == "FusedAdam":
+        return APEX_FUSED_ADAM
+    return OTHER
+
+
+@dataclass(frozen=True)
+class StateAccess:
+    """Methods of an inner optimizer that touch state tensor data outside ``step()``.
+
+    Calling any of them while the states are released reads or writes freed memory (on a CPU
+    this crashes the process; on a GPU it is an illegal memory access or silent corruption).
+
+    ``reads``: need the states on the device, do not change them (the host copy stays valid).
+    ``writes``: change states in place (the host copy is stale afterwards).
+    ``replaces``: put new tensor objects into the state (picked up at the next offload).
+    """
+
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+    replaces: tuple[str, ...]
+
+
+_TORCH_LIKE_ACCESS = StateAccess(
+    # torch's state_dict() returns the live state tensors themselves; callers read them.
+    reads=("state_dict",),
+    writes=(),
+    replaces=("load_state_dict",),
+)
+_TE_ACCESS = StateAccess(
+    # TE's state_dict() unscales every state (dequantizes FP8, reads fp16/bf16 data) and returns
+    # the live fp32/int16 tensors; get_unscaled_state reads, or returns the live tensor.
+    reads=("state_dict", "get_unscaled_state"),
+    # set_scaled_state copies into the existing tensor (and rescales it) when the state exists.
+    writes=("set_scaled_state",),
+    # load_state_dict rebuilds every state (and _scales) as new tensors; initialize_state too.
+    replaces=("load_state_dict", "initialize_state"),
+)
+
+
+def state_access(optimizer) -> StateAccess:
+    """The state-touching methods of ``optimizer`` (see ``StateAccess``)."""
+    return _TE_ACCESS if kind_of(optimizer) == TE_FUSED_ADAM else _TORCH_LIKE_ACCESS
