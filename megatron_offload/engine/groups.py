@@ -20,6 +20,9 @@ import torch
 #   RESIDENT --offload--> OFFLOADING --release--> RELEASED --reload--> RELOADING --wait--> RESIDENT
 
 
+ALIGN_BYTES = 16
+
+
 class Place(enum.Enum):
     RESIDENT = "resident"  # device memory valid, no copy pending
     OFFLOADING = "offloading"  # device memory valid, D2H into the host copy issued (or not needed)
@@ -63,11 +66,16 @@ class FlatGroup:
     h2d_event: Any = None  # pending H2D (device copy not yet ordered before the caller)
 
     def __post_init__(self) -> None:
+        # Every tensor starts on a 16-byte boundary of the flat storage, as a tensor of its
+        # own would (allocators align far more): vectorized optimizer and cast kernels
+        # (TE's, apex's multi-tensor apply) rely on it or fall back to slow paths. The group
+        # is padded to a multiple of 16 bytes too, so groups stay aligned in the host arena.
+        align = max(1, ALIGN_BYTES // self.itemsize)
         offset = 0
         self.offsets = []
         for tensor in self.tensors:
             self.offsets.append(offset)
-            offset += tensor.numel()
+            offset += -(-tensor.numel() // align) * align
         self.numel = offset
 
     @property

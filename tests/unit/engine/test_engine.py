@@ -13,6 +13,12 @@ from megatron_offload.engine import OffloadEngine, OffloadStateError, Place
 STATES, MASTERS = "optimizer_states", "primary_weights"
 
 
+def aligned(tensor_or_numel, itemsize=4):
+    """Bytes a tensor takes in a consolidated group: each starts on a 16-byte boundary."""
+    numel = tensor_or_numel if isinstance(tensor_or_numel, int) else tensor_or_numel.numel()
+    return -(-numel * itemsize // 16) * 16
+
+
 class Model:
     """Parameters + AdamW, with a collect() in the shape the adapters produce."""
 
@@ -121,7 +127,7 @@ def _masters_before_first_step():
     engine = OffloadEngine(CPUDevice(), off.collect)
     engine.offload()  # no moments exist yet: only the masters move
     engine.release()
-    only_masters = engine.stats()["offloaded_bytes"] == sum(p.numel() * 4 for p in off.params)
+    only_masters = engine.stats()["offloaded_bytes"] == sum(aligned(p) for p in off.params)
     released = all(p.untyped_storage().nbytes() == 0 for p in off.params)
     engine.reload()
     engine.wait()
@@ -239,7 +245,7 @@ def test_host_budget_is_checked_before_anything_is_allocated():
 
     model = Model()
     model.step()
-    need = sum(t.numel() * t.element_size() for _, t in model.collect())
+    need = sum(aligned(t) for _, t in model.collect())  # one fp32 group per kind
     engine = OffloadEngine(CPUDevice(), model.collect, budget=HostBudget(need - 1), name="optimizer 0")
     with pytest.raises(HostMemoryBudgetError, match=f"needs {need:,} bytes.*host_memory_budget={need - 1:,}"):
         engine.offload()
@@ -285,11 +291,13 @@ def _partial(fraction):
 def test_partial_offload_moves_the_largest_tensors_up_to_the_fraction(isolated, fraction):
     same, moved = isolated.run(_partial, fraction)
     assert same
-    total = 3 * 4 * (40 + 30 + 20 + 10)  # masters + two moments, fp32
-    # Largest first, whole tensors: 0.5 takes the three 40-element and the three 30-element
-    # tensors (840 of 1200 bytes would exceed 600, so: 3*160=480, then one 30: 600).
-    expected = {0.0: 0, 0.5: 600, 1.0: total}[fraction]
-    assert moved[-1] == (expected, total - expected)
+    sizes = (40, 30, 20, 10)  # masters + two moments of each, fp32: 1200 bytes
+    # Largest first, whole tensors, up to half of the 1200 bytes: the three 40-element
+    # tensors (480) and one 30-element tensor (600). In the device group each tensor starts
+    # 16-byte aligned, so 30 elements take 128 bytes there.
+    chosen = {0.0: [], 0.5: [40, 40, 40, 30], 1.0: [n for n in sizes for _ in range(3)]}[fraction]
+    kept = 1200 - 4 * sum(chosen)
+    assert moved[-1] == (sum(aligned(n) for n in chosen), kept)
 
 
 def test_offload_fraction_out_of_range_is_refused():
