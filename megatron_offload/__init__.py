@@ -12,14 +12,21 @@ The package is layered: ``device`` (the only code that knows accelerators), ``en
 from .config import OffloadConfig
 from .engine import HostMemoryBudgetError, OffloadStateError
 from .integration import OptimizerStateOffloader, attach
+from .integration.arguments import OffloadArgumentError, add_arguments, validate_args
+from .integration.training import patch_megatron, unpatch_megatron
 
 __version__ = "0.1.0"
 
 __all__ = [
     "HostMemoryBudgetError",
+    "OffloadArgumentError",
     "OffloadConfig",
     "OffloadStateError",
     "OptimizerStateOffloader",
+    "add_arguments",
     "attach",
+    "patch_megatron",
+    "unpatch_megatron",
+    "validate_args",
     "__version__",
 ]

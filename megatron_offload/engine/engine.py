@@ -185,6 +185,13 @@ class OffloadEngine:
             if group.place is not Place.OFFLOADING:
                 continue
             if group.flat is not None:
+                if not group.flat.untyped_storage().resizable():
+                    raise OffloadStateError(
+                        f"{self.name}: the memory of the {group.kind} ({group.dtype}) cannot be "
+                        "released because something made it non-resizable (on CPU, "
+                        "Tensor.numpy() of a state tensor does). Keep copies instead "
+                        "(tensor.clone().numpy()), or leave these states on the device."
+                    )
                 self.device.release(group.flat)
             else:
                 self._release_unconsolidated(group)
@@ -328,7 +335,7 @@ class OffloadEngine:
         """First release of tensors that still have the storages the optimizer made."""
         shared = {}
         for tensor in group.tensors:
-            if owns_storage(tensor):
+            if owns_storage(tensor) and tensor.untyped_storage().resizable():
                 self.device.release(tensor)
                 continue
             # Something else shares this storage (a view taken before we attached, or a

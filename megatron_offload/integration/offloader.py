@@ -149,6 +149,11 @@ class OptimizerStateOffloader:
         return tuple(self._engines)
 
     @property
+    def detached(self) -> bool:
+        """True once ``detach()`` ran: the optimizer is a plain optimizer again."""
+        return self._detached
+
+    @property
     def is_offloaded(self) -> bool:
         """True while some selected state has no device memory."""
         return any(engine.is_released() for engine in self._engines)

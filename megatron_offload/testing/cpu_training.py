@@ -1,14 +1,18 @@
 """Run megatron.training (``pretrain`` and its training loop) on CPU ranks with gloo.
 
 `install()` first installs `cpu_megatron` (the megatron-core redirects), then the few
-megatron.training-specific ones below, each found by leaving it out of a 2-rank
-``pretrain`` run with mock data (megatron-core 0.19.2). Nothing here is used by the offloader:
-it only lets the example script and the functional tests run the stock training loop on a
-machine without an accelerator. Call it only when no GPU exists.
+megatron.training-specific ones below, each found by leaving it out of a 2- or 4-rank
+``pretrain`` run with mock data on megatron-core 0.19.2 (it failed, or for the checkpoint
+Manager, cost seconds per rank). Nothing here is used by the offloader: it only lets the
+example script and the functional tests run the stock training loop on a machine without an
+accelerator. Call it only when no GPU exists.
 
-CLI flags a CPU run also needs (not redirects): ``--distributed-backend gloo
+What a CPU run also needs that is not a redirect: the flags ``--distributed-backend gloo
 --transformer-impl local --no-gradient-accumulation-fusion --no-persist-layer-norm
---no-masked-softmax-fusion`` and an ``--eval-interval`` (even with ``--eval-iters 0``).
+--no-masked-softmax-fusion`` and an ``--eval-interval`` (even with ``--eval-iters 0``), no
+``--sequence-parallel`` (torch's LayerNorm refuses it), ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with
+tensor parallelism (as on pre-Blackwell GPUs), and a pinned ``OMP_NUM_THREADS`` for results
+that do not depend on the thread count.
 """
 
 from __future__ import annotations
@@ -58,6 +62,20 @@ def install() -> None:
     _patch(initialize, 'initialize_megatron', wrapped)
     _patch(training, 'initialize_megatron', wrapped)
     _patch(megatron.training, 'initialize_megatron', wrapped)
+
+    # Needed with tensor (or context) parallelism: validate_args asks for the compute capability
+    # (torch.cuda.get_device_properties, which initializes CUDA). Report 0, "no CUDA arch":
+    # validation then takes the pre-Blackwell path, which wants CUDA_DEVICE_MAX_CONNECTIONS=1 in
+    # the environment exactly as on such GPUs.
+    import megatron.training.arguments as arguments
+    import megatron.training.utils as training_utils
+    import megatron.training.utils.common_utils as common_utils
+
+    def no_cuda_arch():
+        return 0
+
+    for owner in (arguments, training_utils, common_utils):
+        _patch(owner, 'get_device_arch_version', no_cuda_arch)
 
     # The first torch_dist checkpoint save creates a multiprocessing Manager for its write
     # results with the 'spawn' context, which re-imports __main__ (the whole training script,

@@ -453,7 +453,9 @@ class RankPool:
         return self
 
     def restart(self) -> 'RankPool':
-        self._kill()
+        # A healthy pool is closed gracefully, so the ranks exit normally (and whatever they
+        # record at exit, such as coverage data, is kept); a broken one is killed.
+        self.close()
         return self.start()
 
     def close(self) -> None:

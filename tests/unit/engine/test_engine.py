@@ -303,3 +303,17 @@ def test_partial_offload_moves_the_largest_tensors_up_to_the_fraction(isolated, 
 def test_offload_fraction_out_of_range_is_refused():
     with pytest.raises(ValueError, match="between 0 and 1"):
         OffloadEngine(CPUDevice(), lambda: [], fraction=1.5)
+
+
+def test_memory_made_non_resizable_is_refused_with_a_clear_error():
+    model = Model()
+    model.step()
+    engine = OffloadEngine(CPUDevice(), model.collect)
+    engine.offload()
+    engine.release()
+    engine.reload()  # consolidated now
+    engine.wait()
+    model.opt.state[model.params[0]]["exp_avg"].numpy()  # pins the group's storage on CPU
+    engine.offload()
+    with pytest.raises(OffloadStateError, match="non-resizable.*clone\\(\\).numpy\\(\\)"):
+        engine.release()

@@ -81,6 +81,8 @@ def test_config_from_args():
     OK_BASE + ['--cuda-graph-impl', 'local'],
     OK_BASE + ['--overlap-grad-reduce', '--overlap-param-gather'],
     OK_BASE + ['--use-precision-aware-optimizer'],
+    # megatron-core's offload_to_cpu/restore_from_cpu are routed to the offloader.
+    OK_BASE + ['--rl-offload-optimizer-during-inference'],
     ['--use-distributed-optimizer', '--optimizer-cpu-offload'],  # theirs alone is not ours to judge
 ], ids=lambda argv: ' '.join(argv) or 'no-flags')
 def test_accepted(megatron_parser, argv):
@@ -150,11 +152,6 @@ REFUSED = [
         [OFFLOAD_FLAG, '--reuse-grad-buf-for-mxfp8-param-ag', '--overlap-param-gather',
          'Add --no-offload-master-weights'],
         id='mxfp8-param-buffer-reuse'),
-    pytest.param(
-        OK_BASE + ['--rl-offload-optimizer-during-inference'],
-        [OFFLOAD_FLAG, '--rl-offload-optimizer-during-inference',
-         'Drop --rl-offload-optimizer-during-inference'],
-        id='rl-offload-optimizer'),
     pytest.param(
         OK_BASE + ['--freeze-all-layers'],
         [OFFLOAD_FLAG, '--freeze-all-layers', 'Drop one'],

@@ -54,6 +54,75 @@ def misuse_job():
     return found
 
 
+def more_misuse_job():
+    import copy
+    import functools
+
+    from tests.harness import models
+
+    chunks, optimizer, config = models.build("mlp", "bf16")
+    distrib = optimizer.chained_optimizers[0]
+    found = {}
+    mixed = copy.copy(optimizer)
+    mixed.chained_optimizers = [distrib, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)]
+    found["chained_with_other"] = _error(lambda: megatron_offload.attach(mixed))
+    for flag, obj in (("optimizer_cuda_graph", distrib.config), ("use_megatron_fsdp", distrib.ddp_config)):
+        setattr(obj, flag, True)
+        found[flag] = _error(lambda: megatron_offload.attach(optimizer))
+        setattr(obj, flag, False)
+
+    # Another wrapper already on step / state_dict: attach chains it, detach restores it.
+    outer_step = functools.partial(type(optimizer).step, optimizer)
+    optimizer.step = outer_step
+    outer_state_dict = functools.partial(type(optimizer).state_dict, optimizer)
+    optimizer.state_dict = outer_state_dict
+
+    # The upstream call sequence, by hand.
+    offloader = megatron_offload.OptimizerStateOffloader(optimizer)
+    models.train_step(chunks, optimizer, config, 0)  # not attached: nothing automatic
+    found["resident_without_attach"] = not offloader.is_offloaded
+    offloader.offload(offload_optimizer_states=True, offload_primary_weights=False)
+    offloader.release_gpu_memory()
+    found["moments_only"] = offloader.stats()["offloaded_bytes"] * 3 == offloader.stats()["tracked_bytes"] * 2
+    offloader.offload()
+    offloader.mark_optimizer_states_initialized()
+    offloader.reload()
+    offloader.sync_before_step()
+    found["reloaded"] = not offloader.is_offloaded
+    # A step of the inner optimizer called directly while offloaded reloads by itself.
+    offloader.offload()
+    offloader.detach_error = _error(offloader.detach)
+    offloader.reload()
+    offloader.wait()
+    offloader.detach()
+    offloader.detach()  # twice is harmless
+    found["restored"] = vars(optimizer).get("step") is outer_step and vars(optimizer).get("state_dict") is outer_state_dict
+    found["repr"] = repr(offloader)
+
+    attached = megatron_offload.attach(optimizer)
+    models.train_step(chunks, optimizer, config, 1)
+    found["offloaded"] = attached.is_offloaded
+    for group in distrib.optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p) if p.untyped_storage().nbytes() else None
+    distrib.optimizer.step()  # the pre-hook brings the states back before the update
+    found["inner_step_reloaded"] = not attached.is_offloaded
+    return found
+
+
+def test_more_misuse_and_the_upstream_call_sequence(rank_pool):
+    found = rank_pool.run(more_misuse_job)[0]
+    kind, message = found["chained_with_other"]
+    assert kind == "TypeError" and "SGD" in message
+    kind, message = found["optimizer_cuda_graph"]
+    assert kind == "ValueError" and "--optimizer-cuda-graph" in message
+    kind, message = found["use_megatron_fsdp"]
+    assert kind == "ValueError" and "--use-megatron-fsdp" in message
+    assert found["resident_without_attach"] and found["moments_only"] and found["reloaded"]
+    assert found["restored"] and found["repr"].startswith("OptimizerStateOffloader(OffloadEngine(")
+    assert found["offloaded"] and found["inner_step_reloaded"]
+
+
 def test_misuse_is_refused_with_clear_messages(rank_pool):
     found = rank_pool.run(misuse_job)[0]
     kind, message = found["not_distributed"]
@@ -81,11 +150,24 @@ def test_misuse_is_refused_with_clear_messages(rank_pool):
     assert found["reattached_offloads"]
 
 
-def test_config_refuses_non_boolean_selection():
+def test_config_refuses_bad_values_naming_the_option():
     with pytest.raises(TypeError, match="offload_optimizer_states must be True or False"):
         OffloadConfig(offload_optimizer_states=1)
     with pytest.raises(TypeError, match="callable"):
         OffloadConfig(device_factory="cuda")
+    with pytest.raises(ValueError, match="offload_fraction must be a number from 0 to 1"):
+        OffloadConfig(offload_fraction=2)
+    with pytest.raises(ValueError, match="host_memory_budget must be a number of bytes"):
+        OffloadConfig(host_memory_budget=-1)
+    with pytest.raises(TypeError, match="per_optimizer keys are optimizer indices"):
+        OffloadConfig(per_optimizer={"experts": {}})
+    with pytest.raises(TypeError, match=r"per_optimizer\[1\] must be a dict"):
+        OffloadConfig(per_optimizer={1: True})
+    with pytest.raises(TypeError, match="unknown option 'offload_fraction'"):
+        OffloadConfig(per_optimizer={1: {"offload_fraction": 0.5}})
+    with pytest.raises(TypeError, match=r"\[1\]\['offload_primary_weights'\] must be True or False"):
+        OffloadConfig(per_optimizer={1: {"offload_primary_weights": "no"}})
+    assert OffloadConfig(per_optimizer={1: {"offload_primary_weights": False}}).kinds(1) == ("optimizer_states",)
 
 
 def test_offload_state_error_is_a_runtime_error():

@@ -166,7 +166,9 @@ def test_prefetch_wraps_finalize_and_restores_it(megatron_args, builder_hook):
         events.append('builder finalize')
 
     module = argparse.Namespace(finalize_model_grads=finalize_model_grads)
-    config = argparse.Namespace(finalize_model_grads_func=builder_finalize if builder_hook else None)
+    config = argparse.Namespace(
+        finalize_model_grads_func=builder_finalize if builder_hook else None
+    )
     before = config.finalize_model_grads_func
     assert _call_train(hooks._wrap_train(_train, module), optimizer, config) == 'trained'
     name = 'builder finalize' if builder_hook else 'default finalize'
@@ -203,7 +205,7 @@ def test_prefetch_skips_a_detached_offloader():
     assert events == ['finalize']
 
 
-def test_checkpoints_run_with_resident_states():
+def test_checkpoints_run_with_resident_states(megatron_args):
     events = []
     optimizer = FakeOptimizer(FakeOffloader(events))
 
@@ -225,6 +227,19 @@ def test_checkpoints_run_with_resident_states():
         ('resident', False), 'load', ('offloaded again', False),
         'save',
     ]
+
+
+def test_asynchronous_saves_that_keep_references_are_left_to_the_guard(megatron_args):
+    events = []
+    optimizer = FakeOptimizer(FakeOffloader(events))
+    save = hooks._wrap_checkpoint(lambda iteration, model, optimizer: events.append('save'),
+                                  read_only=True)
+    megatron_args.async_save, megatron_args.async_strategy = True, 'mcore'
+    save(1, [], optimizer)  # megatron-core's own async save stages the tensors before returning
+    megatron_args.async_strategy = 'nvrx'
+    save(2, [], optimizer)  # may hold references: not offloaded again behind its back
+    assert events == [('resident', True), 'save', ('offloaded again', True), 'save']
+    assert hooks.save_is_staged_on_return(argparse.Namespace())
 
 
 def test_training_log_logs_at_each_log_interval(megatron_args, monkeypatch):
@@ -345,3 +360,50 @@ def test_hooks_on_a_real_distributed_optimizer(rank_pool):
     most = max(rank['own_offloaded_bytes'] for rank in offloaded)
     assert all(rank['figures']['offloaded_gib'] == most / (1 << 30) for rank in offloaded)
     assert offloaded[0]['printed'] == offloaded[1]['printed']
+
+
+# ----------------------------------------------------------------------------- the launcher
+def test_launcher_usage_and_errors(capsys):
+    from megatron_offload import launch
+
+    with pytest.raises(SystemExit) as exit_info:
+        launch.main([])
+    assert exit_info.value.code == 2
+    with pytest.raises(SystemExit) as exit_info:
+        launch.main(['--help'])
+    assert exit_info.value.code == 0
+    assert 'megatron_offload.launch SCRIPT.py' in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        launch.main(['/no/such/script.py'])
+    assert exit_info.value.code == 2
+    assert 'no such script' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('as_module', [False, True])
+def test_launcher_patches_then_runs_the_script_as_main(megatron_training, tmp_path, monkeypatch,
+                                                         as_module):
+    import json
+    import sys
+
+    from megatron_offload import launch
+
+    script = tmp_path / 'my_pretrain.py'
+    out = tmp_path / 'out.json'
+    script.write_text(
+        'import json, sys\n'
+        'from megatron_offload.integration import training\n'
+        'if __name__ == "__main__":\n'
+        '    record = {"argv": sys.argv[1:], "patched": training.is_patched()}\n'
+        f'    json.dump(record, open({str(out)!r}, "w"))\n'
+    )
+    monkeypatch.setattr(sys, 'argv', list(sys.argv))
+    monkeypatch.setattr(sys, 'path', list(sys.path))
+    if as_module:
+        monkeypatch.syspath_prepend(str(tmp_path))
+        launch.main(['-m', 'my_pretrain', '--offload-optimizer-states', '--lr', '1e-4'])
+    else:
+        launch.main([str(script), '--offload-optimizer-states', '--lr', '1e-4'])
+    assert json.loads(out.read_text()) == {
+        'argv': ['--offload-optimizer-states', '--lr', '1e-4'], 'patched': True,
+    }
+    sys.modules.pop('my_pretrain', None)

@@ -1,0 +1,239 @@
+"""Command-line flags for Megatron's argument parser, and their validation.
+
+``add_arguments(parser)`` has the signature of Megatron's ``extra_args_provider`` (it returns
+the parser), so a script can pass it to ``parse_and_validate_args`` directly;
+``patch_megatron()`` adds the same flags to every Megatron parser. ``validate_args(args)``
+raises ``OffloadArgumentError`` (a ``ValueError``) for every combination that cannot work,
+naming both flags and what to do instead. It reads only ``args``, so it runs (and fails)
+before any process group, model or optimizer exists, and it accepts the namespace both before
+and after Megatron's own ``validate_args`` (which derives some flags from others).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..config import OffloadConfig
+
+OFFLOAD_FLAG = '--offload-optimizer-states'
+
+# Tuning flags: (option, dest). All are "--no-..." switches whose default is True, so a False
+# value means the user passed the flag.
+TUNING_FLAGS = (
+    ('--no-offload-moments', 'offload_moments'),
+    ('--no-offload-master-weights', 'offload_master_weights'),
+    ('--no-offload-release-master-grads', 'offload_release_master_grads'),
+    ('--no-offload-prefetch', 'offload_prefetch'),
+    ('--no-log-offload-stats', 'log_offload_stats'),
+)
+
+__all__ = [
+    'OFFLOAD_FLAG',
+    'OffloadArgumentError',
+    'add_arguments',
+    'config_from_args',
+    'offload_enabled',
+    'validate_args',
+]
+
+
+class OffloadArgumentError(ValueError):
+    """A command line that optimizer-state offloading cannot run with."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--offload-optimizer-states`` and its tuning flags to ``parser``; returns it.
+
+    Usable as Megatron's ``extra_args_provider``. Adding them twice to the same parser is a
+    no-op (so a script's own provider and ``patch_megatron()`` do not collide).
+    """
+    if OFFLOAD_FLAG in parser._option_string_actions:
+        return parser
+    group = parser.add_argument_group(title='optimizer state offloading (megatron-offload)')
+    group.add_argument(
+        OFFLOAD_FLAG,
+        action='store_true',
+        help='Keep the distributed optimizer\'s states (Adam\'s exp_avg and exp_avg_sq) and '
+        'fp32 master weights in host memory between optimizer steps: they are copied to the '
+        'host after each step, their device memory is freed, and they are copied back while '
+        'the gradients are reduced. The update itself still runs on the accelerator and '
+        'gives bitwise the same results. Requires --use-distributed-optimizer and '
+        '--optimizer adam; not with --optimizer-cpu-offload, which runs Adam on the CPU.',
+    )
+    group.add_argument(
+        '--no-offload-moments',
+        action='store_false',
+        dest='offload_moments',
+        help='With --offload-optimizer-states: keep Adam\'s moments (exp_avg, exp_avg_sq) '
+        'on the accelerator and offload only the fp32 master weights (needs --bf16 or '
+        '--fp16, without which there are no separate master weights).',
+    )
+    group.add_argument(
+        '--no-offload-master-weights',
+        action='store_false',
+        dest='offload_master_weights',
+        help='With --offload-optimizer-states: keep the fp32 master weights on the '
+        'accelerator and offload only the optimizer states.',
+    )
+    group.add_argument(
+        '--no-offload-release-master-grads',
+        action='store_false',
+        dest='offload_release_master_grads',
+        help='With --offload-optimizer-states: keep the .grad of the fp32 master-weight '
+        'shards between steps instead of dropping it after the step (zero_grad drops it '
+        'before the next backward anyway).',
+    )
+    group.add_argument(
+        '--no-offload-prefetch',
+        action='store_false',
+        dest='offload_prefetch',
+        help='With --offload-optimizer-states: do not start copying the states back in '
+        'finalize_model_grads (overlapping the gradient reduction); copy them back when '
+        'the optimizer step starts instead.',
+    )
+    group.add_argument(
+        '--no-log-offload-stats',
+        action='store_false',
+        dest='log_offload_stats',
+        help='With --offload-optimizer-states: do not print the offloaded/host GiB and '
+        'copy milliseconds at each --log-interval (nor write them to TensorBoard/W&B).',
+    )
+    return parser
+
+
+def offload_enabled(args) -> bool:
+    """True when ``args`` asks for optimizer-state offloading."""
+    return bool(getattr(args, 'offload_optimizer_states', False))
+
+
+def _refuse(message: str) -> None:
+    raise OffloadArgumentError(message)
+
+
+def _mixed_precision(args) -> bool:
+    return bool(getattr(args, 'bf16', False) or getattr(args, 'fp16', False))
+
+
+def _cuda_graph_impl(args) -> str:
+    impl = getattr(args, 'cuda_graph_impl', 'none') or 'none'
+    # Before Megatron's validate_args: --enable-cuda-graph with the deprecated scope
+    # 'full_iteration' is migrated to --cuda-graph-impl full_iteration.
+    scopes = getattr(args, 'cuda_graph_scope_deprecated', None) or []
+    if getattr(args, 'enable_cuda_graph', False) and any(
+        str(scope) == 'full_iteration' for scope in scopes
+    ):
+        return 'full_iteration'
+    return str(impl)
+
+
+def validate_args(args) -> None:
+    """Refuse (``OffloadArgumentError``) every combination offloading cannot work with.
+
+    A no-op without ``--offload-optimizer-states``, except that the tuning flags are refused
+    without it. Reads attributes with defaults, so namespaces from other parsers work too.
+    """
+    enabled = offload_enabled(args)
+    if not enabled:
+        used = [flag for flag, dest in TUNING_FLAGS if getattr(args, dest, True) is False]
+        if used:
+            _refuse(
+                f'{used[0]} has no effect without {OFFLOAD_FLAG}: add {OFFLOAD_FLAG} to '
+                f'offload optimizer states, or drop {" and ".join(used)}.'
+            )
+        return
+
+    if getattr(args, 'optimizer_cpu_offload', False):
+        _refuse(
+            f'{OFFLOAD_FLAG} and --optimizer-cpu-offload are mutually exclusive: '
+            '--optimizer-cpu-offload runs Adam on the CPU (HybridDeviceOptimizer), while '
+            f'{OFFLOAD_FLAG} keeps the update on the accelerator and parks the states in host '
+            'memory only between steps. Use one of them: drop --optimizer-cpu-offload to keep '
+            f'the update on the accelerator, or drop {OFFLOAD_FLAG}.'
+        )
+    if getattr(args, 'use_megatron_fsdp', False) or getattr(args, 'use_custom_fsdp', False):
+        _refuse(
+            f'{OFFLOAD_FLAG} does not support Megatron-FSDP (--use-megatron-fsdp), whose '
+            'optimizer states live in its own sharded buffers. Drop --use-megatron-fsdp and '
+            'train with --use-distributed-optimizer, or drop '
+            f'{OFFLOAD_FLAG}.'
+        )
+    if getattr(args, 'use_torch_fsdp2', False):
+        _refuse(
+            f'{OFFLOAD_FLAG} does not support torch FSDP2 (--use-torch-fsdp2), which does not '
+            "use megatron-core's DistributedOptimizer. Drop --use-torch-fsdp2 and train with "
+            f'--use-distributed-optimizer, or drop {OFFLOAD_FLAG}.'
+        )
+    optimizer = getattr(args, 'optimizer', 'adam')
+    if optimizer != 'adam':
+        _refuse(
+            f'{OFFLOAD_FLAG} supports only --optimizer adam, not --optimizer {optimizer}: it '
+            "moves the states of megatron-core's Adam inside the DistributedOptimizer. Use "
+            f'--optimizer adam (the default), or drop {OFFLOAD_FLAG}.'
+        )
+    if getattr(args, 'freeze_all_layers', False):
+        _refuse(
+            f'{OFFLOAD_FLAG} cannot be combined with --freeze-all-layers, which turns the '
+            'distributed optimizer off (and leaves no optimizer state to offload). Drop one '
+            'of them.'
+        )
+    if not getattr(args, 'use_distributed_optimizer', False):
+        _refuse(
+            f'{OFFLOAD_FLAG} requires --use-distributed-optimizer: it offloads the states of '
+            "megatron-core's DistributedOptimizer. Add --use-distributed-optimizer, or drop "
+            f'{OFFLOAD_FLAG}.'
+        )
+    if getattr(args, 'optimizer_cuda_graph', False):
+        _refuse(
+            f'{OFFLOAD_FLAG} cannot be combined with --optimizer-cuda-graph: a captured '
+            'optimizer step replays fixed device addresses, while offloading frees the state '
+            'memory after every step and allocates it again before the next. Drop '
+            f'--optimizer-cuda-graph, or drop {OFFLOAD_FLAG}.'
+        )
+    if _cuda_graph_impl(args) == 'full_iteration' and getattr(args, 'offload_prefetch', True):
+        _refuse(
+            f'{OFFLOAD_FLAG} prefetches the states inside finalize_model_grads, which '
+            '--cuda-graph-impl full_iteration captures into its graph (the copies would be '
+            'replayed into stale memory). Add --no-offload-prefetch to copy them back at the '
+            'optimizer step, outside the graph, or use another --cuda-graph-impl.'
+        )
+    offload_masters = getattr(args, 'offload_master_weights', True)
+    if offload_masters and _mixed_precision(args):
+        if getattr(args, 'qk_clip', False):
+            _refuse(
+                f'{OFFLOAD_FLAG} cannot be combined with --qk-clip while master weights are '
+                'offloaded: QK-clip rewrites the fp32 master weights after the optimizer step, '
+                'when they are already in host memory. Add --no-offload-master-weights, or drop '
+                '--qk-clip.'
+            )
+        if getattr(args, 'reuse_grad_buf_for_mxfp8_param_ag', False) and getattr(
+            args, 'overlap_param_gather', False
+        ):
+            _refuse(
+                f'{OFFLOAD_FLAG} cannot be combined with --reuse-grad-buf-for-mxfp8-param-ag '
+                'and --overlap-param-gather while master weights are offloaded: the training '
+                'step copies the fp32 master weights into the parameter buffer before the '
+                'forward pass, when they are in host memory. Add --no-offload-master-weights, '
+                'or drop --reuse-grad-buf-for-mxfp8-param-ag.'
+            )
+    offload_moments = getattr(args, 'offload_moments', True)
+    if not offload_moments and not offload_masters:
+        _refuse(
+            f'{OFFLOAD_FLAG} with both --no-offload-moments and --no-offload-master-weights '
+            'has nothing to offload. Drop one of them (or drop '
+            f'{OFFLOAD_FLAG}).'
+        )
+    if not offload_moments and not _mixed_precision(args):
+        _refuse(
+            f'{OFFLOAD_FLAG} with --no-offload-moments offloads only the fp32 master weights, '
+            'which exist only with --bf16 or --fp16 (an fp32 model updates its parameters '
+            'directly). Add --bf16 or --fp16, or drop --no-offload-moments.'
+        )
+
+
+def config_from_args(args) -> OffloadConfig:
+    """The ``OffloadConfig`` the flags in ``args`` select."""
+    return OffloadConfig(
+        offload_optimizer_states=bool(getattr(args, 'offload_moments', True)),
+        offload_primary_weights=bool(getattr(args, 'offload_master_weights', True)),
+        release_master_grads=bool(getattr(args, 'offload_release_master_grads', True)),
+    )

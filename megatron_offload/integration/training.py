@@ -1,0 +1,472 @@
+"""``--offload-optimizer-states`` for megatron.training's own training loop.
+
+``patch_megatron()`` turns any script built on ``megatron.training`` (``pretrain`` and
+``parse_and_validate_args``) into an offloading one when it is run with
+``--offload-optimizer-states``, without editing Megatron's sources::
+
+    import megatron_offload
+    megatron_offload.patch_megatron()      # at the top of a pretrain script
+    # or: python -m megatron_offload.launch pretrain_gpt.py <flags> --offload-optimizer-states
+
+It replaces a few module globals that megatron.training looks up at call time:
+
+==================================================  =======================================
+``arguments.add_megatron_arguments``                 also adds this project's flags
+``arguments.validate_args``                          refuses impossible combinations, before
+                                                     and after Megatron's own checks
+``training.setup_model_and_optimizer``               ``attach`` to the optimizer it returns
+``training.train``                                   wraps ``config.finalize_model_grads_func``
+                                                     (keeping one a builder set) so the reload
+                                                     starts while the gradients are reduced
+``training.save_checkpoint`` / ``load_checkpoint``   run with the states resident, and
+                                                     offloaded again right after
+``training.calc_params_l2_norm``                     runs with the master weights resident
+``training.training_log``                            one line of offload figures per log
+                                                     interval, and TensorBoard/W&B scalars
+==================================================  =======================================
+
+Without the checkpoint wrappers the offloader's own state-access guard would still bring
+the states back when a checkpoint reads them, but keep them on the device until the next
+step's offload, that is through the next forward and backward.
+
+The per-step cycle itself is ``attach``'s: reload at ``optimizer.step()`` if nothing
+prefetched, the update waits for the copy, offload after the step. Every wrapper is a
+pass-through unless the run has ``--offload-optimizer-states`` and an attached offloader, so
+patching is harmless for runs without the flag. ``patch_megatron()`` is idempotent;
+``unpatch_megatron()`` restores the originals.
+
+The helpers below (``attach_for_training``, ``install_prefetch``, ``checkpoint_residency``,
+``log_for_megatron``, ...) are also what the source patches in ``patches/`` call, so both
+routes share one implementation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import weakref
+
+from .arguments import add_arguments, config_from_args, offload_enabled, validate_args
+from .attach import attach
+
+__all__ = [
+    'attach_for_training',
+    'attach_from_optimizer_config',
+    'checkpoint_residency',
+    'find_offloader',
+    'format_offload_stats',
+    'install_prefetch',
+    'is_patched',
+    'log_for_megatron',
+    'log_offload_stats',
+    'master_weights_residency',
+    'offload_figures',
+    'patch_megatron',
+    'prefetching_finalize',
+    'save_is_staged_on_return',
+    'unpatch_megatron',
+]
+
+_MARK = '__megatron_offload_wrapper__'
+# (module, attribute name) -> original value, for unpatch_megatron().
+_ORIGINALS: dict = {}
+# Offloaders attached by this module (for hooks that do not receive the optimizer).
+_ATTACHED: list = []
+
+GIB = float(1 << 30)
+SCALAR_NAMES = {
+    'offloaded_gib': 'optimizer-offload/offloaded-GiB',
+    'host_gib': 'optimizer-offload/host-GiB',
+    'd2h_ms': 'optimizer-offload/d2h-ms',
+    'h2d_ms': 'optimizer-offload/h2d-ms',
+}
+
+
+# ---------------------------------------------------------------------------------- helpers
+def find_offloader(optimizer):
+    """The offloader attached to ``optimizer`` (or to one of its chained optimizers), or None."""
+    if optimizer is None:
+        return None
+    candidates = [optimizer] + list(getattr(optimizer, 'chained_optimizers', None) or [])
+    for candidate in candidates:
+        offloader = getattr(candidate, '_state_offloader', None)
+        if offloader is not None:
+            return offloader
+    return None
+
+
+def _active_offloaders() -> list:
+    alive = []
+    for ref in list(_ATTACHED):
+        offloader = ref()
+        if offloader is None or offloader.detached:
+            _ATTACHED.remove(ref)
+        else:
+            alive.append(offloader)
+    return alive
+
+
+def attach_for_training(optimizer, args):
+    """Attach an offloader configured by ``args`` to ``optimizer`` (once); returns it.
+
+    Returns None without ``--offload-optimizer-states`` or without an optimizer
+    (``--skip-train``). An offloader already attached (for example by a patched
+    ``get_megatron_optimizer``) is reused.
+    """
+    if optimizer is None or not offload_enabled(args):
+        return None
+    offloader = find_offloader(optimizer)
+    if offloader is None:
+        offloader = attach(optimizer, config_from_args(args))
+        _print_rank_0(
+            '> optimizer-state offloading: '
+            f'{len(offloader.engines)} distributed optimizer(s); states are kept in host '
+            'memory between optimizer steps'
+            + ('' if getattr(args, 'offload_prefetch', True) else ' (no prefetch)')
+        )
+    if not any(o is offloader for o in _active_offloaders()):
+        _ATTACHED.append(weakref.ref(offloader))
+    return offloader
+
+
+def attach_from_optimizer_config(optimizer, config):
+    """For a patched ``get_megatron_optimizer``: attach when ``config.offload_optimizer_states``.
+
+    ``OptimizerConfig`` fields of a patched megatron-core carry the flags' names
+    (``offload_optimizer_states``, ``offload_moments``, ``offload_master_weights``,
+    ``offload_release_master_grads``), so the config stands in for the arguments.
+    """
+    return attach_for_training(optimizer, config)
+
+
+def install_prefetch(config, optimizer, args) -> bool:
+    """Wrap ``config.finalize_model_grads_func`` (after ``train()`` set its default) so the
+    reload of ``optimizer``'s states starts while the gradients are reduced.
+
+    Returns whether it wrapped (not without an attached offloader or with
+    ``--no-offload-prefetch``). Idempotent.
+    """
+    offloader = find_offloader(optimizer)
+    if offloader is None or not getattr(args, 'offload_prefetch', True):
+        return False
+    if config.finalize_model_grads_func is None:
+        from megatron.core.distributed import finalize_model_grads
+
+        config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = prefetching_finalize(
+        config.finalize_model_grads_func, offloader
+    )
+    return True
+
+
+def log_for_megatron(iteration: int) -> None:
+    """One offload line (and TensorBoard/W&B scalars) for ``iteration``, if the run offloads
+    and logs offload stats. Call it on every rank at the same iterations (it is collective)."""
+    from megatron.training.global_vars import get_args, get_tensorboard_writer, get_wandb_writer
+
+    args = get_args()
+    if not offload_enabled(args) or not getattr(args, 'log_offload_stats', True):
+        return
+    offloaders = _active_offloaders()
+    if not offloaders:
+        return
+    log_offload_stats(
+        iteration, offloaders[-1], writer=get_tensorboard_writer(), wandb_writer=get_wandb_writer()
+    )
+
+
+def prefetching_finalize(finalize_model_grads_func, offloader):
+    """``finalize_model_grads_func`` that first starts reloading the offloaded states.
+
+    The reload is asynchronous on accelerators, so the copy overlaps the gradient reduction
+    ``finalize_model_grads`` waits for; the optimizer step orders itself after it.
+    """
+    if getattr(finalize_model_grads_func, _MARK, None) == 'prefetch':
+        return finalize_model_grads_func
+
+    @functools.wraps(finalize_model_grads_func)
+    def finalize_model_grads(*args, **kwargs):
+        if offloader.is_offloaded and find_offloader(offloader.optimizer) is offloader:
+            offloader.reload()
+        return finalize_model_grads_func(*args, **kwargs)
+
+    setattr(finalize_model_grads, _MARK, 'prefetch')
+    finalize_model_grads.__wrapped_finalize__ = finalize_model_grads_func
+    return finalize_model_grads
+
+
+def save_is_staged_on_return(args) -> bool:
+    """Whether ``save_checkpoint`` has copied out every tensor it writes when it returns.
+
+    True for synchronous saves and for megatron-core's own asynchronous saves (``mcore``
+    strategy: the D2H staging finishes inside ``save_checkpoint``, before the background
+    write). Other asynchronous writers may still hold references to the device tensors.
+    """
+    if not getattr(args, 'async_save', False):
+        return True
+    return getattr(args, 'async_strategy', 'mcore') == 'mcore'
+
+
+@contextlib.contextmanager
+def checkpoint_residency(optimizer, *, read_only: bool, args=None):
+    """The optimizer's states on the device for a checkpoint save (``read_only=True``) or
+    load, offloaded again right after it (so the next iteration's forward and backward do not
+    run with the states on the device).
+
+    For a save the host copy stays valid. A save whose writer may keep references after it
+    returns (an asynchronous save other than megatron-core's own) is left to the offloader's
+    state-access guard, which brings the states back when the save reads them and keeps
+    them on the device until the next step's offload.
+    """
+    offloader = find_offloader(optimizer)
+    if args is None:
+        args = _megatron_args_or_none()
+    if offloader is None or (read_only and args is not None
+                             and not save_is_staged_on_return(args)):
+        yield offloader
+        return
+    with offloader.resident(read_only=read_only):
+        yield offloader
+
+
+@contextlib.contextmanager
+def master_weights_residency():
+    """Offloaded states (the master weights among them) on the device for code that reads the
+    master weights directly (the params norm), offloaded again after it without a copy."""
+    with contextlib.ExitStack() as stack:
+        for offloader in _active_offloaders():
+            if offloader.is_offloaded:
+                stack.enter_context(offloader.resident(read_only=True))
+        yield
+
+
+def offload_figures(stats: dict) -> dict:
+    """The logged figures from ``OptimizerStateOffloader.stats()``."""
+    return {
+        'offloaded_gib': stats['offloaded_bytes'] / GIB,
+        'host_gib': stats['host_bytes'] / GIB,
+        'd2h_ms': stats['offload_seconds'] * 1e3,
+        'h2d_ms': stats['reload_seconds'] * 1e3,
+    }
+
+
+def format_offload_stats(iteration: int, figures: dict, *, ranks: int = 1) -> str:
+    """The log line (one per log interval)."""
+    scope = f' (max over {ranks} ranks)' if ranks > 1 else ''
+    return (
+        f' [optimizer-state offload] iteration {iteration:8d} |'
+        f' offloaded: {figures["offloaded_gib"]:.6f} GiB |'
+        f' host: {figures["host_gib"]:.6f} GiB |'
+        f' D2H: {figures["d2h_ms"]:.3f} ms |'
+        f' H2D: {figures["h2d_ms"]:.3f} ms |{scope}'
+    )
+
+
+def _max_over_ranks(values: list) -> tuple[list, int]:
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values, 1
+    # NCCL reduces device tensors only; gloo host tensors.
+    nccl = dist.get_backend() == 'nccl'
+    device = torch.device('cuda', torch.cuda.current_device()) if nccl else torch.device('cpu')
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist(), dist.get_world_size()
+
+
+def log_offload_stats(iteration: int, offloader, *, writer=None, wandb_writer=None, printer=None):
+    """Print the figures of ``offloader`` (max over ranks) and write them as scalars.
+
+    Collective when torch.distributed is initialized: every rank must call it at the same
+    iterations (megatron.training calls ``training_log`` on every rank).
+    """
+    figures = offload_figures(offloader.stats())
+    keys = list(figures)
+    values, ranks = _max_over_ranks([figures[k] for k in keys])
+    figures = dict(zip(keys, values))
+    (printer or _print_rank_last)(format_offload_stats(iteration, figures, ranks=ranks))
+    if writer is not None:
+        for key, value in figures.items():
+            writer.add_scalar(SCALAR_NAMES[key], value, iteration)
+    if wandb_writer is not None:
+        wandb_writer.log({SCALAR_NAMES[key]: value for key, value in figures.items()}, iteration)
+    return figures
+
+
+def _print_rank_0(message: str) -> None:
+    try:
+        from megatron.training.utils import print_rank_0
+    except ImportError:  # megatron-core without megatron.training
+        print(message, flush=True)
+        return
+    print_rank_0(message)
+
+
+def _print_rank_last(message: str) -> None:
+    try:
+        from megatron.training.utils import print_rank_last
+    except ImportError:
+        print(message, flush=True)
+        return
+    print_rank_last(message)
+
+
+def _get_args():
+    from megatron.training.global_vars import get_args
+
+    return get_args()
+
+
+def _megatron_args_or_none():
+    try:
+        from megatron.training.global_vars import _GLOBAL_ARGS
+    except ImportError:
+        return None
+    return _GLOBAL_ARGS
+
+
+@functools.lru_cache(maxsize=None)
+def _signature(function) -> inspect.Signature:
+    return inspect.signature(function)
+
+
+def _bound(function, args, kwargs) -> dict:
+    """The arguments of a call of ``function`` by parameter name."""
+    return _signature(function).bind_partial(*args, **kwargs).arguments
+
+
+# --------------------------------------------------------------------------------- wrappers
+def _wrap_add_megatron_arguments(original):
+    @functools.wraps(original)
+    def add_megatron_arguments(parser, *args, **kwargs):
+        parser = original(parser, *args, **kwargs)
+        return add_arguments(parser)
+
+    return add_megatron_arguments
+
+
+def _wrap_validate_args(original):
+    @functools.wraps(original)
+    def megatron_validate_args(args, *rest, **kwargs):
+        validate_args(args)  # clear messages before Megatron's own assertions
+        result = original(args, *rest, **kwargs)
+        validate_args(args)  # and for what Megatron derived (FSDP, --freeze-all-layers, ...)
+        return result
+
+    return megatron_validate_args
+
+
+def _wrap_setup_model_and_optimizer(original):
+    @functools.wraps(original)
+    def setup_model_and_optimizer(*args, **kwargs):
+        result = original(*args, **kwargs)
+        megatron_args = _get_args()
+        if offload_enabled(megatron_args):
+            attach_for_training(result[1], megatron_args)
+        return result
+
+    return setup_model_and_optimizer
+
+
+def _wrap_train(original, module):
+    @functools.wraps(original)
+    def train(*args, **kwargs):
+        named = _bound(original, args, kwargs)
+        optimizer, config = named.get('optimizer'), named.get('config')
+        if config is None or find_offloader(optimizer) is None:
+            return original(*args, **kwargs)
+        previous = config.finalize_model_grads_func
+        if previous is None:
+            # What train() would install; a hook a model builder set is kept (and wrapped).
+            config.finalize_model_grads_func = module.finalize_model_grads
+        if not install_prefetch(config, optimizer, _get_args()):
+            config.finalize_model_grads_func = previous
+            return original(*args, **kwargs)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            config.finalize_model_grads_func = previous
+
+    return train
+
+
+def _wrap_checkpoint(original, *, read_only: bool):
+    @functools.wraps(original)
+    def checkpoint(*args, **kwargs):
+        optimizer = _bound(original, args, kwargs).get('optimizer')
+        with checkpoint_residency(optimizer, read_only=read_only, args=_get_args()):
+            return original(*args, **kwargs)
+
+    return checkpoint
+
+
+def _wrap_params_norm(original):
+    @functools.wraps(original)
+    def calc_params_l2_norm(*args, **kwargs):
+        with master_weights_residency():
+            return original(*args, **kwargs)
+
+    return calc_params_l2_norm
+
+
+def _wrap_training_log(original):
+    @functools.wraps(original)
+    def training_log(*args, **kwargs):
+        result = original(*args, **kwargs)
+        named = _bound(original, args, kwargs)
+        iteration = named.get('iteration')
+        if iteration is not None and (
+            iteration % _get_args().log_interval == 0 or named.get('is_first_iteration')
+        ):
+            log_for_megatron(iteration)
+        return result
+
+    return training_log
+
+
+# --------------------------------------------------------------------------------- patching
+def _replace(module, name: str, make_wrapper) -> None:
+    current = getattr(module, name)
+    if getattr(current, _MARK, False):
+        return
+    wrapper = make_wrapper(current)
+    setattr(wrapper, _MARK, True)
+    _ORIGINALS[(module, name)] = current
+    setattr(module, name, wrapper)
+
+
+def patch_megatron() -> None:
+    """Hook megatron.training so that ``--offload-optimizer-states`` works (idempotent).
+
+    Call it before the script parses its arguments (``parse_and_validate_args``). Runs
+    without the flag are unaffected.
+    """
+    import megatron.training.arguments as arguments_module
+    import megatron.training.training as training_module
+
+    if getattr(arguments_module, '_OPTIMIZER_STATE_OFFLOAD_PATCH', None):
+        return  # a source tree with patches/ applied already has every hook
+    _replace(arguments_module, 'add_megatron_arguments', _wrap_add_megatron_arguments)
+    _replace(arguments_module, 'validate_args', _wrap_validate_args)
+    _replace(training_module, 'setup_model_and_optimizer', _wrap_setup_model_and_optimizer)
+    _replace(training_module, 'train', lambda f: _wrap_train(f, training_module))
+    _replace(training_module, 'save_checkpoint',
+             lambda f: _wrap_checkpoint(f, read_only=True))
+    _replace(training_module, 'load_checkpoint',
+             lambda f: _wrap_checkpoint(f, read_only=False))
+    _replace(training_module, 'calc_params_l2_norm', _wrap_params_norm)
+    _replace(training_module, 'training_log', _wrap_training_log)
+
+
+def unpatch_megatron() -> None:
+    """Restore everything ``patch_megatron()`` replaced."""
+    for (module, name), original in list(_ORIGINALS.items()):
+        setattr(module, name, original)
+        del _ORIGINALS[(module, name)]
+
+
+def is_patched() -> bool:
+    return bool(_ORIGINALS)

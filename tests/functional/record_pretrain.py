@@ -1,0 +1,171 @@
+"""Run a pretrain script on this rank and record its exact per-iteration figures.
+
+    MO_RECORD_DIR=out torchrun ... tests/functional/record_pretrain.py launch SCRIPT [ARGS...]
+    MO_RECORD_DIR=out torchrun ... tests/functional/record_pretrain.py direct SCRIPT [ARGS...]
+
+``launch`` runs the script through ``megatron_offload.launch`` (the runtime route); ``direct``
+runs it as plain ``python SCRIPT`` (for a patched Megatron source tree on PYTHONPATH).
+
+Each rank writes ``rank<N>.json`` to ``MO_RECORD_DIR``: for every training iteration the lm
+loss and grad norm exactly (``float.hex``), whether it was skipped, and the offloader's stats
+after the step next to the byte count the optimizer's own tensors add up to; for every
+checkpoint save a digest of all optimizer state as the save saw it. Values come from hooks on
+megatron.training (``train_step``, ``save_checkpoint``), never from the log text, whose
+"lm loss" averages over the log interval.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import runpy
+import sys
+
+
+def _hex(value):
+    if value is None:
+        return None
+    if hasattr(value, 'item'):
+        value = value.item()
+    return float(value).hex()
+
+
+def _distributed_optimizers(optimizer):
+    inner = getattr(optimizer, 'chained_optimizers', None)
+    return list(inner) if inner is not None else [optimizer]
+
+
+def _offloader(optimizer):
+    for candidate in [optimizer] + _distributed_optimizers(optimizer):
+        found = getattr(candidate, '_state_offloader', None)
+        if found is not None:
+            return found
+    return None
+
+
+def _state_tensors(optimizer):
+    """(name, tensor) of every per-parameter tensor an offloader may move, in a stable order:
+    the inner optimizer's moments and the fp32 master shards (metadata only: no data read)."""
+    import torch
+
+    for index, dopt in enumerate(_distributed_optimizers(optimizer)):
+        for g, group in enumerate(dopt.optimizer.param_groups):
+            for p, param in enumerate(group['params']):
+                for key, value in sorted(dopt.optimizer.state.get(param, {}).items()):
+                    if isinstance(value, torch.Tensor) and value.dim() > 0 and key != 'step':
+                        yield f'{index}.{g}.{p}.{key}', value
+        masters = getattr(dopt, 'shard_fp32_from_float16_groups', None) or []
+        for g, group in enumerate(masters):
+            for p, master in enumerate(group):
+                if master is not None:
+                    yield f'{index}.{g}.{p}.master', master
+
+
+def _expected_offload_bytes(optimizer) -> int:
+    return sum(t.numel() * t.element_size() for _, t in _state_tensors(optimizer))
+
+
+def _state_digest(optimizer) -> str:
+    import torch
+
+    digest = hashlib.sha256()
+    for name, tensor in _state_tensors(optimizer):
+        digest.update(name.encode())
+        # A copy: on CPU, .cpu() aliases the live tensor, and Tensor.numpy() marks a storage
+        # as not resizable for good (the offloader could no longer release it).
+        data = tensor.detach().reshape(-1).to('cpu', copy=True)
+        digest.update(data.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+class Recorder:
+    def __init__(self, out_dir: str) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.out_dir = out_dir
+        self.data = {'iterations': [], 'saves': []}
+
+    @property
+    def path(self) -> str:
+        rank = self._dist.get_rank() if self._dist.is_initialized() else 0
+        return os.path.join(self.out_dir, f'rank{rank}.json')
+
+    def flush(self) -> None:
+        with open(self.path + '.tmp', 'w') as f:
+            json.dump(self.data, f, indent=1)
+        os.replace(self.path + '.tmp', self.path)
+
+    def wrap_train_step(self, original):
+        @functools.wraps(original)
+        def train_step(*args, **kwargs):
+            result = original(*args, **kwargs)
+            optimizer = kwargs['optimizer'] if 'optimizer' in kwargs else args[3]
+            loss_dict, skipped_iter, grad_norm = result[0], result[1], result[5]
+            offloader = _offloader(optimizer)
+            entry = {
+                'lm_loss': _hex(loss_dict.get('lm loss')) if loss_dict else None,
+                'grad_norm': _hex(grad_norm),
+                'skipped': int(skipped_iter),
+                'expected_offload_bytes': _expected_offload_bytes(optimizer),
+                'offloader': None,
+            }
+            if offloader is not None:
+                stats = offloader.stats()
+                entry['offloader'] = {
+                    key: stats[key]
+                    for key in ('offloaded_bytes', 'host_bytes', 'resident_bytes',
+                                'tracked_bytes', 'd2h_copies', 'h2d_copies', 'cycles')
+                }
+                entry['offloader']['is_offloaded'] = offloader.is_offloaded
+            self.data['iterations'].append(entry)
+            self.flush()
+            return result
+
+        return train_step
+
+    def wrap_save_checkpoint(self, original):
+        @functools.wraps(original)
+        def save_checkpoint(iteration, model, optimizer, *args, **kwargs):
+            # Runs inside the offloader's resident() block (patch_megatron wraps this wrapper).
+            self.data['saves'].append(
+                {'iteration': iteration, 'state_sha256': _state_digest(optimizer)}
+            )
+            self.flush()
+            return original(iteration, model, optimizer, *args, **kwargs)
+
+        return save_checkpoint
+
+
+def main(argv: list[str]) -> None:
+    route, script_argv = argv[0], argv[1:]
+    out_dir = os.environ['MO_RECORD_DIR']
+    import torch
+
+    if not torch.cuda.is_available():
+        from megatron_offload.testing import cpu_training
+
+        cpu_training.install()
+    import megatron.training.training as training
+
+    recorder = Recorder(out_dir)
+    recorder.data['megatron_training_file'] = training.__file__
+    training.train_step = recorder.wrap_train_step(training.train_step)
+    training.save_checkpoint = recorder.wrap_save_checkpoint(training.save_checkpoint)
+    if route == 'launch':
+        from megatron_offload import launch
+
+        launch.main(script_argv)
+    elif route == 'direct':
+        sys.argv = list(script_argv)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script_argv[0])))
+        runpy.run_path(script_argv[0], run_name='__main__')
+    else:
+        raise SystemExit(f'unknown route {route!r}: use launch or direct')
+    recorder.flush()
+
+
+if __name__ == '__main__':
+    main(sys.argv[1:])

@@ -1,0 +1,268 @@
+"""Launch examples/pretrain_gpt.py with torchrun and collect what each rank recorded.
+
+A case is a set of Megatron flags and a world size. ``run(case, offload=..., device=...)``
+runs it once per session (results are cached, so several tests share one launch) and returns
+a ``Run``: the per-rank records of ``record_pretrain.py``, the combined log and the wall time.
+
+Devices: ``cpu`` runs gloo ranks on the CPU (with ``CUDA_VISIBLE_DEVICES`` emptied, so it also
+runs on the CPU on a GPU node); ``cuda`` runs nccl ranks, one GPU each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / 'examples' / 'pretrain_gpt.py'
+RECORDER = REPO / 'tests' / 'functional' / 'record_pretrain.py'
+GOLDEN_DIR = REPO / 'tests' / 'functional' / 'golden'
+TORCHRUN = Path(sys.executable).with_name('torchrun')
+WRITE_GOLDEN_ENV = 'MEGATRON_OFFLOAD_WRITE_GOLDEN'
+RUN_TIMEOUT = 420.0
+
+# A small GPT trained the way pretrain_gpt.py trains: mock data, the local transformer
+# implementation, no fused CUDA kernels (all also valid on GPUs), exact per-iteration values.
+MODEL_FLAGS = [
+    '--num-layers', '2', '--hidden-size', '64', '--num-attention-heads', '4',
+    '--seq-length', '32', '--max-position-embeddings', '32',
+    '--micro-batch-size', '2', '--global-batch-size', '8',
+    '--lr', '1e-3', '--min-lr', '1e-4', '--lr-decay-style', 'cosine', '--lr-warmup-iters', '1',
+    '--weight-decay', '0.01', '--clip-grad', '1.0', '--seed', '1234',
+    '--use-distributed-optimizer',
+    '--mock-data', '--tokenizer-type', 'NullTokenizer', '--vocab-size', '128',
+    '--transformer-impl', 'local', '--no-gradient-accumulation-fusion',
+    '--no-persist-layer-norm', '--no-masked-softmax-fusion',
+    '--eval-iters', '0', '--eval-interval', '1000', '--log-interval', '2',
+]
+OFFLOAD_LINE = re.compile(
+    r'\[optimizer-state offload\] iteration +(\d+) \| offloaded: ([0-9.]+) GiB \| '
+    r'host: ([0-9.]+) GiB \| D2H: ([0-9.]+) ms \| H2D: ([0-9.]+) ms \|'
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    world_size: int
+    flags: tuple
+    train_iters: int = 5
+    save_interval: int | None = None
+    description: str = ''
+
+
+CASES = {
+    case.name: case
+    for case in (
+        Case('dp2', 2, ('--bf16',), save_interval=3,
+             description='data parallel 2, bf16 (fp32 master weights), checkpoint saves at '
+                         'iterations 3 and 5'),
+        Case('tp2', 4, ('--bf16', '--tensor-model-parallel-size', '2', '--overlap-grad-reduce',
+                        '--overlap-param-gather'),
+             description='tensor parallel 2 x data parallel 2, bf16, overlapped grad reduce '
+                         'and param gather'),
+        Case('pp2', 4, ('--fp16', '--initial-loss-scale', '1048576', '--hysteresis', '1',
+                        '--pipeline-model-parallel-size', '2'), train_iters=6,
+             description='pipeline parallel 2 x data parallel 2, fp16 with dynamic loss '
+                         'scaling (the first two steps overflow and are skipped)'),
+    )
+}
+
+
+@dataclasses.dataclass
+class Run:
+    case: Case
+    offload: bool
+    device: str
+    route: str
+    ranks: list  # per-rank records: {'iterations': [...], 'saves': [...]}
+    log: str
+    seconds: float
+    command: list
+
+    def offload_lines(self) -> list[dict]:
+        lines = []
+        for match in OFFLOAD_LINE.finditer(self.log):
+            lines.append({
+                'iteration': int(match.group(1)),
+                'offloaded_gib': float(match.group(2)),
+                'host_gib': float(match.group(3)),
+                'd2h_ms': float(match.group(4)),
+                'h2d_ms': float(match.group(5)),
+            })
+        return lines
+
+
+_CACHE: dict = {}
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def platform(device: str) -> str:
+    """The golden-file platform key: the CPU's vector ISA, or the GPU model."""
+    import torch
+
+    if device == 'cpu':
+        return 'cpu-' + torch.backends.cpu.get_cpu_capability().lower()
+    name = torch.cuda.get_device_name(0)
+    return 'cuda-' + re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')
+
+
+def flags(case: Case, *, offload: bool, device: str, save_dir: str | None) -> list[str]:
+    args = list(MODEL_FLAGS) + list(case.flags) + ['--train-iters', str(case.train_iters)]
+    args += ['--distributed-backend', 'gloo' if device == 'cpu' else 'nccl']
+    if case.save_interval is not None and save_dir is not None:
+        args += ['--save', save_dir, '--save-interval', str(case.save_interval)]
+    if offload:
+        args.append('--offload-optimizer-states')
+    return args
+
+
+def environment(device: str, pythonpath_prefix: str | None = None) -> dict:
+    env = dict(os.environ)
+    # A patched megatron tree must come before the installed megatron-core.
+    paths = ([pythonpath_prefix] if pythonpath_prefix else []) + [str(REPO)]
+    if env.get('PYTHONPATH'):
+        paths.append(env['PYTHONPATH'])
+    env['PYTHONPATH'] = os.pathsep.join(paths)
+    # Results depend on the thread count; TP needs this on pre-Blackwell GPUs (and on CPU ranks).
+    env.update(OMP_NUM_THREADS='1', MKL_NUM_THREADS='1', CUDA_DEVICE_MAX_CONNECTIONS='1',
+               PYTHONUNBUFFERED='1')
+    if device == 'cpu':
+        env['CUDA_VISIBLE_DEVICES'] = ''
+        env.setdefault('GLOO_SOCKET_IFNAME', 'lo')
+    return env
+
+
+def run(case: Case | str, *, offload: bool, device: str = 'cpu', route: str | None = None,
+        pythonpath_prefix: str | None = None) -> Run:
+    """Launch ``case`` (cached per session). ``route``: 'launch' (through
+    ``megatron_offload.launch``) or 'direct' (the plain script); default: 'launch' with
+    offloading, 'direct' (a stock run, no megatron_offload hooks at all) without."""
+    case = CASES[case] if isinstance(case, str) else case
+    route = route or ('launch' if offload else 'direct')
+    key = (case.name, offload, device, route, pythonpath_prefix)
+    if key in _CACHE:
+        return _CACHE[key]
+    workdir = tempfile.mkdtemp(prefix=f'mo_functional_{case.name}_')
+    try:
+        record_dir = os.path.join(workdir, 'records')
+        os.makedirs(record_dir)
+        save_dir = os.path.join(workdir, 'checkpoints')
+        command = [
+            str(TORCHRUN), '--standalone', f'--nproc-per-node={case.world_size}',
+            str(RECORDER), route, str(EXAMPLE),
+            *flags(case, offload=offload, device=device, save_dir=save_dir),
+        ]
+        env = environment(device, pythonpath_prefix)
+        env['MO_RECORD_DIR'] = record_dir
+        start = time.monotonic()
+        proc = subprocess.Popen(command, cwd=workdir, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            log, _ = proc.communicate(timeout=RUN_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            log, _ = proc.communicate()
+            raise AssertionError(
+                f'{case.name} (offload={offload}, {device}) did not finish within '
+                f'{RUN_TIMEOUT:.0f} s:\n{_tail(log)}'
+            ) from None
+        seconds = time.monotonic() - start
+        if proc.returncode != 0:
+            raise AssertionError(
+                f'{case.name} (offload={offload}, {device}, {route}) failed with exit code '
+                f'{proc.returncode}:\n$ {" ".join(command)}\n{_tail(log)}'
+            )
+        ranks = []
+        for rank in range(case.world_size):
+            with open(os.path.join(record_dir, f'rank{rank}.json')) as f:
+                ranks.append(json.load(f))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    result = Run(case, offload, device, route, ranks, log, seconds, command)
+    _CACHE[key] = result
+    return result
+
+
+def _tail(log: str, lines: int = 60) -> str:
+    return '\n'.join(log.splitlines()[-lines:])
+
+
+# ------------------------------------------------------------------------------ golden files
+def golden_path(case: Case, device: str) -> Path:
+    return GOLDEN_DIR / f'{case.name}.{platform(device)}.json'
+
+
+def golden_command(device: str) -> str:
+    marker = ' -m gpu' if device == 'cuda' else ''
+    return (f'{WRITE_GOLDEN_ENV}=1 PYTHONPATH=. python -m pytest tests/functional{marker} '
+            '-q -p no:cacheprovider')
+
+
+def trajectory(result: Run) -> dict:
+    """What the golden file holds: per-iteration values (from the last rank, which is on the
+    last pipeline stage), each rank's optimizer-state bytes and the checkpoint digests."""
+    last = result.ranks[-1]
+    return {
+        'iterations': [
+            {'iteration': index + 1, 'lm_loss': entry['lm_loss'],
+             'grad_norm': entry['grad_norm'], 'skipped': entry['skipped']}
+            for index, entry in enumerate(last['iterations'])
+        ],
+        'optimizer_state_bytes_per_rank': [
+            rank['iterations'][-1]['expected_offload_bytes'] for rank in result.ranks
+        ],
+        'saves_per_rank': [rank['saves'] for rank in result.ranks],
+    }
+
+
+def write_golden(result: Run) -> Path:
+    import megatron.core
+    import torch
+
+    path = golden_path(result.case, result.device)
+    data = {
+        'case': result.case.name,
+        'description': result.case.description,
+        'platform': platform(result.device),
+        'generated_by': golden_command(result.device),
+        'versions': {'torch': torch.__version__, 'megatron-core': megatron.core.__version__},
+        'command': 'torchrun --nproc-per-node {} examples/pretrain_gpt.py {}'.format(
+            result.case.world_size,
+            ' '.join(flags(result.case, offload=False, device=result.device, save_dir='<dir>')),
+        ),
+        'world_size': result.case.world_size,
+        **trajectory(result),
+    }
+    for entry in data['iterations']:  # readable next to the exact hex
+        for key in ('lm_loss', 'grad_norm'):
+            if entry[key] is not None:
+                entry[key + '_decimal'] = repr(float.fromhex(entry[key]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + '\n')
+    return path
+
+
+def read_golden(case: Case, device: str) -> dict | None:
+    path = golden_path(case, device)
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    for entry in data['iterations']:
+        entry.pop('lm_loss_decimal', None)
+        entry.pop('grad_norm_decimal', None)
+    return data

@@ -1,0 +1,49 @@
+"""The source-tree route: a Megatron tree with patches/ applied trains with
+``--offload-optimizer-states`` when its own script is run directly (no launcher, no
+``patch_megatron()``), bitwise like the runtime route and the golden values."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.functional import runner
+from tests.unit.patches.tree import patched_tree
+
+DEVICES = [
+    pytest.param('cpu', id='cpu'),
+    pytest.param('cuda', id='cuda', marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize('device', DEVICES)
+def test_patched_tree_trains_like_the_runtime_route(device, tmp_path):
+    case = runner.CASES['dp2']
+    if device == 'cuda' and runner.gpu_count() < case.world_size:
+        pytest.fail(f'this test needs {case.world_size} GPUs, found {runner.gpu_count()}')
+    tree = patched_tree(tmp_path)
+    patched = runner.run(case, offload=True, device=device, route='direct',
+                         pythonpath_prefix=str(tree))
+    reference = runner.run(case, offload=True, device=device)  # launcher route (cached)
+    print(f'\npatched tree [{device}]: {patched.seconds:.1f} s')
+    for rank in range(case.world_size):
+        assert patched.ranks[rank]['megatron_training_file'].startswith(str(tree)), (
+            'the patched tree was not the megatron that ran'
+        )
+        assert _same_values(patched.ranks[rank], reference.ranks[rank]), (
+            f'rank {rank}: the patched tree trains differently from the runtime route'
+        )
+        for entry in patched.ranks[rank]['iterations']:
+            assert entry['offloader'] is not None and entry['offloader']['is_offloaded']
+    assert [line['iteration'] for line in patched.offload_lines()] == [1, 2, 4]
+    golden = runner.read_golden(case, device)
+    if golden is not None:
+        assert runner.trajectory(patched)['iterations'] == golden['iterations']
+        assert runner.trajectory(patched)['saves_per_rank'] == golden['saves_per_rank']
+
+
+def _same_values(a, b) -> bool:
+    keys = ('lm_loss', 'grad_norm', 'skipped', 'expected_offload_bytes')
+    same_iterations = [{k: e[k] for k in keys} for e in a['iterations']] == [
+        {k: e[k] for k in keys} for e in b['iterations']
+    ]
+    return same_iterations and a['saves'] == b['saves']

@@ -1,0 +1,146 @@
+"""examples/pretrain_gpt.py with and without ``--offload-optimizer-states``.
+
+For each case (data parallel 2; tensor parallel 2 and pipeline parallel 2 on 4 ranks) the run
+with offloading goes through ``python -m megatron_offload.launch`` and the run without it is
+the plain script (no megatron_offload hook at all). Per iteration, on every rank, lm loss and
+grad norm must be bitwise identical, and both runs must match the golden values of the
+platform (``golden/<case>.<platform>.json``). The memory figures are checked against the
+optimizer's own tensors: what the offloader reports, and what the log line prints.
+
+Regenerate golden files (after an intended numerical change) with::
+
+    MEGATRON_OFFLOAD_WRITE_GOLDEN=1 PYTHONPATH=. \\
+        python -m pytest tests/functional -q -p no:cacheprovider
+    # on a GPU node, for the NCCL variants: add -m gpu
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.functional import runner
+
+DEVICES = [
+    pytest.param('cpu', id='cpu'),
+    pytest.param('cuda', id='cuda', marks=pytest.mark.gpu),
+]
+CASES = sorted(runner.CASES, key=['dp2', 'tp2', 'pp2'].index)
+GIB = float(1 << 30)
+
+
+def _require_gpus(device: str, world_size: int) -> None:
+    if device == 'cuda' and runner.gpu_count() < world_size:
+        pytest.fail(
+            f'this case needs {world_size} GPUs, the machine has {runner.gpu_count()}: run the '
+            'gpu tests on a node with at least 4 GPUs'
+        )
+
+
+def _runs(case_name: str, device: str):
+    case = runner.CASES[case_name]
+    _require_gpus(device, case.world_size)
+    on = runner.run(case, offload=True, device=device)
+    off = runner.run(case, offload=False, device=device)
+    print(f'\n{case_name} [{device}]: offloading on {on.seconds:.1f} s, off {off.seconds:.1f} s')
+    return case, on, off
+
+
+def _values(run, rank):
+    return [(e['lm_loss'], e['grad_norm'], e['skipped']) for e in run.ranks[rank]['iterations']]
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('case_name', CASES)
+def test_loss_curve_identical_and_golden(case_name, device):
+    case, on, off = _runs(case_name, device)
+    for rank in range(case.world_size):
+        assert len(on.ranks[rank]['iterations']) == case.train_iters
+        assert _values(on, rank) == _values(off, rank), (
+            f'rank {rank}: per-iteration (lm loss, grad norm, skipped) differ with offloading'
+        )
+        assert on.ranks[rank]['saves'] == off.ranks[rank]['saves'], (
+            f'rank {rank}: the optimizer state a checkpoint save sees differs with offloading'
+        )
+    last = on.ranks[-1]['iterations']
+    assert all(entry['lm_loss'] is not None for entry in last), 'the last rank reports no loss'
+    trained = [entry for entry in last if not entry['skipped']]
+    assert trained and all(entry['grad_norm'] is not None for entry in trained)
+    if case.save_interval:
+        assert [s['iteration'] for s in on.ranks[0]['saves']] == [3, 5]
+
+    expected = runner.read_golden(case, device)
+    if os.environ.get(runner.WRITE_GOLDEN_ENV) == '1':
+        path = runner.write_golden(off)
+        print(f'wrote {path}')
+        return
+    if expected is None:
+        pytest.fail(
+            f'no golden values for case {case_name} on platform {runner.platform(device)} '
+            f'({runner.golden_path(case, device).relative_to(runner.REPO)}). Generate them '
+            f'with:\n    {runner.golden_command(device)}'
+        )
+    actual = runner.trajectory(off)
+    assert actual['iterations'] == expected['iterations'], 'lm loss / grad norm differ from golden'
+    assert actual['optimizer_state_bytes_per_rank'] == expected['optimizer_state_bytes_per_rank']
+    assert actual['saves_per_rank'] == expected['saves_per_rank']
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('case_name', CASES)
+def test_memory_figures(case_name, device):
+    case, on, off = _runs(case_name, device)
+    expected_bytes = []
+    for rank in range(case.world_size):
+        for index, entry in enumerate(on.ranks[rank]['iterations']):
+            stats = entry['offloader']
+            where = f'rank {rank}, iteration {index + 1}'
+            assert stats is not None, f'{where}: no offloader attached'
+            assert stats['is_offloaded'], f'{where}: states still on the device after the step'
+            # Everything the optimizer holds per parameter is off the device, and the host
+            # holds exactly that many bytes.
+            assert stats['offloaded_bytes'] == entry['expected_offload_bytes'] > 0, where
+            assert stats['host_bytes'] == stats['offloaded_bytes'], where
+            assert stats['resident_bytes'] == 0, where
+            assert stats['cycles'] == index + 1, where
+            if index > 0:
+                assert stats['h2d_copies'] > 0, f'{where}: nothing was copied back'
+        for entry in off.ranks[rank]['iterations']:
+            assert entry['offloader'] is None
+        expected_bytes.append([e['expected_offload_bytes'] for e in on.ranks[rank]['iterations']])
+
+    # One log line per log interval (and after the first iteration) with the max over ranks.
+    lines = on.offload_lines()
+    log_interval = 2
+    logged_iterations = sorted(
+        {1} | {i for i in range(1, case.train_iters + 1) if i % log_interval == 0}
+    )
+    assert [line['iteration'] for line in lines] == logged_iterations, on.log[-3000:]
+    for line in lines:
+        most = max(per_rank[line['iteration'] - 1] for per_rank in expected_bytes)
+        assert line['offloaded_gib'] == pytest.approx(most / GIB, abs=5e-7)
+        assert line['host_gib'] == pytest.approx(most / GIB, abs=5e-7)
+        assert line['d2h_ms'] >= 0 and line['h2d_ms'] >= 0
+    assert lines[-1]['d2h_ms'] > 0 and lines[-1]['h2d_ms'] > 0
+    assert off.offload_lines() == []
+
+
+def test_refused_combination_fails_before_initialization():
+    """The launcher refuses a bad command line in argument validation: one clear message,
+    before torch.distributed, models or optimizer memory exist."""
+    command = [
+        sys.executable, '-m', 'megatron_offload.launch', str(runner.EXAMPLE),
+        *runner.flags(runner.CASES['dp2'], offload=True, device='cpu', save_dir=None),
+        '--optimizer-cpu-offload', '--use-precision-aware-optimizer',
+    ]
+    result = subprocess.run(command, env=runner.environment('cpu'), capture_output=True,
+                            text=True, timeout=300, cwd=str(runner.REPO))
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    assert 'OffloadArgumentError' in output, output[-3000:]
+    assert '--offload-optimizer-states and --optimizer-cpu-offload are mutually exclusive' in output
+    assert 'initialized tensor model parallel' not in output
+    assert 'building' not in output  # no model, no dataset
