@@ -33,21 +33,6 @@ from ..device import device_for
 from ..engine import HostBudget, OffloadEngine, OffloadStateError, Place
 from .guard import StateAccessGuard
 
-_SUMMED = (
-    "tracked_bytes",
-    "offloaded_bytes",
-    "resident_bytes",
-    "host_bytes",
-    "kept_resident_bytes",
-    "unreleasable_bytes",
-    "d2h_copies",
-    "h2d_copies",
-    "d2h_bytes",
-    "h2d_bytes",
-    "offload_seconds",
-    "reload_seconds",
-)
-
 
 def distributed_optimizers(optimizer) -> list:
     """The DistributedOptimizers inside ``optimizer``, or a TypeError saying what to do."""
@@ -168,7 +153,7 @@ class OptimizerStateOffloader:
         (the copies themselves on a CPU). ``per_optimizer`` has the same per optimizer.
         """
         per = [engine.stats() for engine in self._engines]
-        total = {key: sum(s[key] for s in per) for key in _SUMMED}
+        total = {key: sum(s[key] for s in per) for key in (per[0] if per else {})}
         total["cycles"] = self._cycles
         total["per_optimizer"] = per
         return total
