@@ -31,6 +31,16 @@ class OffloadConfig:
     """Most host bytes the offloader may hold (None: no limit). Checked before any host
     memory is allocated; exceeding it raises ``HostMemoryBudgetError`` naming the need."""
 
+    prefetch: str | float = "step"
+    """When ``attach``'s cycle starts copying the states back. ``"step"``: when
+    ``optimizer.step()`` begins, so the copy overlaps the gradient copy, unscale, norm and
+    clipping; the states occupy no device memory during forward and backward. A number f in
+    (0, 1): once the backward pass has produced the gradients of a fraction f of the
+    parameters (by bytes, in backward order), so the copy also overlaps the rest of the
+    backward pass, at the price of holding the states during it: the earlier, the more
+    overlap and the higher the backward's memory peak. (Megatron's pretrain integration
+    prefetches at gradient finalization, between the two.)"""
+
     per_optimizer: dict[int, dict[str, bool]] | None = None
     """Overrides of ``offload_optimizer_states`` / ``offload_primary_weights`` for single
     optimizers of a ChainedOptimizer, by index in ``chained_optimizers`` (for example
@@ -59,6 +69,14 @@ class OffloadConfig:
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
             raise ValueError(
                 f"OffloadConfig.host_memory_budget must be a number of bytes (int >= 0) or None, got {budget!r}."
+            )
+        prefetch = self.prefetch
+        if prefetch != "step" and (
+            isinstance(prefetch, bool) or not isinstance(prefetch, (int, float)) or not 0 < prefetch < 1
+        ):
+            raise ValueError(
+                f'OffloadConfig.prefetch must be "step" or a fraction of the backward pass '
+                f"strictly between 0 and 1, got {prefetch!r}."
             )
         selectable = ("offload_optimizer_states", "offload_primary_weights")
         for index, override in (self.per_optimizer or {}).items():

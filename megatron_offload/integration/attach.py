@@ -45,6 +45,8 @@ class _AutomaticCycle:
         for engine, distrib_optimizer in zip(offloader.engines, offloader._distributed):
             hook = functools.partial(_before_inner_step, engine)
             self._handles.append(distrib_optimizer.optimizer.register_step_pre_hook(hook))
+        if offloader.config.prefetch != "step":
+            self._handles += _backward_prefetch_hooks(offloader, float(offloader.config.prefetch))
         target = offloader.optimizer
         self._target = target
         self._had_instance_step = "step" in vars(target)
@@ -80,6 +82,56 @@ class _AutomaticCycle:
             self._target.step = self._previous_step
         else:
             del self._target.step
+
+
+def _backward_prefetch_hooks(offloader, fraction: float) -> list:
+    """Start the reload once the backward pass has produced ``fraction`` of the gradients.
+
+    Autograd computes gradients roughly in the reverse of the order parameters were
+    registered (the last layer first), so the trigger is the parameter at which the bytes
+    counted from the end reach ``fraction``. The hook sits on that parameter's gradient
+    accumulator, as megatron-core's DDP hooks do; it fires at every backward (every
+    micro-batch), and the reload does nothing when the states are already back.
+    """
+    chunks = []
+    for distrib_optimizer in offloader._distributed:
+        for chunk in getattr(distrib_optimizer, "model_chunks", None) or ():
+            if all(chunk is not c for c in chunks):
+                chunks.append(chunk)
+    params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(
+            "prefetch as a fraction of the backward pass needs the model: this optimizer has no "
+            'model_chunks with trainable parameters. Use prefetch="step".'
+        )
+    total = sum(p.numel() for p in params)
+    seen = 0
+    for trigger in reversed(params):
+        seen += trigger.numel()
+        if seen >= fraction * total:
+            break
+
+    def start_reload(*_):
+        if offloader.is_offloaded and not offloader.detached:
+            for engine in offloader.engines:
+                engine.reload()
+
+    # The accumulator node is reached through a view of the parameter; keep it alive (it is
+    # the node autograd uses for this parameter for the life of the model).
+    accumulator = trigger.expand_as(trigger).grad_fn.next_functions[0][0]
+    handle = accumulator.register_hook(start_reload)
+    return [_KeepAlive(handle, accumulator)]
+
+
+class _KeepAlive:
+    """A hook handle that also holds the object the hook lives on."""
+
+    def __init__(self, handle, owner) -> None:
+        self._handle, self._owner = handle, owner
+
+    def remove(self) -> None:
+        self._handle.remove()
+        self._owner = None
 
 
 def _before_inner_step(engine, optimizer, args, kwargs) -> None:

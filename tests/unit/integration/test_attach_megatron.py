@@ -260,3 +260,36 @@ def test_host_memory_budget_refuses_before_allocating(rank_pool):
     assert held == 0
     (message, held), _ = rank_pool.run(budget_job, 10**9)
     assert message is None and held > 0
+
+
+def prefetch_job(prefetch, offload=True):
+    import megatron_offload
+    from tests.harness import models
+
+    chunks, optimizer, config = models.build("gpt", "bf16", overlap_grad_reduce=True, bucket_size=3000)
+    offloader = megatron_offload.attach(optimizer, prefetch=prefetch) if offload else None
+    at_step = []
+    if offloader:
+        step = optimizer.step
+
+        def recording_step(*args, **kwargs):  # what the states look like when step() begins
+            at_step.append(offloader.is_offloaded)
+            return step(*args, **kwargs)
+
+        optimizer.step = recording_step
+    results = [models.train_step(chunks, optimizer, config, s, micro_batches=2) for s in range(4)]
+    if offloader:
+        offloader.reload()
+        offloader.wait()
+    return {"results": results, "offloaded_at_step": at_step, "snapshot": models.snapshot(chunks, optimizer)}
+
+
+@pytest.mark.parametrize("prefetch", ["step", 0.5])
+def test_prefetch_point(rank_pool, prefetch):
+    reference = rank_pool.run(prefetch_job, "step", offload=False)
+    offloaded = rank_pool.run(prefetch_job, prefetch)
+    assert_bitwise_equal(reference, offloaded)
+    for rank in offloaded:
+        # Step 0 finds nothing offloaded; afterwards the states are still on the host when
+        # step() begins with "step", and already coming back with a backward fraction.
+        assert rank["offloaded_at_step"] == [False] + [prefetch == "step"] * 3

@@ -168,6 +168,9 @@ def test_config_refuses_bad_values_naming_the_option():
     with pytest.raises(TypeError, match=r"\[1\]\['offload_primary_weights'\] must be True or False"):
         OffloadConfig(per_optimizer={1: {"offload_primary_weights": "no"}})
     assert OffloadConfig(per_optimizer={1: {"offload_primary_weights": False}}).kinds(1) == ("optimizer_states",)
+    for bad in ("finalize", 0, 1.0, True):
+        with pytest.raises(ValueError, match='prefetch must be "step" or a fraction'):
+            OffloadConfig(prefetch=bad)
 
 
 def test_offload_state_error_is_a_runtime_error():
