@@ -104,9 +104,6 @@ class OffloadEngine:
     def groups(self) -> Sequence[FlatGroup]:
         return tuple(self._groups)
 
-    def kinds(self) -> set[str]:
-        return {group.kind for group in self._groups}
-
     def is_released(self, kinds: Iterable[str] | None = None) -> bool:
         """True if any selected group has no device memory (reload needed before use)."""
         return any(g.place is Place.RELEASED for g in self._select(kinds))
@@ -387,17 +384,15 @@ class OffloadEngine:
         self._rebuild(current)
 
     def _rebuild(self, current: list[tuple[str, torch.Tensor]]) -> None:
-        _check_no_aliasing(current, self.name)
         still_there = {id(t) for _, t in current}
         for group in self._groups:
-            if group.place is Place.RELEASED and all(id(t) in still_there for t in group.tensors):
-                # Nothing may be lost: bring it back before the layout changes.
+            # A released group any of whose tensors is still tracked comes back before the
+            # layout changes, so nothing is lost. One whose tensors were all replaced (for
+            # example by load_state_dict) is dropped: its contents are obsolete.
+            if group.place is Place.RELEASED and any(id(t) in still_there for t in group.tensors):
                 self.reload([group.kind])
-            if group.place is Place.RELEASED:
-                # Its tensors were replaced (for example by load_state_dict): the old
-                # contents are obsolete and dropping the host copy loses nothing.
-                continue
         self.wait()
+        _check_no_aliasing(current, self.name)
         by_key: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
         for kind, tensor in current:
             by_key.setdefault((kind, tensor.dtype), []).append(tensor)
@@ -553,9 +548,11 @@ def _unmovable_reason(tensor: torch.Tensor, device: Device) -> str:
 
 def _check_no_aliasing(pairs: list[tuple[str, torch.Tensor]], name: str) -> None:
     """Two tracked tensors sharing memory would be separated by consolidation: refuse."""
+    # Tensors without memory (released and replaced) cannot alias anything live.
     spans = sorted(
         (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i)
         for i, (_, t) in enumerate(pairs)
+        if t.untyped_storage().nbytes()
     )
     for (start_a, end_a, i), (start_b, _, j) in zip(spans, spans[1:]):
         if start_b < end_a:

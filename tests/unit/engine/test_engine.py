@@ -317,3 +317,36 @@ def test_memory_made_non_resizable_is_refused_with_a_clear_error():
     engine.offload()
     with pytest.raises(OffloadStateError, match="non-resizable.*clone\\(\\).numpy\\(\\)"):
         engine.release()
+
+
+def test_tensor_subclasses_and_other_devices_stay_resident_with_a_reason():
+    class Wrapped(torch.Tensor):
+        pass
+
+    wrapped = torch.zeros(4).as_subclass(Wrapped)
+    elsewhere = torch.zeros(4, device="meta")
+    engine = OffloadEngine(CPUDevice(), lambda: [(STATES, wrapped), (STATES, elsewhere)])
+    engine.offload()
+    reasons = sorted(reason for _, _, reason in engine._kept_resident)
+    assert reasons == ["on meta, not on cpu", "tensor subclass Wrapped"]
+    assert engine.stats()["tracked_bytes"] == 0 and "empty" in repr(engine)
+
+
+def _rebuild_keeps_released_groups():
+    masters = [torch.randn(6), torch.randn(10)]
+    expected = [m.clone() for m in masters]
+    moments = []
+    engine = OffloadEngine(CPUDevice(), lambda: [(MASTERS, m) for m in masters] + [(STATES, m) for m in moments])
+    engine.offload([MASTERS])
+    engine.release([MASTERS])
+    moments.append(torch.ones(6))  # a new state appears while the masters are on the host
+    engine.offload([STATES])  # the layout is rebuilt: the masters come back first
+    engine.release([STATES])
+    intact = all(torch.equal(a, b) for a, b in zip(masters, expected))
+    engine.reload()
+    engine.wait()
+    return intact, torch.equal(moments[0], torch.ones(6)), engine.stats()["groups"]
+
+
+def test_a_rebuild_brings_released_groups_back_first(isolated):
+    assert isolated.run(_rebuild_keeps_released_groups) == (True, True, 2)
