@@ -81,7 +81,6 @@ class OffloadEngine:
         # and invalidate() covers changes it cannot see (tensors replaced by a load).
         self._fingerprint = fingerprint
         self._last_fingerprint: object = _NEVER
-        self._budget = budget
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"offload fraction must be between 0 and 1, got {fraction!r}.")
         self._fraction = fraction
@@ -91,7 +90,7 @@ class OffloadEngine:
         # The host arena and the newest copy into or out of it on each side stream. Kept
         # apart from the engine so that an engine dropped with copies in flight still waits
         # for them before its arena is freed (the finalizer below).
-        self._host = _HostArena(device)
+        self._host = _HostArena(device, budget)
         weakref.finalize(self, self._host.free)
         self._d2h_stream = None
         self._h2d_stream = None
@@ -414,12 +413,9 @@ class OffloadEngine:
         # without padding, and host bytes equal tracked bytes exactly.
         groups.sort(key=lambda g: -g.itemsize)
         need = sum(g.nbytes for g in groups)
-        if self._budget is not None:
-            self._budget.check(self, need, self.name)  # before anything is allocated
+        self._host.check(need, self.name)  # against the budget, before anything is freed or allocated
         self._free_arena()
         arena = self._host.allocate(need)
-        if self._budget is not None:
-            self._budget.hold(self, need)
         offset = 0
         for group in groups:
             group.host = arena[offset : offset + group.nbytes].view(group.dtype)
@@ -452,10 +448,10 @@ class HostBudget:
         self.limit = limit
         self._held: dict[int, int] = {}
 
-    def check(self, engine, nbytes: int, name: str) -> None:
+    def check(self, owner, nbytes: int, name: str) -> None:
         if self.limit is None:
             return
-        others = sum(n for owner, n in self._held.items() if owner != id(engine))
+        others = sum(n for key, n in self._held.items() if key != id(owner))
         if others + nbytes > self.limit:
             raise HostMemoryBudgetError(
                 f"{name}: offloading needs {nbytes:,} bytes of host memory ({others:,} already "
@@ -464,8 +460,11 @@ class HostBudget:
                 "offload_primary_weights=False."
             )
 
-    def hold(self, engine, nbytes: int) -> None:
-        self._held[id(engine)] = nbytes
+    def hold(self, owner, nbytes: int) -> None:
+        self._held[id(owner)] = nbytes
+
+    def release(self, owner) -> None:
+        self._held.pop(id(owner), None)
 
 
 def _largest_first(pairs, fraction):
@@ -489,8 +488,9 @@ def _largest_first(pairs, fraction):
 class _HostArena:
     """The engine's one host buffer, and the newest copy using it on each side stream."""
 
-    def __init__(self, device: Device) -> None:
+    def __init__(self, device: Device, budget: HostBudget | None = None) -> None:
         self.device = device
+        self.budget = budget
         self.buffer: torch.Tensor | None = None
         # Side streams run in order, so the newest event of each covers every earlier copy.
         self.last_d2h = None
@@ -500,9 +500,15 @@ class _HostArena:
     def nbytes(self) -> int:
         return 0 if self.buffer is None else self.buffer.numel()
 
+    def check(self, nbytes: int, name: str) -> None:
+        if self.budget is not None:
+            self.budget.check(self, nbytes, name)
+
     def allocate(self, nbytes: int) -> torch.Tensor:
         self.free()
         self.buffer = self.device.host_buffer(nbytes)
+        if self.budget is not None:
+            self.budget.hold(self, nbytes)
         return self.buffer
 
     def free(self) -> None:
@@ -516,6 +522,8 @@ class _HostArena:
         self.last_d2h = self.last_h2d = None
         self.device.free_host_buffer(self.buffer)
         self.buffer = None
+        if self.budget is not None:
+            self.budget.release(self)
 
 
 class _CycleStats:

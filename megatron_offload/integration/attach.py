@@ -32,7 +32,11 @@ def attach(optimizer, config: OffloadConfig | None = None, **options) -> Optimiz
     whose ``step()`` the training loop calls.
     """
     offloader = OptimizerStateOffloader(optimizer, config, **options)
-    offloader._automatic = _AutomaticCycle(offloader)
+    try:
+        offloader._automatic = _AutomaticCycle(offloader)
+    except BaseException:
+        offloader.detach()  # leave the optimizer as it was: a later attach must work
+        raise
     return offloader
 
 

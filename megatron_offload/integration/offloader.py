@@ -30,7 +30,7 @@ from ..adapters import OPTIMIZER_STATES, PRIMARY_WEIGHTS
 from ..adapters import distributed_optimizer as dopt_adapter
 from ..config import OffloadConfig
 from ..device import device_for
-from ..engine import HostBudget, OffloadEngine, OffloadStateError, Place
+from ..engine import HostBudget, OffloadEngine, OffloadStateError
 from .guard import StateAccessGuard
 
 
@@ -172,12 +172,9 @@ class OptimizerStateOffloader:
         self._offload(self._selection(offload_optimizer_states, offload_primary_weights))
 
     def release_gpu_memory(self) -> None:
-        """Free the device memory of offloaded states (``offload`` already did; kept for
-        compatibility)."""
+        """Kept for compatibility: ``offload()`` already frees the device memory (safely on
+        accelerators, since the allocator knows the copy still reads it)."""
         self._check_attached()
-        for engine in self._engines:
-            if any(g.place is Place.OFFLOADING for g in engine.groups):
-                engine.release()
 
     def reload(self) -> None:
         """Regrow the offloaded states and start copying them back.
@@ -305,8 +302,6 @@ class OptimizerStateOffloader:
         may write them, so the next offload must copy them out again. ``replaced``: the
         caller may put new tensor objects into the state (a load).
         """
-        if self._detached:
-            return
         for engine in self._engines:
             if engine.is_released():
                 engine.reload()

@@ -212,6 +212,7 @@ def test_close_while_released_is_refused():
         engine.close()
     engine.reload()
     engine.close()
+    engine.close()  # twice is harmless
     assert engine.stats()["host_bytes"] == 0
     with pytest.raises(OffloadStateError, match="closed"):
         engine.offload()
@@ -260,11 +261,16 @@ def test_the_budget_is_shared_by_the_engines_of_one_offloader():
     from megatron_offload.engine import HostBudget, HostMemoryBudgetError
 
     first, second = Model(seed=1), Model(seed=2)
-    need = sum(t.numel() * t.element_size() for _, t in first.collect())
+    need = sum(aligned(t) for _, t in first.collect())
     budget = HostBudget(need + need // 2)
-    OffloadEngine(CPUDevice(), first.collect, budget=budget).offload()
+    holder = OffloadEngine(CPUDevice(), first.collect, budget=budget)
+    holder.offload()
+    other = OffloadEngine(CPUDevice(), second.collect, budget=budget)
     with pytest.raises(HostMemoryBudgetError, match="already held by the other optimizers"):
-        OffloadEngine(CPUDevice(), second.collect, budget=budget).offload()
+        other.offload()
+    holder.close()  # gives its host memory (and its share of the budget) back
+    other.offload()
+    assert other.stats()["host_bytes"] == need
 
 
 def _partial(fraction):

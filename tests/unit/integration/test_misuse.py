@@ -107,6 +107,15 @@ def more_misuse_job():
             p.grad = torch.zeros_like(p) if p.untyped_storage().nbytes() else None
     distrib.optimizer.step()  # the pre-hook brings the states back before the update
     found["inner_step_reloaded"] = not attached.is_offloaded
+    attached.detach()
+    found["restored_after_attach"] = vars(optimizer).get("step") is outer_step
+
+    # A refused prefetch option leaves the optimizer untouched (no half-attached state).
+    models_of = distrib.model_chunks
+    distrib.model_chunks = []
+    found["prefetch_without_model"] = _error(lambda: megatron_offload.attach(optimizer, prefetch=0.5))
+    distrib.model_chunks = models_of
+    found["attach_after_refusal"] = _error(lambda: megatron_offload.attach(optimizer, prefetch=0.5).detach())
     return found
 
 
@@ -120,7 +129,10 @@ def test_more_misuse_and_the_upstream_call_sequence(rank_pool):
     assert kind == "ValueError" and "--use-megatron-fsdp" in message
     assert found["resident_without_attach"] and found["moments_only"] and found["reloaded"]
     assert found["restored"] and found["repr"].startswith("OptimizerStateOffloader(OffloadEngine(")
-    assert found["offloaded"] and found["inner_step_reloaded"]
+    assert found["offloaded"] and found["inner_step_reloaded"] and found["restored_after_attach"]
+    kind, message = found["prefetch_without_model"]
+    assert kind == "ValueError" and 'prefetch="step"' in message
+    assert found["attach_after_refusal"] is None
 
 
 def test_misuse_is_refused_with_clear_messages(rank_pool):
