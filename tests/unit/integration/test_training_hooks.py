@@ -377,6 +377,10 @@ def test_launcher_usage_and_errors(capsys):
         launch.main(['/no/such/script.py'])
     assert exit_info.value.code == 2
     assert 'no such script' in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        launch.main(['-m'])  # a module name is missing
+    assert exit_info.value.code == 2
+    assert 'megatron_offload.launch SCRIPT.py' in capsys.readouterr().err
 
 
 @pytest.mark.parametrize('as_module', [False, True])
