@@ -26,7 +26,7 @@ class FakeOffloader:
         self.events = events
         self._offloaded = offloaded
         self.optimizer = None
-        self._detached = False
+        self.detached = False
         self.config = argparse.Namespace(offload_primary_weights=True)
 
     @property
@@ -411,3 +411,64 @@ def test_launcher_patches_then_runs_the_script_as_main(megatron_training, tmp_pa
         'argv': ['--offload-optimizer-states', '--lr', '1e-4'], 'patched': True,
     }
     sys.modules.pop('my_pretrain', None)
+
+
+# ------------------------------------------------------------------- the remaining paths
+def test_prefetch_installs_megatrons_finalize_when_none_is_set(megatron_args):
+    from megatron.core.distributed import finalize_model_grads
+
+    events = []
+    config = argparse.Namespace(finalize_model_grads_func=None)
+    assert hooks.install_prefetch(config, FakeOptimizer(FakeOffloader(events)), megatron_args)
+    assert config.finalize_model_grads_func.__wrapped__ is finalize_model_grads
+
+
+def test_train_without_prefetch_keeps_the_finalize_hook(megatron_args):
+    events = []
+    optimizer = FakeOptimizer(FakeOffloader(events))
+    config = argparse.Namespace(finalize_model_grads_func=None)
+    megatron_args.offload_prefetch = False
+
+    def train_that_sets_its_own(*args, config=None, **kwargs):  # as megatron's train() does
+        if config.finalize_model_grads_func is None:
+            config.finalize_model_grads_func = lambda: events.append('finalize')
+        return _train(*args, config=config, **kwargs)
+
+    import functools
+    train_that_sets_its_own = functools.wraps(_train)(train_that_sets_its_own)
+    train = hooks._wrap_train(train_that_sets_its_own, argparse.Namespace(finalize_model_grads=None))
+    assert train(None, [], optimizer, None, None, None, None, config=config, checkpointing_context={},
+                 non_loss_data_func=None) == 'trained'
+    assert events == ['finalize', 'finalize']  # train()'s own hook, no reload wrapped around it
+
+
+def test_detached_offloaders_are_forgotten_and_the_norm_runs_without_them(monkeypatch):
+    import weakref
+
+    offloader = FakeOffloader([])
+    offloader.detached = True
+    monkeypatch.setattr(hooks, '_ATTACHED', [weakref.ref(offloader)])
+    assert hooks._active_offloaders() == [] and hooks._ATTACHED == []
+    assert hooks._wrap_params_norm(lambda: 7.0)() == 7.0
+
+
+def test_log_for_megatron_does_nothing_without_the_flag_or_an_offloader(monkeypatch):
+    global_vars = pytest.importorskip('megatron.training.global_vars')
+    args = argparse.Namespace(**OFFLOAD_ARGS)
+    monkeypatch.setattr(global_vars, 'get_args', lambda: args)
+    monkeypatch.setattr(hooks, '_ATTACHED', [])
+    args.log_offload_stats = False
+    assert hooks.log_for_megatron(2) is None
+    args.log_offload_stats = True
+    assert hooks.log_for_megatron(2) is None  # no offloader attached
+
+
+def test_without_megatron_training_messages_go_to_stdout(monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, 'megatron.training.utils', None)
+    monkeypatch.setitem(sys.modules, 'megatron.training.global_vars', None)
+    hooks._print_rank_0('first')
+    hooks._print_rank_last('last')
+    assert capsys.readouterr().out == 'first\nlast\n'
+    assert hooks._megatron_args_or_none() is None
