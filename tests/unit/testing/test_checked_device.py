@@ -510,3 +510,29 @@ def test_skipping_a_record_stream_or_a_host_synchronization():
     assert [v.kind for v in device.violations] == [UNORDERED_HOST_READ]
     device.record_stream(src, side, label="rec")
     assert device.calls["rec"] == device.skipped["rec"] == 1
+
+
+def test_reprs_and_poison_for_dtypes_without_integer_limits():
+    device = CheckedDevice(skip_labels={"x"})
+    assert repr(device) == "CheckedDevice(cpu, skip_labels=['x'])"
+    assert repr(CheckedDevice()) == "CheckedDevice(cpu)"
+    assert repr(device.new_stream()).startswith("<stream ")
+    from megatron_offload.testing import fill_poison
+
+    quantized = torch.zeros(4, dtype=torch.uint16)  # torch.iinfo has no limits for it
+    fill_poison(quantized)
+    assert (quantized.view(torch.uint8) == 0xFF).all()
+
+
+def test_reading_released_memory_is_reported():
+    device = CheckedDevice(raise_violations=False)
+    tensor = device.empty(8, torch.float32)
+    device.release(tensor)
+    device.check_readable(tensor, label="checkpoint")
+    assert [(v.rule, v.kind) for v in device.violations] == [(3, "released-access")]
+
+
+def test_cpu_training_redirects_report_whether_they_are_installed():
+    from megatron_offload.testing import cpu_training
+
+    assert cpu_training.is_installed() in (True, False)
