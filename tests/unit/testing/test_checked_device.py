@@ -536,3 +536,15 @@ def test_cpu_training_redirects_report_whether_they_are_installed():
     from megatron_offload.testing import cpu_training
 
     assert cpu_training.is_installed() in (True, False)
+
+
+def test_copies_touching_released_memory_are_refused_and_reported():
+    device = CheckedDevice(raise_violations=False)
+    released = device.empty(8, torch.float32)
+    device.release(released)
+    live = device.empty(8, torch.float32)
+    device.copy(live, released)  # reads released memory
+    device.copy(released, live)  # writes released memory
+    assert [(v.rule, v.kind) for v in device.violations] == [(3, "released-access")] * 2
+    device.check_readable(device.empty(0, torch.float32))  # nothing to read: always fine
+    assert len(device.violations) == 2
