@@ -548,3 +548,22 @@ def test_copies_touching_released_memory_are_refused_and_reported():
     assert [(v.rule, v.kind) for v in device.violations] == [(3, "released-access")] * 2
     device.check_readable(device.empty(0, torch.float32))  # nothing to read: always fine
     assert len(device.violations) == 2
+
+
+def test_compute_stream_copies_racing_queued_side_copies_are_classified():
+    device = CheckedDevice(raise_violations=False)
+    compute, side = device.current_stream(), device.new_stream()
+    dev, other = device.empty(8, torch.float32), device.empty(8, torch.float32)
+    device.copy(dev, torch.zeros(8))
+    host = device.host_buffer(32).view(torch.float32)
+    device.wait_stream(side, compute)
+    with device.use_stream(side):
+        device.copy(host, dev)  # a queued D2H reads dev
+    device.copy(dev, other)  # the compute stream overwrites it without waiting
+    device.wait_stream(side, compute)
+    with device.use_stream(side):
+        device.copy(other, host)  # a queued H2D writes other
+    device.copy(dev, other)  # the compute stream reads it without waiting
+    device.copy(device.empty(0, torch.float32), device.empty(0, torch.float32))  # no bytes: no access
+    kinds = [(v.rule, v.kind) for v in device.violations]
+    assert (2, "overwrite-while-read") in kinds and (4, "use-before-copy") in kinds
