@@ -360,7 +360,7 @@ def scaling_job(cfg: dict) -> list[dict]:
         optimizer.step()
         first_copies = offloader.stats()["d2h_copies"]
 
-        def cycle():
+        def cycle(offloader=offloader):
             for timing in devices:
                 timing.take()
             start = perf_counter()

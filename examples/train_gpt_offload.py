@@ -25,7 +25,6 @@ if not ON_GPU:
 
     cpu_megatron.install()
 
-from functools import partial  # noqa: E402
 
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.distributed import (  # noqa: E402

@@ -751,7 +751,7 @@ class FusedAdam(torch.optim.Optimizer):
             else:
                 group["step"] = 1
 
-            master_f16, remainder_f16, f32 = [], [], []  # (param, grad, states) per kernel
+            master_f16, f32 = [], []  # (param, grad, states) per kernel
             rescale = []  # (name, unscaled fp32 temporary, scaled state, scale)
             has_fp16 = has_bf16 = False
             for p in group["params"]:

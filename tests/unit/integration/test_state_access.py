@@ -16,12 +16,10 @@ import torch
 
 def _calls(chunks, optimizer, directory):
     """(name, call) pairs: every public method of the optimizer classes that touches state."""
-    import torch.distributed as dist
 
     from tests.harness import models
 
     distrib = models.distributed_optimizers(optimizer)[0]
-    rank = dist.get_rank()
     param_state_file = os.path.join(directory, "param_state.pt")
     saved = {}
 
