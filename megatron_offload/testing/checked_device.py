@@ -36,8 +36,8 @@ The model, one rule per item ("->" names the accelerator rule it stands for):
 - Without ``record_stream`` the queued copy later finds the memory gone or regrown, and
   reads poison or writes into the new owner's memory. -> A freed block is reused at once.
 - A queued copy whose memory died (its last reference dropped) before it ran breaks rule 2
-  unless ``record_stream`` named its stream. -> The same, for memory freed by the
-  garbage collector.
+  unless ``record_stream`` named its stream, which keeps the memory for that copy. -> The
+  same, for memory freed by the garbage collector.
 - ``regrow``/``empty`` memory holds poison (NaN for floating dtypes, the maximum for
   integers, 0xFF bytes for bool), host buffers hold 0xFF bytes, until a copy writes them.
   -> Fresh memory is garbage: state used before its H2D ran reads NaN (rules 3 and 4).
@@ -141,6 +141,7 @@ class _Memory:
         self.recorded: set[_Stream] = set()  # streams announced with record_stream
         self.allocated_at: int | None = None  # compute tick of the last regrow/empty
         self.freed = False  # host buffer given back with free_host_buffer
+        self.from_empty = False  # allocated by ``empty`` (no tensor of the caller shares it)
 
     def storage(self) -> torch.UntypedStorage | None:
         return torch.UntypedStorage._new_with_weak_ptr(self._weak.cdata)
@@ -169,7 +170,7 @@ class _Ref:
     stride are captured, without keeping the storage alive.
     """
 
-    __slots__ = ("mem", "offset", "shape", "stride", "dtype", "start", "end", "ghost", "reported")
+    __slots__ = ("mem", "offset", "shape", "stride", "dtype", "start", "end", "ghost", "keep", "reported")
 
     def __init__(self, mem: _Memory, tensor: torch.Tensor) -> None:
         self.mem = mem
@@ -179,12 +180,15 @@ class _Ref:
         self.dtype = tensor.dtype
         self.start, self.end = _byte_span(tensor)
         self.ghost: torch.Tensor | None = None  # private bytes kept for a legal release
+        self.keep: torch.Tensor | None = None  # the memory, kept alive for a recorded stream
         self.reported = False  # a violation already covers this memory going away
 
     def resolve(self) -> torch.Tensor | None:
         """A tensor over the captured memory, or None if that memory is gone."""
         if self.ghost is not None:
             return self.ghost
+        if self.keep is not None and self.keep.untyped_storage().nbytes() >= self.end:
+            return self.keep
         storage = self.mem.storage()
         if storage is None or storage.nbytes() < self.end:
             return None
@@ -305,6 +309,7 @@ class CheckedDevice(Device):
                     alive = ref.resolve()
                     if alive is not None:
                         ref.ghost = alive.clone()
+                    ref.keep = None
                 else:
                     ref.reported = True
         tensor.untyped_storage().resize_(0)
@@ -327,7 +332,9 @@ class CheckedDevice(Device):
         self._tick()
         tensor = torch.empty(numel, dtype=dtype)
         fill_poison(tensor)
-        self._memory(tensor).allocated_at = self._compute.pos
+        mem = self._memory(tensor)
+        mem.allocated_at = self._compute.pos
+        mem.from_empty = True
         return tensor
 
     # ----------------------------------------------------------------- streams
@@ -371,7 +378,17 @@ class CheckedDevice(Device):
 
     def record_stream(self, tensor: torch.Tensor, stream: _Stream, *, label: str = "") -> None:
         if self._labelled(label, tick=True):
-            self._memory(tensor).recorded.add(stream)
+            mem = self._memory(tensor)
+            mem.recorded.add(stream)
+            # The allocator keeps a recorded block until the stream's queued work ran, even
+            # if every tensor using it dies first: keep the memory for those copies. Only
+            # for memory from ``empty``: a strong reference changes the storage use count,
+            # which the engine reads for the optimizer's own tensors.
+            if mem.from_empty:
+                for op in stream.queue:
+                    for ref in (op.dst, op.src):
+                        if ref.mem is mem and ref.ghost is None and ref.keep is None:
+                            ref.keep = ref.resolve()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         stream = self._active[-1]
@@ -472,6 +489,15 @@ class CheckedDevice(Device):
         if raise_on_violation and self.violations:
             raise ProtocolViolation(self.violations[0], more=len(self.violations) - 1)
         return list(self.violations)
+
+    def device_bytes(self) -> int:
+        """Bytes of live device memory this device has seen (allocated, regrown or copied)."""
+        seen = {}
+        for mem in self._memories.values():
+            storage = mem.storage()
+            if not mem.host and storage is not None:
+                seen[storage._cdata] = storage.nbytes()
+        return sum(seen.values())
 
     def pending(self) -> int:
         """Number of queued copies that have not run yet."""
