@@ -6,6 +6,12 @@ and a ``Device``; it groups the tensors by kind and dtype into ``FlatGroup`` obj
 keeps one exactly-sized host arena for all of them, and moves each group with one copy
 per direction once consolidated (see ``groups.py``).
 
+When the set of tensors changes (new states appear), the groups are laid out again in a new
+arena; groups whose only copy is on the host stay released and their bytes move from the old
+arena to the new one. Tensors named by ``streamed`` are grouped apart, so that a caller can
+leave them on the host during its update and stream them through device slots instead
+(``slots.py``); tensors it copied to the host itself join through ``adopt``.
+
 The copy protocol (numbers refer to the rules in the project's design notes):
 
 1. A D2H starts only after the work that last wrote the tensors: the D2H stream waits for
@@ -61,6 +67,14 @@ class OffloadEngine:
             ``offload`` so that tensors created later (Adam's moments appear at the first
             step) or replaced (``load_state_dict``) are picked up.
         name: used in error messages.
+        fingerprint: a cheap callable whose value changes when ``collect`` may return other
+            tensors (None: walk ``collect`` at every offload).
+        budget: the ``HostBudget`` this engine's host arena counts against.
+        fraction: offload only the largest tensors making up this fraction of the bytes.
+        streamed: returns the tensors the caller streams through device slots during its
+            update (``engine.slots.SlotStream``) rather than reloading them whole. They are
+            grouped apart from the others, so ``reload(streamed=False)`` can leave them on
+            the host.
     """
 
     def __init__(
@@ -72,6 +86,7 @@ class OffloadEngine:
         fingerprint: Callable[[], object] | None = None,
         budget: "HostBudget | None" = None,
         fraction: float = 1.0,
+        streamed: Callable[[], Iterable[torch.Tensor]] | None = None,
     ) -> None:
         self.device = device
         self.name = name
@@ -84,6 +99,9 @@ class OffloadEngine:
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"offload fraction must be between 0 and 1, got {fraction!r}.")
         self._fraction = fraction
+        self._streamed = streamed
+        self._adopted: dict[int, tuple[torch.Tensor, torch.Tensor, object]] = {}
+        self._where: dict[int, tuple[FlatGroup, int]] = {}
         self._groups: list[FlatGroup] = []
         self._tracked: list[tuple[str, torch.Tensor]] = []
         self._kept_resident: list[tuple[str, torch.Tensor, str]] = []
@@ -103,9 +121,20 @@ class OffloadEngine:
     def groups(self) -> Sequence[FlatGroup]:
         return tuple(self._groups)
 
-    def is_released(self, kinds: Iterable[str] | None = None) -> bool:
-        """True if any selected group has no device memory (reload needed before use)."""
-        return any(g.place is Place.RELEASED for g in self._select(kinds))
+    def is_released(self, kinds: Iterable[str] | None = None, *, streamed: bool = True) -> bool:
+        """True if any selected group has no device memory (reload needed before use).
+
+        ``streamed=False`` leaves out the groups of streamed tensors (see ``streamed``).
+        """
+        return any(g.place is Place.RELEASED for g in self._select(kinds, streamed))
+
+    def movable(self, tensor: torch.Tensor) -> bool:
+        """True if the engine would move ``tensor`` (a plain, contiguous tensor of its device)."""
+        return not _unmovable_reason(tensor, self.device)
+
+    def locate(self, tensor: torch.Tensor) -> tuple[FlatGroup, int] | None:
+        """The group tracking ``tensor`` and its index in that group, or None."""
+        return self._where.get(id(tensor))
 
     def stats(self) -> dict:
         on_host = sum(g.nbytes for g in self._groups if g.place is Place.RELEASED)
@@ -126,6 +155,9 @@ class OffloadEngine:
             "h2d_bytes": self.last.h2d_bytes,
             "offload_seconds": self.last.offload_seconds,
             "reload_seconds": self.last.reload_seconds,
+            "update_chunks": self.last.update_chunks,
+            "update_copies": self.last.update_copies,
+            "update_bytes": self.last.update_bytes,
         }
 
     # --------------------------------------------------------------- the cycle
@@ -194,13 +226,16 @@ class OffloadEngine:
             group.place = Place.RELEASED
         self.last.offload_seconds += time.perf_counter() - start
 
-    def reload(self, kinds: Iterable[str] | None = None) -> None:
+    def reload(self, kinds: Iterable[str] | None = None, *, streamed: bool = True) -> None:
         """Regrow the released groups and start copying them back (asynchronous on accelerators).
 
         The data may be used only after ``wait`` (which the caller of the step does).
+        ``streamed=False`` leaves the groups of streamed tensors on the host.
         """
         self._check_open()
-        selected = list(self._select(kinds))
+        self._reload_groups(list(self._select(kinds, streamed)))
+
+    def _reload_groups(self, selected: list[FlatGroup]) -> None:
         start = time.perf_counter()
         # An offloading group still has its device memory: it only has to become resident.
         # Its D2H may still be reading that memory, and the next writer (the step) runs on
@@ -272,14 +307,16 @@ class OffloadEngine:
         self._free_arena()
         self._groups = []
         self._tracked = []
+        self._where = {}
         self._closed = True
 
     # ----------------------------------------------------------------- helpers
-    def _select(self, kinds: Iterable[str] | None):
+    def _select(self, kinds: Iterable[str] | None, streamed: bool = True):
+        groups = self._groups if streamed else [g for g in self._groups if not g.streamed]
         if kinds is None:
-            return self._groups
+            return groups
         wanted = set(kinds)
-        return [g for g in self._groups if g.kind in wanted]
+        return [g for g in groups if g.kind in wanted]
 
     def _check_open(self) -> None:
         if self._closed:
@@ -382,23 +419,47 @@ class OffloadEngine:
             return
         self._rebuild(current)
 
+    def adopt(self, items: Iterable[tuple[torch.Tensor, torch.Tensor, object]]) -> None:
+        """Take over tensors whose only copy the caller put on the host.
+
+        Each item is ``(tensor, host, event)``: ``host`` is a buffer from this engine's
+        device (``host_buffer``) holding the tensor's bytes once ``event`` (the D2H that
+        filled it, or None) completed, and the caller has released the tensor's device
+        memory. At the next rescan the tensors are tracked as released and their bytes move
+        into the host arena; the engine gives the buffers back.
+        """
+        for tensor, host, event in items:
+            self._adopted[id(tensor)] = (tensor, host, event)
+        self.invalidate()
+
     def _rebuild(self, current: list[tuple[str, torch.Tensor]]) -> None:
-        still_there = {id(t) for _, t in current}
-        for group in self._groups:
-            # A released group any of whose tensors is still tracked comes back before the
-            # layout changes, so nothing is lost. One whose tensors were all replaced (for
-            # example by load_state_dict) is dropped: its contents are obsolete.
-            if group.place is Place.RELEASED and any(id(t) in still_there for t in group.tensors):
-                self.reload([group.kind])
+        streamed = {id(t) for t in self._streamed()} if self._streamed is not None else set()
+        by_key: dict[tuple[str, torch.dtype, bool], list[torch.Tensor]] = {}
+        for kind, tensor in current:
+            by_key.setdefault((kind, tensor.dtype, id(tensor) in streamed), []).append(tensor)
+        # A group is described by one place, so it cannot mix tensors whose only copy is on
+        # the host with tensors on the device (a new state beside released ones): the former
+        # come back to the device first. Groups made only of host copies stay released, and
+        # their bytes move from the old arena (or an adopted buffer) into the new one.
+        on_host = self._host_copies()
+        mixed = {
+            id(t)
+            for tensors in by_key.values()
+            if any(id(t) in on_host for t in tensors) and not all(id(t) in on_host for t in tensors)
+            for t in tensors
+        }
+        if mixed:
+            self._reload_groups(
+                [g for g in self._groups if g.place is Place.RELEASED and any(id(t) in mixed for t in g.tensors)]
+            )
+            self._restore_adopted(mixed)
+            on_host = self._host_copies()
         self.wait()
         _check_no_aliasing(current, self.name)
-        by_key: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
-        for kind, tensor in current:
-            by_key.setdefault((kind, tensor.dtype), []).append(tensor)
         old_flat = {id(t): g for g in self._groups if g.flat is not None for t in g.tensors}
         groups = []
-        for (kind, dtype), tensors in by_key.items():
-            group = FlatGroup(kind, dtype, tensors)
+        for (kind, dtype, is_streamed), tensors in by_key.items():
+            group = FlatGroup(kind, dtype, tensors, streamed=is_streamed)
             previous = {id(old_flat.get(id(t))) for t in tensors}
             old = old_flat.get(id(tensors[0]))
             if (
@@ -408,20 +469,63 @@ class OffloadEngine:
                 and all(a is b for a, b in zip(old.tensors, tensors))
             ):
                 group.flat = old.flat  # unchanged group: keep its consolidated storage
+            if all(id(t) in on_host for t in tensors):
+                group.place = Place.RELEASED
+                group.host_valid = True
             groups.append(group)
         # Largest element size first: every group's host slice is then aligned for its dtype
         # without padding, and host bytes equal tracked bytes exactly.
         groups.sort(key=lambda g: -g.itemsize)
         need = sum(g.nbytes for g in groups)
         self._host.check(need, self.name)  # against the budget, before anything is freed or allocated
-        self._free_arena()
-        arena = self._host.allocate(need)
+        carried = [g for g in groups if g.place is Place.RELEASED]
+        # Rule 5: the host reads the old copies below, so the copies into them must be done.
+        for _, event in on_host.values():
+            if event is not None:
+                self.device.synchronize_event(event, label=HOST_READ_AFTER_D2H)
+        for group in self._groups:
+            group.d2h_event = None
+        arena = self._host.replace(need)
         offset = 0
         for group in groups:
             group.host = arena[offset : offset + group.nbytes].view(group.dtype)
             offset += group.nbytes
+        for group in carried:
+            for tensor, host in group.host_slices():
+                host.copy_(on_host[id(tensor)][0])
+        self._host.free_retired()
+        for _, buffer, _ in self._adopted.values():
+            self.device.free_host_buffer(buffer)
+        self._adopted = {}
         self._groups = groups
         self._tracked = current
+        self._where = {id(t): (g, i) for g in groups for i, t in enumerate(g.tensors)}
+
+    def _host_copies(self) -> dict[int, tuple[torch.Tensor, object]]:
+        """Where the bytes of every tensor that has no device memory are: id -> (host, event)."""
+        copies = {}
+        for group in self._groups:
+            if group.place is Place.RELEASED:
+                for tensor, host in group.host_slices():
+                    copies[id(tensor)] = (host, group.d2h_event)
+        for key, (tensor, host, event) in self._adopted.items():
+            copies[key] = (_typed(host, tensor), event)
+        return copies
+
+    def _restore_adopted(self, ids: set[int]) -> None:
+        """Copy adopted tensors among ``ids`` back into device memory of their own."""
+        for key in [k for k in self._adopted if k in ids]:
+            tensor, host, event = self._adopted.pop(key)
+            if event is not None:
+                self.device.synchronize_event(event, label=HOST_READ_AFTER_D2H)
+            self.device.regrow(tensor, tensor.numel() * tensor.element_size())
+            current = self.device.current_stream()
+            # On the current stream, the one that regrew the memory and will use it (rule 7).
+            with self.device.use_stream(current):
+                self.device.copy(tensor, _typed(host, tensor))
+            # Rule 5: the buffer is given back only once the copy reading it is done.
+            self.device.synchronize_event(self.device.record_event(current), label=HOST_FREE_AFTER_COPIES)
+            self.device.free_host_buffer(host)
 
     def _free_arena(self) -> None:
         for group in self._groups:
@@ -492,6 +596,7 @@ class _HostArena:
         self.device = device
         self.budget = budget
         self.buffer: torch.Tensor | None = None
+        self.retired: torch.Tensor | None = None  # the previous buffer, while its bytes move
         # Side streams run in order, so the newest event of each covers every earlier copy.
         self.last_d2h = None
         self.last_h2d = None
@@ -504,22 +609,35 @@ class _HostArena:
         if self.budget is not None:
             self.budget.check(self, nbytes, name)
 
-    def allocate(self, nbytes: int) -> torch.Tensor:
-        self.free()
-        self.buffer = self.device.host_buffer(nbytes)
+    def replace(self, nbytes: int) -> torch.Tensor:
+        """A new buffer of ``nbytes``; the old one stays readable until ``free_retired``."""
+        self.free_retired()
+        self.retired, self.buffer = self.buffer, self.device.host_buffer(nbytes)
         if self.budget is not None:
             self.budget.hold(self, nbytes)
         return self.buffer
 
-    def free(self) -> None:
-        if self.buffer is None:
+    def free_retired(self) -> None:
+        """Give back the buffer ``replace`` retired."""
+        if self.retired is None:
             return
+        self._synchronize()
+        self.device.free_host_buffer(self.retired)
+        self.retired = None
+
+    def _synchronize(self) -> None:
         # Rule 5: copies into or out of the arena may still be queued even when the device
         # streams are ordered; the host must see them finish before the memory goes.
         for event in (self.last_d2h, self.last_h2d):
             if event is not None:
                 self.device.synchronize_event(event, label=HOST_FREE_AFTER_COPIES)
         self.last_d2h = self.last_h2d = None
+
+    def free(self) -> None:
+        self.free_retired()
+        if self.buffer is None:
+            return
+        self._synchronize()
         self.device.free_host_buffer(self.buffer)
         self.buffer = None
         if self.budget is not None:
@@ -527,7 +645,7 @@ class _HostArena:
 
 
 class _CycleStats:
-    """Figures of the last offload and reload."""
+    """Figures of the last offload and reload, and of the last chunked update (``slots.py``)."""
 
     __slots__ = (
         "d2h_copies",
@@ -536,11 +654,21 @@ class _CycleStats:
         "h2d_bytes",
         "offload_seconds",
         "reload_seconds",
+        "update_chunks",
+        "update_copies",
+        "update_bytes",
     )
 
     def __init__(self) -> None:
         self.d2h_copies = self.h2d_copies = self.d2h_bytes = self.h2d_bytes = 0
+        self.update_chunks = self.update_copies = self.update_bytes = 0
         self.offload_seconds = self.reload_seconds = 0.0
+
+
+def _typed(buffer: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """The first bytes of the uint8 ``buffer`` seen as a tensor like ``tensor``."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return buffer[:nbytes].view(tensor.dtype).view(tensor.shape)
 
 
 def _unmovable_reason(tensor: torch.Tensor, device: Device) -> str:

@@ -56,6 +56,7 @@ class FlatGroup:
     kind: str
     dtype: torch.dtype
     tensors: list[torch.Tensor]
+    streamed: bool = False  # streamed through device slots by the caller's update, not reloaded whole
     offsets: list[int] = field(default_factory=list)  # element offset of each tensor
     numel: int = 0
     host: torch.Tensor | None = None  # this group's slice of the host arena, as ``dtype``
