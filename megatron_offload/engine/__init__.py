@@ -2,6 +2,7 @@
 
 from .engine import HostBudget, HostMemoryBudgetError, OffloadEngine, OffloadStateError
 from .groups import FlatGroup, Place
+from .slots import SlotSizeError, SlotStream
 
 __all__ = [
     "HostBudget",
@@ -10,4 +11,6 @@ __all__ = [
     "OffloadStateError",
     "FlatGroup",
     "Place",
+    "SlotSizeError",
+    "SlotStream",
 ]

@@ -1,0 +1,269 @@
+"""Streaming released tensors through a few device slots while the caller updates them.
+
+The chunked update keeps the optimizer states on the host even during the step. The
+caller splits its tensors into units (the states of one parameter: a unit is updated by
+one call) and ``SlotStream.plan`` packs consecutive units into chunks of at most
+``slot_bytes``. ``SlotStream.run`` then, for chunk after chunk, copies the chunk's bytes
+from the host arena into a device slot (H2D), lets the caller update them there, and
+copies them back (D2H), with ``slots`` slots in rotation so that the copies of one chunk
+overlap the update of another. The device memory this takes is the slots, allocated for
+the run and given back at its end: at most ``slots * slot_bytes``.
+
+Inside a chunk, the tensors of one engine group that are neighbours in the host arena
+(consecutive parameters' states) move with one copy, so a chunk costs one copy per group
+and direction, whatever the number of parameters in it.
+
+The ordering (labels as in ``engine.py``; a chunk ``i`` uses slot ``i % slots``):
+
+- the H2D stream waits for the current stream before each prefetch: the slots were
+  allocated on it and the update that last used the slot ran on it (rule 7);
+- the first H2D waits for the D2H that filled the host copies (rule 5);
+- the H2D into a slot waits for the D2H that read the slot's previous chunk
+  (``SLOT_REUSE_AFTER_D2H``);
+- the update waits for its chunk's H2D (rules 3 and 4);
+- the D2H waits for the update (rule 1);
+- the slots are freed once the allocator knows the D2H stream reads them (rule 2), and
+  the host copies carry the last D2H's event, so the next reader of the arena waits for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from .engine import (
+    D2H_AFTER_WRITERS,
+    D2H_RECORD_STREAM,
+    H2D_AFTER_ALLOCATION,
+    H2D_AFTER_D2H,
+    USE_AFTER_H2D,
+    OffloadEngine,
+    OffloadStateError,
+)
+from .groups import ALIGN_BYTES, FlatGroup, Place
+
+SLOT_REUSE_AFTER_D2H = "slot-reuse-after-d2h"  # a slot is refilled only after its D2H read it
+
+
+class SlotSizeError(ValueError):
+    """One unit (one parameter's states) does not fit in a slot."""
+
+
+@dataclass
+class _Segment:
+    """Neighbouring tensors of one group: elements ``start:end`` of the group, at ``slot_offset``."""
+
+    group: FlatGroup
+    start: int
+    end: int
+    slot_offset: int  # bytes
+
+    @property
+    def nbytes(self) -> int:
+        return (self.end - self.start) * self.group.itemsize
+
+
+@dataclass
+class Chunk:
+    """Units updated together, and where their tensors sit in a slot."""
+
+    units: list[int]
+    segments: list[_Segment] = field(default_factory=list)
+    places: dict[int, tuple[_Segment, int, torch.Tensor]] = field(default_factory=dict)
+    nbytes: int = 0
+
+
+class SlotStream:
+    """Runs an update over chunks of an engine's released tensors, in device slots.
+
+    Args:
+        engine: the ``OffloadEngine`` tracking the tensors (in released groups).
+        slot_bytes: the size of one slot; a unit larger than this cannot be streamed.
+        slots: how many slots rotate (2: the copies of one chunk overlap the update of the
+            next; 1: no overlap, half the memory).
+    """
+
+    def __init__(self, engine: OffloadEngine, *, slot_bytes: int, slots: int = 2) -> None:
+        if slot_bytes <= 0 or slots < 1:
+            raise ValueError(f"slot_bytes must be > 0 and slots >= 1, got {slot_bytes} and {slots}.")
+        self.engine = engine
+        self.slot_bytes = slot_bytes
+        self.slots = slots
+        self.peak_slot_bytes = 0  # device bytes of the slots of the largest run so far
+
+    def clear_figures(self) -> None:
+        """Zero the engine's chunked-update figures (a step that streams nothing reports 0)."""
+        last = self.engine.last
+        last.update_chunks = last.update_copies = last.update_bytes = 0
+
+    # ------------------------------------------------------------------ plan
+    def streamable(self, tensor: torch.Tensor) -> bool:
+        """True if ``tensor`` is tracked in a released streamed group (its bytes are on the host)."""
+        where = self.engine.locate(tensor)
+        return where is not None and where[0].streamed and where[0].place is Place.RELEASED
+
+    def plan(self, units: Sequence[Sequence[torch.Tensor]], names: Sequence[str] = ()) -> list[Chunk]:
+        """Pack consecutive ``units`` (each a list of streamable tensors) into chunks.
+
+        ``names`` (one per unit) are used in the error raised when a unit is larger than
+        a slot, before any memory is touched.
+        """
+        chunks: list[Chunk] = []
+        current: list[int] = []
+        used = 0
+        for index, unit in enumerate(units):
+            size = sum(aligned_bytes(t) for t in unit)
+            if size > self.slot_bytes:
+                name = names[index] if index < len(names) else f"unit {index}"
+                raise SlotSizeError(
+                    f"{self.engine.name}: the states of {name} take {size:,} bytes, more than one "
+                    f"slot of the chunked update ({self.slot_bytes:,} bytes). Give the chunked "
+                    f"update at least {size * self.slots:,} bytes (chunked_update_bytes), or leave "
+                    "it unset to reload the states whole for the step."
+                )
+            if current and used + size > self.slot_bytes:
+                chunks.append(self._layout(current, units))
+                current, used = [], 0
+            current.append(index)
+            used += size
+        if current:
+            chunks.append(self._layout(current, units))
+        return chunks
+
+    def _layout(self, indices: list[int], units) -> Chunk:
+        located = []
+        for index in indices:
+            for tensor in units[index]:
+                where = self.engine.locate(tensor)
+                if where is None:
+                    raise OffloadStateError(f"{self.engine.name}: a streamed tensor is not tracked.")
+                group, position = where
+                located.append((id(group), group.offsets[position], group, tensor))
+        located.sort(key=lambda item: (item[0], item[1]))
+        chunk = Chunk(list(indices))
+        slot_offset = 0
+        segment = None
+        for _, offset, group, tensor in located:
+            end = offset + aligned_bytes(tensor) // group.itemsize
+            if segment is None or segment.group is not group or segment.end != offset:
+                if segment is not None:
+                    slot_offset += segment.nbytes
+                segment = _Segment(group, offset, end, slot_offset)
+                chunk.segments.append(segment)
+            else:
+                segment.end = end
+            chunk.places[id(tensor)] = (segment, offset, tensor)
+        chunk.nbytes = sum(s.nbytes for s in chunk.segments)
+        return chunk
+
+    # ------------------------------------------------------------------- run
+    def run(self, chunks: Sequence[Chunk], update: Callable[[Chunk, dict[int, torch.Tensor]], None]) -> None:
+        """For every chunk: bring its bytes into a slot, ``update(chunk, views)``, copy them back.
+
+        ``views`` maps ``id(tensor)`` to the tensor's place in the slot (same dtype and shape):
+        the caller makes the update use those instead of the (released) tensors.
+        """
+        if not chunks:
+            return
+        engine, device = self.engine, self.engine.device
+        for chunk in chunks:
+            for segment in chunk.segments:
+                if segment.group.place is not Place.RELEASED:
+                    raise OffloadStateError(
+                        f"{engine.name}: the chunked update streams released states only; "
+                        f"the {segment.group.kind} are {segment.group.place.value}."
+                    )
+        count = min(self.slots, len(chunks))
+        size = max(chunk.nbytes for chunk in chunks)  # <= slot_bytes (plan)
+        slots = [device.empty(size, torch.uint8) for _ in range(count)]
+        self.peak_slot_bytes = max(self.peak_slot_bytes, count * size)
+        current = device.current_stream()
+        h2d = engine._side_stream("h2d")
+        d2h = engine._side_stream("d2h")
+        groups = {id(s.group): s.group for c in chunks for s in c.segments}.values()
+        stats = engine.last
+        stats.update_chunks = len(chunks)
+        stats.update_copies = stats.update_bytes = 0
+        h2d_events: dict[int, object] = {}
+        d2h_events: list[object] = [None] * count
+        fetched = 0
+
+        def fetch(index: int) -> None:
+            slot = slots[index % count]
+            # Rule 7: the slot was allocated on the current stream, and the update of the
+            # chunk that used it before ran there: the H2D comes after both.
+            device.wait_stream(h2d, current, label=H2D_AFTER_ALLOCATION)
+            if index == 0:
+                # Rule 5: the host copies are complete before they are read.
+                for group in groups:
+                    if group.d2h_event is not None:
+                        device.wait_event(h2d, group.d2h_event, label=H2D_AFTER_D2H)
+            previous = d2h_events[index % count]
+            if previous is not None:
+                # The D2H of the slot's previous chunk still reads it: refill after it.
+                device.wait_event(h2d, previous, label=SLOT_REUSE_AFTER_D2H)
+            with device.use_stream(h2d):
+                for segment in chunks[index].segments:
+                    device.copy(_slot_view(slot, segment), segment.group.host[segment.start : segment.end])
+                    stats.update_copies += 1
+                    stats.update_bytes += segment.nbytes
+                h2d_events[index] = device.record_event(h2d)
+
+        last_d2h = None
+        try:
+            for index, chunk in enumerate(chunks):
+                # Prefetch as far ahead as free slots allow: a slot is free once the D2H of
+                # its previous chunk was issued (chunks before ``index``).
+                while fetched < len(chunks) and fetched < index + count:
+                    fetch(fetched)
+                    fetched += 1
+                # Rules 3 and 4: the update reads what the H2D wrote.
+                device.wait_event(current, h2d_events.pop(index), label=USE_AFTER_H2D)
+                slot = slots[index % count]
+                views = {}
+                for key, (segment, offset, tensor) in chunk.places.items():
+                    base = segment.slot_offset + (offset - segment.start) * segment.group.itemsize
+                    nbytes = tensor.numel() * tensor.element_size()
+                    views[key] = slot[base : base + nbytes].view(tensor.dtype).view(tensor.shape)
+                update(chunk, views)
+                del views
+                # Rule 1: the D2H copies what the update wrote.
+                device.wait_stream(d2h, current, label=D2H_AFTER_WRITERS)
+                with device.use_stream(d2h):
+                    for segment in chunk.segments:
+                        device.copy(segment.group.host[segment.start : segment.end], _slot_view(slot, segment))
+                        stats.update_copies += 1
+                        stats.update_bytes += segment.nbytes
+                    last_d2h = d2h_events[index % count] = device.record_event(d2h)
+        finally:
+            # Prefetched chunks that were never updated (the update raised): order their
+            # H2D before the current stream, which frees the slots.
+            for event in h2d_events.values():
+                device.wait_event(current, event, label=USE_AFTER_H2D)
+            for slot in slots:
+                # Rule 2: the D2H stream still reads the slots; the allocator must know.
+                device.record_stream(slot, d2h, label=D2H_RECORD_STREAM)
+            if last_d2h is not None:
+                engine._host.last_d2h = last_d2h
+                for group in groups:
+                    # The next reader of these host copies (an H2D, the host) waits for it.
+                    group.d2h_event = last_d2h
+                    group.host_valid = True
+            if fetched:
+                engine._host.last_h2d = device.record_event(h2d)
+            del slots
+
+
+def _slot_view(slot: torch.Tensor, segment: _Segment) -> torch.Tensor:
+    return slot[segment.slot_offset : segment.slot_offset + segment.nbytes].view(segment.group.dtype)
+
+
+def aligned_bytes(tensor: torch.Tensor) -> int:
+    """Bytes ``tensor`` takes in a slot (and in a group): its size rounded up to 16."""
+    return round_up(tensor.numel() * tensor.element_size())
+
+
+def round_up(nbytes: int) -> int:
+    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
