@@ -10,7 +10,7 @@ The package is layered: ``device`` (the only code that knows accelerators), ``en
 """
 
 from .config import OffloadConfig
-from .engine import HostMemoryBudgetError, OffloadStateError
+from .engine import HostMemoryBudgetError, OffloadStateError, SlotSizeError
 from .integration import OptimizerStateOffloader, attach
 from .integration.arguments import OffloadArgumentError, add_arguments, validate_args
 from .integration.training import patch_megatron, unpatch_megatron
@@ -23,6 +23,7 @@ __all__ = [
     "OffloadConfig",
     "OffloadStateError",
     "OptimizerStateOffloader",
+    "SlotSizeError",
     "add_arguments",
     "attach",
     "patch_megatron",

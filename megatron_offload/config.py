@@ -41,6 +41,22 @@ class OffloadConfig:
     overlap and the higher the backward's memory peak. (Megatron's pretrain integration
     prefetches at gradient finalization, between the two.)"""
 
+    chunked_update_bytes: int | None = None
+    """Chunked update (``attach`` only): keep the offloaded states on the host during the
+    step too, and stream them through device slots taking at most this many bytes in all,
+    chunk by chunk of parameters, so that the update needs this much device memory for
+    them instead of their whole size. Bitwise identical to the whole update; costs one
+    copy per chunk and direction and a little overlap. None: the states are reloaded whole
+    for the step. The master weights megatron-core keeps beside the optimizer (fp32 copies
+    of bf16/fp16 parameters) are still reloaded whole, since megatron copies them into the
+    model after the update. Each parameter's states must fit in one slot
+    (``chunked_update_bytes / chunked_update_slots``)."""
+
+    chunked_update_slots: int = 2
+    """Slots the chunked update rotates through (splitting ``chunked_update_bytes``): with
+    2, the copies of one chunk overlap the update of the next; 1 uses the whole budget for
+    one slot, without overlap."""
+
     per_optimizer: dict[int, dict[str, bool]] | None = None
     """Overrides of ``offload_optimizer_states`` / ``offload_primary_weights`` for single
     optimizers of a ChainedOptimizer, by index in ``chained_optimizers`` (for example
@@ -77,6 +93,25 @@ class OffloadConfig:
             raise ValueError(
                 f'OffloadConfig.prefetch must be "step" or a fraction of the backward pass '
                 f"strictly between 0 and 1, got {prefetch!r}."
+            )
+        chunk = self.chunked_update_bytes
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0):
+            raise ValueError(
+                f"OffloadConfig.chunked_update_bytes must be a number of bytes (int > 0) or None, got {chunk!r}."
+            )
+        slots = self.chunked_update_slots
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"OffloadConfig.chunked_update_slots must be an int >= 1, got {slots!r}.")
+        if chunk is not None and fraction < 1:
+            raise ValueError(
+                "OffloadConfig.chunked_update_bytes cannot be combined with offload_fraction < 1: "
+                "partial offload picks tensors by size across all parameters, the chunked update "
+                "streams every offloaded state per parameter. Use one of them."
+            )
+        if chunk is not None and chunk < slots * 16:
+            raise ValueError(
+                f"OffloadConfig.chunked_update_bytes={chunk} is too small for {slots} slot(s); "
+                "give each slot at least one parameter's states (bytes of its moments)."
             )
         selectable = ("offload_optimizer_states", "offload_primary_weights")
         for index, override in (self.per_optimizer or {}).items():

@@ -56,6 +56,17 @@ def collect(distrib_optimizer) -> Iterator[tuple[str, torch.Tensor]]:
             yield (PRIMARY_WEIGHTS if inner_optimizers.is_master_key(key) else OPTIMIZER_STATES), tensor
 
 
+def in_state(distrib_optimizer) -> Iterator[torch.Tensor]:
+    """Every tensor ``collect`` finds inside the inner optimizer's state (not the masters
+    megatron-core keeps beside it): what the chunked update can stream."""
+    state = distrib_optimizer.optimizer.state
+    for param in inner_params(distrib_optimizer):
+        entries = state.get(param)
+        if entries:
+            for _, tensor in inner_optimizers.state_tensors(param, entries):
+                yield tensor
+
+
 def master_weights(distrib_optimizer) -> Iterator[torch.Tensor]:
     """The master-weight shards held outside the optimizer state (may be empty)."""
     for groups in getattr(distrib_optimizer, "shard_fp32_from_float16_groups", None) or ():

@@ -66,19 +66,19 @@ def is_plain(tensor) -> bool:
     return type(tensor) in (torch.Tensor, torch.nn.Parameter)
 
 
-def quantized_buffers(value: torch.Tensor, numel: int) -> list[torch.Tensor] | None:
-    """The plain per-element buffers of a quantized tensor subclass, or None if not one.
+def quantized_buffers(value: torch.Tensor, numel: int) -> list[str]:
+    """Names of the plain per-element buffers inside a quantized tensor subclass (empty if none).
 
     ``numel`` is the parameter's element count: only buffers of that size are per-element data.
     """
     if is_plain(value):
-        return None
-    buffers = []
+        return []
+    names = []
     for name in QUANTIZED_DATA_ATTRS:
         inner = getattr(value, name, None)
         if isinstance(inner, torch.Tensor) and is_plain(inner) and inner.numel() == numel:
-            buffers.append(inner)
-    return buffers or None
+            names.append(name)
+    return names
 
 
 def state_tensors(param: torch.Tensor, entries) -> Iterator[tuple[str, torch.Tensor]]:
@@ -87,19 +87,43 @@ def state_tensors(param: torch.Tensor, entries) -> Iterator[tuple[str, torch.Ten
     Keys are visited in sorted order and the buffers of a quantized state in a fixed order, so
     an unchanged state yields the same tensors in the same order every time.
     """
+    for key, _, _, tensor in state_places(param, entries):
+        yield key, tensor
+
+
+def state_places(param: torch.Tensor, entries) -> Iterator[tuple[str, object, str, torch.Tensor]]:
+    """``(state key, holder, name, tensor)`` for the tensors of ``state_tensors``, in its order.
+
+    ``holder`` and ``name`` say where the optimizer finds the tensor: ``holder[name]`` when
+    ``holder`` is the parameter's state dict, ``getattr(holder, name)`` for a buffer inside a
+    quantized state (see ``get_place``/``set_place``).
+    """
     numel = param.numel()
     for key in sorted(entries):
         value = entries[key]
         if key in NEVER_MOVED or not isinstance(value, torch.Tensor):
             continue
         buffers = quantized_buffers(value, numel)
-        if buffers is not None:
-            for buffer in buffers:
-                yield key, buffer
+        if buffers:
+            for name in buffers:
+                yield key, value, name, getattr(value, name)
         elif value.numel() == numel:
             # A plain tensor, or a subclass of unknown layout (which the engine keeps resident).
-            yield key, value
+            yield key, entries, key, value
         # Anything else (scalars, [1] scales) stays where it is.
+
+
+def get_place(holder, name: str):
+    """The tensor at a place from ``state_places``."""
+    return holder[name] if isinstance(holder, dict) else getattr(holder, name)
+
+
+def set_place(holder, name: str, tensor: torch.Tensor) -> None:
+    """Put ``tensor`` at a place from ``state_places``."""
+    if isinstance(holder, dict):
+        holder[name] = tensor
+    else:
+        setattr(holder, name, tensor)
 
 
 def is_master_key(key: str) -> bool:

@@ -16,6 +16,7 @@ import argparse
 from ..config import OffloadConfig
 
 OFFLOAD_FLAG = '--offload-optimizer-states'
+CHUNKED_FLAG = '--offload-chunked-update-bytes'
 
 # Tuning flags: (option, dest). All are "--no-..." switches whose default is True, so a False
 # value means the user passed the flag.
@@ -92,6 +93,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         'the optimizer step starts instead.',
     )
     group.add_argument(
+        CHUNKED_FLAG,
+        type=int,
+        default=None,
+        dest='offload_chunked_update_bytes',
+        metavar='BYTES',
+        help='With --offload-optimizer-states: keep Adam\'s moments in host memory during the '
+        'optimizer step too, and stream them through device slots taking at most BYTES in all '
+        '(for example 1073741824 for 1 GiB), a few parameters at a time, so that the update '
+        'needs BYTES of device memory for them instead of their whole size. Bitwise the same '
+        'results. Each parameter shard\'s moments must fit in half of BYTES.',
+    )
+    group.add_argument(
         '--no-log-offload-stats',
         action='store_false',
         dest='log_offload_stats',
@@ -135,6 +148,8 @@ def validate_args(args) -> None:
     enabled = offload_enabled(args)
     if not enabled:
         used = [flag for flag, dest in TUNING_FLAGS if getattr(args, dest, True) is False]
+        if getattr(args, 'offload_chunked_update_bytes', None) is not None:
+            used.append(CHUNKED_FLAG)
         if used:
             _refuse(
                 f'{used[0]} has no effect without {OFFLOAD_FLAG}: add {OFFLOAD_FLAG} to '
@@ -222,6 +237,14 @@ def validate_args(args) -> None:
             'has nothing to offload. Drop one of them (or drop '
             f'{OFFLOAD_FLAG}).'
         )
+    chunked = getattr(args, 'offload_chunked_update_bytes', None)
+    if chunked is not None and chunked <= 0:
+        _refuse(f'{CHUNKED_FLAG} must be a number of bytes > 0, got {chunked}.')
+    if chunked is not None and not offload_moments:
+        _refuse(
+            f'{CHUNKED_FLAG} streams Adam\'s moments through the device during the step, but '
+            '--no-offload-moments keeps them on the device. Drop one of them.'
+        )
     if not offload_moments and not _mixed_precision(args):
         _refuse(
             f'{OFFLOAD_FLAG} with --no-offload-moments offloads only the fp32 master weights, '
@@ -236,4 +259,5 @@ def config_from_args(args) -> OffloadConfig:
         offload_optimizer_states=bool(getattr(args, 'offload_moments', True)),
         offload_primary_weights=bool(getattr(args, 'offload_master_weights', True)),
         release_master_grads=bool(getattr(args, 'offload_release_master_grads', True)),
+        chunked_update_bytes=getattr(args, 'offload_chunked_update_bytes', None),
     )

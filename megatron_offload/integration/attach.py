@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import functools
 
+from ..adapters import distributed_optimizer as dopt_adapter
 from ..config import OffloadConfig
+from .chunked import ChunkedUpdate
 from .offloader import OptimizerStateOffloader
 
 
@@ -46,8 +48,33 @@ class _AutomaticCycle:
     def __init__(self, offloader: OptimizerStateOffloader) -> None:
         self._offloader = offloader
         self._handles = []
-        for engine, distrib_optimizer in zip(offloader.engines, offloader._distributed):
-            hook = functools.partial(_before_inner_step, engine)
+        config = offloader.config
+        self._chunked = []
+        if config.chunked_update_bytes is not None:
+            try:
+                for index, (engine, distrib_optimizer) in enumerate(zip(offloader.engines, offloader._distributed)):
+                    self._chunked.append(
+                        ChunkedUpdate(
+                            engine,
+                            distrib_optimizer,
+                            total_bytes=config.chunked_update_bytes,
+                            slots=config.chunked_update_slots,
+                            kinds=config.kinds(index),
+                            owner=offloader,
+                        )
+                    )
+            except BaseException:
+                for chunked in self._chunked:  # leave every inner optimizer as it was
+                    chunked.remove()
+                raise
+            self._handles += self._chunked
+            if any(any(True for _ in dopt_adapter.in_state(d)) for d in offloader._distributed):
+                # States made before attach (the precision-aware path creates them with the
+                # optimizer) go to the host now, so that the first update streams them too.
+                offloader.offload()
+        for index, (engine, distrib_optimizer) in enumerate(zip(offloader.engines, offloader._distributed)):
+            chunked = self._chunked[index] if self._chunked else None
+            hook = functools.partial(_before_inner_step, engine, chunked)
             self._handles.append(distrib_optimizer.optimizer.register_step_pre_hook(hook))
         if offloader.config.prefetch != "step":
             self._handles += _backward_prefetch_hooks(offloader, float(offloader.config.prefetch))
@@ -66,9 +93,16 @@ class _AutomaticCycle:
         if offloader.is_offloaded:
             # Start the copy-back now: it overlaps the gradient copy, unscale, norm and
             # clipping the step does before the update, which waits for it (pre-hook).
-            for engine in offloader.engines:
-                engine.reload()
-        result = self._previous_step(*args, **kwargs)
+            # States a chunked update streams stay on the host.
+            offloader.prefetch()
+        for chunked in self._chunked:
+            chunked.stream.clear_figures()
+            chunked.active = True
+        try:
+            result = self._previous_step(*args, **kwargs)
+        finally:
+            for chunked in self._chunked:
+                chunked.active = False
         self._after_step()
         return result
 
@@ -117,8 +151,7 @@ def _backward_prefetch_hooks(offloader, fraction: float) -> list:
 
     def start_reload(*_):
         if offloader.is_offloaded and not offloader.detached:
-            for engine in offloader.engines:
-                engine.reload()
+            offloader.prefetch()
 
     # The accumulator node is reached through a view of the parameter; keep it alive (it is
     # the node autograd uses for this parameter for the life of the model).
@@ -138,10 +171,13 @@ class _KeepAlive:
         self._owner = None
 
 
-def _before_inner_step(engine, optimizer, args, kwargs) -> None:
-    """Inner optimizer step pre-hook: the update reads every state, so all must be here."""
-    if engine.is_released():
-        engine.reload()  # nobody prefetched (a step called on the inner optimizer directly)
+def _before_inner_step(engine, chunked, optimizer, args, kwargs) -> None:
+    """Inner optimizer step pre-hook: the update reads every state, so all must be here
+    (but those a chunked update streams, which it brings into slots itself)."""
+    streaming = chunked is not None and chunked.active
+    if engine.is_released(streamed=not streaming):
+        # Nobody prefetched (a step called on the inner optimizer directly).
+        engine.reload(streamed=not streaming)
     # Rule 4: the update must not start before the copy-back of what it reads.
     engine.wait()
     engine.mark_dirty()

@@ -108,7 +108,10 @@ class StateAccessGuard:
                 # TE's own step() calls these while everything is resident: nothing to do
                 # then beyond noting that the states change. Otherwise bring them back;
                 # they hand out (or write) the live tensors, so the host copy goes stale.
-                offloader._make_resident(changes=True, replaced=replaces)
+                # Inside a chunked update, step() calls them for the parameters of the
+                # current chunk, whose states are in a slot: nothing must move then.
+                if not offloader._streaming:
+                    offloader._make_resident(changes=True, replaced=replaces)
                 return previous(*args, **kwargs)
 
             return call

@@ -11,6 +11,7 @@ whose methods it also offers so that code written against that API runs unchange
 offload_primary_weights)``            their device memory (asynchronous on accelerators)
 ``release_gpu_memory()``              free what was offloaded (``offload`` already does)
 ``reload()``                          regrow and copy back (asynchronous)
+``prefetch()``                        ``reload()`` of what the step needs whole
 ``sync_before_step()`` / ``wait()``   order the copy-back before the current stream
 ``mark_optimizer_states_initialized``  kept for compatibility: states are found anew at
                                       every offload
@@ -118,6 +119,7 @@ class OptimizerStateOffloader:
                     fingerprint=_fingerprinter(distrib_optimizer),
                     budget=budget,
                     fraction=float(self.config.offload_fraction),
+                    streamed=_in_state(distrib_optimizer) if self.config.chunked_update_bytes else None,
                 )
             )
         for distrib_optimizer in distributed:
@@ -127,6 +129,7 @@ class OptimizerStateOffloader:
         self._detached = False
         self._cycles = 0
         self._automatic = None  # set by attach()
+        self._streaming = 0  # > 0 while a chunked update runs (integration/chunked.py)
 
     # ------------------------------------------------------------- queries
     @property
@@ -190,6 +193,13 @@ class OptimizerStateOffloader:
             )
         for engine in self._engines:
             engine.reload()
+
+    def prefetch(self) -> None:
+        """Start reloading what the step needs whole (asynchronous): everything, except
+        the states a chunked update (``chunked_update_bytes``) streams through its slots
+        during the step. What ``attach``'s cycle and the training hooks call."""
+        for engine in self._engines:
+            engine.reload(streamed=False)
 
     def wait(self) -> None:
         """Order every pending copy-back before the current stream (no host block)."""
@@ -327,6 +337,13 @@ def _fingerprinter(distrib_optimizer):
         return len(state), sum(map(len, state.values()))
 
     return fingerprint
+
+
+def _in_state(distrib_optimizer):
+    def streamed():
+        return dopt_adapter.in_state(distrib_optimizer)
+
+    return streamed
 
 
 def _collector(distrib_optimizer):

@@ -117,7 +117,8 @@ class Recorder:
                 entry['offloader'] = {
                     key: stats[key]
                     for key in ('offloaded_bytes', 'host_bytes', 'resident_bytes',
-                                'tracked_bytes', 'd2h_copies', 'h2d_copies', 'cycles')
+                                'tracked_bytes', 'd2h_copies', 'h2d_copies', 'cycles',
+                                'update_chunks', 'update_copies')
                 }
                 entry['offloader']['is_offloaded'] = offloader.is_offloaded
             self.data['iterations'].append(entry)

@@ -58,6 +58,7 @@ class Case:
     train_iters: int = 5
     save_interval: int | None = None
     description: str = ''
+    offload_flags: tuple = ()  # added only to the run with offloading
 
 
 CASES = {
@@ -128,6 +129,7 @@ def flags(case: Case, *, offload: bool, device: str, save_dir: str | None) -> li
         args += ['--save', save_dir, '--save-interval', str(case.save_interval)]
     if offload:
         args.append('--offload-optimizer-states')
+        args += list(case.offload_flags)
     return args
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from megatron_offload.config import OffloadConfig
 from megatron_offload.integration.arguments import (
+    CHUNKED_FLAG,
     OFFLOAD_FLAG,
     TUNING_FLAGS,
     OffloadArgumentError,
@@ -41,7 +42,8 @@ def test_add_arguments_is_an_extra_args_provider():
     assert args.offload_optimizer_states is False
     for _, dest in TUNING_FLAGS:
         assert getattr(args, dest) is True
-    flags = [OFFLOAD_FLAG] + [flag for flag, _ in TUNING_FLAGS]
+    assert args.offload_chunked_update_bytes is None
+    flags = [OFFLOAD_FLAG, CHUNKED_FLAG] + [flag for flag, _ in TUNING_FLAGS]
     for flag in flags:
         action = parser._option_string_actions[flag]
         assert action.help and len(action.help) > 40, flag
@@ -65,6 +67,8 @@ def test_config_from_args():
         offload_optimizer_states=False, offload_primary_weights=True, release_master_grads=False
     )
     assert config_from_args(argparse.Namespace()) == OffloadConfig()
+    chunked = argparse.Namespace(offload_optimizer_states=True, offload_chunked_update_bytes=1 << 20)
+    assert config_from_args(chunked).chunked_update_bytes == 1 << 20
 
 
 # ---------------------------------------------------------------------------- accepted runs
@@ -81,6 +85,8 @@ def test_config_from_args():
     OK_BASE + ['--cuda-graph-impl', 'local'],
     OK_BASE + ['--overlap-grad-reduce', '--overlap-param-gather'],
     OK_BASE + ['--use-precision-aware-optimizer'],
+    OK_BASE + [CHUNKED_FLAG, '1073741824'],
+    OK_BASE + [CHUNKED_FLAG, '1073741824', '--no-offload-master-weights'],
     # megatron-core's offload_to_cpu/restore_from_cpu are routed to the offloader.
     OK_BASE + ['--rl-offload-optimizer-during-inference'],
     ['--use-distributed-optimizer', '--optimizer-cpu-offload'],  # theirs alone is not ours to judge
@@ -168,6 +174,18 @@ REFUSED = [
         ['--use-distributed-optimizer', '--no-offload-prefetch'],
         ['--no-offload-prefetch has no effect without ' + OFFLOAD_FLAG, 'add ' + OFFLOAD_FLAG],
         id='tuning-flag-without-offloading'),
+    pytest.param(
+        ['--use-distributed-optimizer', CHUNKED_FLAG, '4096'],
+        [CHUNKED_FLAG + ' has no effect without ' + OFFLOAD_FLAG],
+        id='chunked-update-without-offloading'),
+    pytest.param(
+        OK_BASE + [CHUNKED_FLAG, '0'],
+        [CHUNKED_FLAG, 'must be a number of bytes > 0'],
+        id='chunked-update-zero-bytes'),
+    pytest.param(
+        OK_BASE + [CHUNKED_FLAG, '4096', '--no-offload-moments'],
+        [CHUNKED_FLAG, '--no-offload-moments', 'Drop one'],
+        id='chunked-update-without-moments'),
     pytest.param(
         ['--no-log-offload-stats', '--no-offload-master-weights'],
         ['--no-offload-master-weights', '--no-log-offload-stats', OFFLOAD_FLAG],

@@ -183,6 +183,17 @@ def test_config_refuses_bad_values_naming_the_option():
     for bad in ("finalize", 0, 1.0, True):
         with pytest.raises(ValueError, match='prefetch must be "step" or a fraction'):
             OffloadConfig(prefetch=bad)
+    for bad in (0, -5, 1.5, True, "1GiB"):
+        with pytest.raises(ValueError, match="chunked_update_bytes must be a number of bytes"):
+            OffloadConfig(chunked_update_bytes=bad)
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="chunked_update_slots must be an int >= 1"):
+            OffloadConfig(chunked_update_bytes=1 << 20, chunked_update_slots=bad)
+    with pytest.raises(ValueError, match="cannot be combined with offload_fraction < 1"):
+        OffloadConfig(chunked_update_bytes=1 << 20, offload_fraction=0.5)
+    with pytest.raises(ValueError, match="too small for 4 slot"):
+        OffloadConfig(chunked_update_bytes=32, chunked_update_slots=4)
+    assert OffloadConfig(chunked_update_bytes=1 << 20, chunked_update_slots=1).chunked_update_slots == 1
 
 
 def test_offload_state_error_is_a_runtime_error():

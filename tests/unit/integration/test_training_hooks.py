@@ -37,6 +37,8 @@ class FakeOffloader:
         self.events.append('reload')
         self._offloaded = False
 
+    prefetch = reload
+
     @contextlib.contextmanager
     def resident(self, *, read_only=False):
         self.events.append(('resident', read_only))
@@ -321,13 +323,13 @@ def hooks_job(offload: bool, steps: int = 3):
                 inside.pop()
 
         config.finalize_model_grads_func = finalize
-        reload = offloader.reload
+        prefetch = offloader.prefetch
 
-        def traced_reload():
+        def traced_prefetch():
             trace.append('in finalize' if inside else 'elsewhere')
-            return reload()
+            return prefetch()
 
-        offloader.reload = traced_reload
+        offloader.prefetch = traced_prefetch
     results = [models.train_step(chunks, optimizer, config, step) for step in range(steps)]
     report = {'results': results, 'trace': list(trace)}
     if offloader is not None:

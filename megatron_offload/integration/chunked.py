@@ -1,0 +1,250 @@
+"""The chunked update: the inner optimizer's step with its states kept on the host.
+
+With ``chunked_update_bytes`` set, ``attach`` does not reload the optimizer states for the
+step. The inner optimizer's ``step`` is run several times instead, each time on a subset
+of the parameters (its param groups narrowed to them), with those parameters' states
+brought into a device slot just for that call (``engine.slots.SlotStream``) and copied
+back after it. The device memory the states take during the update is the slots.
+
+Why the result is bitwise identical to one whole step: Adam's update is elementwise and
+per parameter, so updating the parameters in several calls computes the same values. The
+only state shared across parameters is a per-group step counter (Transformer Engine's and
+apex's FusedAdam keep ``group["step"]``, advanced once per ``step()``): it is set back to
+its value before the step for every call, so each call sees the count the one step would.
+
+What the step contains, per parameter:
+
+- states on the host: streamed, packed into chunks of consecutive parameters;
+- no state yet (the first step, where Adam creates its states): updated one parameter
+  per call, and the new states are copied to the host and freed right after, so even the
+  first step never holds more than one parameter's states beyond the slots;
+- everything else (states kept on the device): updated together in one call.
+
+Master weights that megatron-core keeps outside the optimizer state (the fp32 copies of
+bf16/fp16 parameters) are not streamed: megatron copies them into the model parameters
+after the update, so they are reloaded whole as without the chunked update. Masters kept
+inside the optimizer state (Transformer Engine's precision-aware path) are streamed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..adapters import OPTIMIZER_STATES, PRIMARY_WEIGHTS
+from ..adapters import inner_optimizers
+from ..engine import OffloadEngine, OffloadStateError
+from ..engine.engine import D2H_AFTER_WRITERS, D2H_RECORD_STREAM, _typed
+from ..engine.groups import owns_storage
+from ..engine import SlotSizeError, SlotStream
+from ..engine.slots import aligned_bytes, round_up
+
+_ABSENT = object()
+
+
+def _smallest_states(inner, param) -> tuple[int, bool]:
+    """(bytes of ``param``'s moments, exact?) before the optimizer has made them.
+
+    torch's Adam/AdamW and apex's FusedAdam keep moments shaped and typed like the parameter
+    (two, three with amsgrad); Transformer Engine's may be bf16, fp16 or FP8, so only a lower
+    bound is known there: one byte per element for each of the two.
+    """
+    kind = inner_optimizers.kind_of(inner)
+    if kind in (inner_optimizers.TORCH_ADAM, inner_optimizers.APEX_FUSED_ADAM):
+        count = 3 if any(g.get("amsgrad") for g in inner.param_groups) else 2
+        return count * aligned_bytes(param), True
+    return 2 * round_up(param.numel()), False
+
+
+class ChunkedUpdate:
+    """Runs one inner optimizer's step in chunks with its states streamed through slots.
+
+    Args:
+        engine: the engine offloading this optimizer's states (built with ``streamed``).
+        distrib_optimizer: the DistributedOptimizer whose inner optimizer is wrapped.
+        total_bytes: device bytes the slots may take, split over ``slots`` slots.
+        slots: how many slots rotate (2 overlaps the copies with the update).
+        kinds: the kinds offloaded for this optimizer (new states of other kinds stay).
+        owner: the ``OptimizerStateOffloader``: its ``_streaming`` count is raised while the
+            update runs, so its guard leaves the optimizer's own state calls alone.
+    """
+
+    def __init__(
+        self, engine: OffloadEngine, distrib_optimizer, *, total_bytes: int, slots: int, kinds, owner=None
+    ) -> None:
+        self.engine = engine
+        self._owner = owner  # the offloader, told while a chunked update runs
+        self.inner = distrib_optimizer.optimizer
+        slot_bytes = total_bytes // slots
+        if OPTIMIZER_STATES in kinds:
+            # Refuse now, before any memory is touched, a budget no step could work with.
+            for param in (p for group in self.inner.param_groups for p in group["params"]):
+                need, exact = _smallest_states(self.inner, param)
+                if need > slot_bytes:
+                    raise ValueError(
+                        f"chunked_update_bytes={total_bytes} gives {slots} slot(s) of {slot_bytes:,} "
+                        f"bytes, but Adam's moments of the parameter shard {tuple(param.shape)} take "
+                        f"{'' if exact else 'at least '}{need:,} bytes: give at least "
+                        f"{need * slots:,} bytes, or leave chunked_update_bytes unset."
+                    )
+        self.stream = SlotStream(engine, slot_bytes=slot_bytes, slots=slots)
+        self.kinds = tuple(kinds)
+        self.active = False  # True only inside the automatic cycle's optimizer.step()
+        self._had_instance_step = "step" in vars(self.inner)
+        self._previous_step = self.inner.step
+        self._base_steps: dict[int, object] = {}
+        self._final_steps: dict[int, object] = {}
+
+        def step(*args, **kwargs):
+            return self._step(*args, **kwargs)
+
+        self.inner.step = functools.update_wrapper(step, self._previous_step)
+
+    def remove(self) -> None:
+        if self._had_instance_step:
+            self.inner.step = self._previous_step
+        else:
+            del self.inner.step
+
+    # ------------------------------------------------------------------ step
+    def _step(self, *args, **kwargs):
+        # Outside the automatic cycle (megatron's dummy step before a checkpoint load, a
+        # direct call) or with a closure, the states are reloaded whole as usual.
+        if not self.active or args or kwargs:
+            return self._previous_step(*args, **kwargs)
+        inner = self.inner
+        streamed, creating, rest = [], [], []
+        for group in inner.param_groups:
+            for param in group["params"]:
+                entries = inner.state.get(param)
+                if not entries:
+                    # Adam creates states for parameters with a gradient (TE: for all; its
+                    # precision-aware path passes gradients as ``decoupled_grad``).
+                    has_grad = param.grad is not None or getattr(param, "decoupled_grad", None) is not None
+                    wanted = self.kinds and has_grad and param.numel()
+                    (creating if wanted else rest).append(param)
+                    continue
+                unit = [
+                    (holder, name, tensor)
+                    for _, holder, name, tensor in inner_optimizers.state_places(param, entries)
+                    if self.stream.streamable(tensor)
+                ]
+                (streamed.append((param, unit)) if unit else rest.append(param))
+        if not streamed and not creating:
+            return self._previous_step()
+        chunks = self.stream.plan(
+            [[tensor for _, _, tensor in unit] for _, unit in streamed],
+            [f"parameter {tuple(param.shape)}" for param, _ in streamed],
+        )
+        self._base_steps = {id(g): g.get("step", _ABSENT) for g in inner.param_groups}
+        self._final_steps = {}
+        if self._owner is not None:
+            self._owner._streaming += 1
+        try:
+            for param in creating:
+                self._call([param])
+                self._to_host(param)
+            self.stream.run(chunks, functools.partial(self._update_chunk, streamed))
+            self._call(rest, empty_groups=True)
+        finally:
+            if self._owner is not None:
+                self._owner._streaming -= 1
+            for group in inner.param_groups:
+                final = self._final_steps.get(id(group), self._base_steps.get(id(group), _ABSENT))
+                if final is _ABSENT:
+                    group.pop("step", None)
+                else:
+                    group["step"] = final
+        return None
+
+    def _update_chunk(self, streamed, chunk, views) -> None:
+        """Point the chunk's states at their slot places, update, point them back."""
+        swapped = []
+        failed = True
+        try:
+            for index in chunk.units:
+                for holder, name, tensor in streamed[index][1]:
+                    view = views[id(tensor)]
+                    inner_optimizers.set_place(holder, name, view)
+                    swapped.append((holder, name, tensor, view))
+            self._call([streamed[index][0] for index in chunk.units])
+            failed = False
+        finally:
+            replaced = [name for holder, name, _, view in swapped if inner_optimizers.get_place(holder, name) is not view]
+            for holder, name, tensor, _ in swapped:
+                inner_optimizers.set_place(holder, name, tensor)
+        if replaced and not failed:
+            raise OffloadStateError(
+                f"{self.engine.name}: the optimizer replaced its state tensors ({', '.join(sorted(set(replaced)))}) "
+                "during a chunked update, so the update's result would be lost. This optimizer "
+                "does not support the chunked update: leave chunked_update_bytes unset."
+            )
+
+    def _call(self, params, *, empty_groups: bool = False) -> None:
+        """One inner step over ``params`` only (and parameter-less groups if asked)."""
+        inner = self.inner
+        groups = inner.param_groups
+        wanted = {id(p) for p in params}
+        saved = [group["params"] for group in groups]
+        chosen = []
+        for group in groups:
+            subset = [p for p in group["params"] if id(p) in wanted]
+            if subset or (empty_groups and not group["params"]):
+                chosen.append((group, subset))
+        if not chosen:
+            return
+        try:
+            for group, subset in chosen:
+                group["params"] = subset
+                # A per-group step counter advances once per step(): every call starts from
+                # the count before this step, as the single unchunked call would.
+                base = self._base_steps.get(id(group), _ABSENT)
+                if base is _ABSENT:
+                    group.pop("step", None)
+                else:
+                    group["step"] = base
+            inner.param_groups = [group for group, _ in chosen]
+            self._previous_step()
+        finally:
+            inner.param_groups = groups
+            for group, params_of_group in zip(groups, saved):
+                group["params"] = params_of_group
+        for group, _ in chosen:
+            self._final_steps[id(group)] = group.get("step", _ABSENT)
+
+    def _to_host(self, param: torch.Tensor) -> None:
+        """Copy the states just created for ``param`` to the host and free their device memory."""
+        engine, device = self.engine, self.engine.device
+        entries = self.inner.state.get(param) or {}
+        moving = []
+        for key, _, _, tensor in inner_optimizers.state_places(param, entries):
+            kind = PRIMARY_WEIGHTS if inner_optimizers.is_master_key(key) else OPTIMIZER_STATES
+            if kind in self.kinds and engine.movable(tensor) and tensor.numel() and owns_storage(tensor):
+                moving.append(tensor)
+        size = sum(aligned_bytes(t) for t in moving)  # as the slots will hold them
+        if size > self.stream.slot_bytes:
+            raise SlotSizeError(
+                f"{engine.name}: the states of parameter {tuple(param.shape)} take {size:,} bytes, "
+                f"more than one slot of the chunked update ({self.stream.slot_bytes:,} bytes). Give "
+                f"the chunked update at least {size * self.stream.slots:,} bytes "
+                "(chunked_update_bytes), or leave it unset."
+            )
+        if not moving:
+            return
+        current = device.current_stream()
+        side = engine._side_stream("d2h")
+        # Rule 1: the D2H copies what the step just wrote.
+        device.wait_stream(side, current, label=D2H_AFTER_WRITERS)
+        buffers = []
+        with device.use_stream(side):
+            for tensor in moving:
+                buffer = device.host_buffer(tensor.numel() * tensor.element_size())
+                device.copy(_typed(buffer, tensor), tensor)
+                buffers.append(buffer)
+            event = device.record_event(side)
+        for tensor in moving:
+            # Rule 2: the D2H still reads this memory; the allocator must know before it goes.
+            device.record_stream(tensor, side, label=D2H_RECORD_STREAM)
+            device.release(tensor)
+        engine.adopt((tensor, buffer, event) for tensor, buffer in zip(moving, buffers))

@@ -1,0 +1,140 @@
+"""The chunked update's wrapper of an inner optimizer's ``step``, on a plain torch AdamW.
+
+What the megatron-core cases do not reach: a step with a closure, a step with every state
+on the device, an optimizer that replaces its state tensors during the update, a refusal
+half-way through attaching, and an inner optimizer that already had its own ``step``.
+Everything that could touch released memory runs in the isolated process.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from megatron_offload.adapters import distributed_optimizer as adapter
+from megatron_offload.config import OffloadConfig
+from megatron_offload.device.cpu import CPUDevice
+from megatron_offload.engine import OffloadEngine, OffloadStateError
+from megatron_offload.integration.attach import _AutomaticCycle
+from megatron_offload.integration.chunked import ChunkedUpdate
+
+
+def _optimizer(cls=torch.optim.AdamW, sizes=(30, 20, 10), seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in sizes]
+    return params, cls(params, lr=0.01)
+
+
+def _grads(params, step):
+    for j, p in enumerate(params):
+        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + j))
+
+
+def _attached(opt, budget=2 * 2 * 128):  # two slots of the largest parameter's moments
+    distrib = types.SimpleNamespace(optimizer=opt)
+    engine = OffloadEngine(CPUDevice(), lambda: adapter.collect(distrib), streamed=lambda: adapter.in_state(distrib))
+    chunked = ChunkedUpdate(engine, distrib, total_bytes=budget, slots=2, kinds=("optimizer_states",))
+    return engine, chunked
+
+
+def run_paths():
+    params, opt = _optimizer()
+    ref_params, ref = _optimizer()
+    engine, chunked = _attached(opt)
+    out = {}
+    calls = []
+    opt.register_step_pre_hook(lambda *a: calls.append(1))
+    for step in range(3):
+        _grads(params, step)
+        _grads(ref_params, step)
+        ref.step()
+        calls.clear()
+        chunked.active = True
+        if step == 1:
+            # Every state back on the device (an RL phase, a user's reload): one whole step.
+            engine.reload()
+            engine.wait()
+            opt.step()
+            out["resident_calls"] = len(calls)
+        elif step == 2:
+            # A closure is the caller's business: the step runs whole, states reloaded.
+            engine.reload()
+            engine.wait()
+            out["closure_result"] = opt.step(lambda: 7.0)
+            out["closure_calls"] = len(calls)
+        else:
+            opt.step()
+            out["creation_calls"] = len(calls)
+        chunked.active = False
+        engine.offload()
+        engine.release()
+    engine.reload()
+    engine.wait()
+    out["bitwise"] = all(torch.equal(a, b) for a, b in zip(params, ref_params)) and all(
+        torch.equal(opt.state[a][k], ref.state[b][k]) for a, b in zip(params, ref_params) for k in ("exp_avg", "exp_avg_sq")
+    )
+    chunked.remove()
+    out["step_restored"] = "step" not in vars(opt)
+    return out
+
+
+def test_closure_and_resident_steps_run_whole(isolated):
+    out = isolated.run(run_paths)
+    assert out["creation_calls"] == 3  # the first step: one call per parameter
+    assert out["resident_calls"] == 1 and out["closure_calls"] == 1
+    assert out["closure_result"] == 7.0
+    assert out["bitwise"] and out["step_restored"]
+
+
+class _Replacing(torch.optim.AdamW):
+    """An optimizer that puts new tensor objects into its state during step()."""
+
+    def step(self, closure=None):
+        result = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["exp_avg"] = self.state[p]["exp_avg"].clone()
+        return result
+
+
+def run_replacing():
+    params, opt = _optimizer(_Replacing)
+    engine, chunked = _attached(opt)
+    for step in range(2):
+        _grads(params, step)
+        chunked.active = True
+        try:
+            opt.step()
+        except OffloadStateError as exc:
+            return str(exc), all(opt.state[p]["exp_avg"].untyped_storage().nbytes() == 0 for p in params)
+        finally:
+            chunked.active = False
+        engine.offload()
+        engine.release()
+    return None
+
+
+def test_an_optimizer_replacing_its_states_is_refused(isolated):
+    message, restored = isolated.run(run_replacing)
+    assert "replaced its state tensors (exp_avg)" in message
+    assert "leave chunked_update_bytes unset" in message
+    assert restored  # the state entries point at the tracked (released) tensors again
+
+
+def test_a_refusal_half_way_through_attaching_unwraps_every_optimizer():
+    _, small = _optimizer(sizes=(10,))
+    _, large = _optimizer(sizes=(10_000,))
+    own_step = small.step
+    small.step = own_step  # an instance attribute of its own, to be kept
+    engines = [OffloadEngine(CPUDevice(), lambda: []) for _ in range(2)]
+    offloader = types.SimpleNamespace(
+        engines=engines,
+        _distributed=[types.SimpleNamespace(optimizer=small), types.SimpleNamespace(optimizer=large)],
+        config=OffloadConfig(chunked_update_bytes=4096),
+    )
+    with pytest.raises(ValueError, match="give at least 160,000 bytes"):
+        _AutomaticCycle(offloader)
+    assert vars(small)["step"] is own_step  # the first wrapper was removed again
+    assert "step" not in vars(large)
