@@ -77,6 +77,8 @@ def chunked_job(model, dtype, *, chunk_fraction=None, slots=2, offload=True, mic
         offloader = None
         peaks = record_peaks(optimizer, devices)
         results, figures = [], []
+        # megatron-core < 0.17 has no grad-norm skip threshold: no step is skipped there.
+        skip_supported = hasattr(distributed[0].config, "grad_norm_skip_threshold")
         for step in range(STEPS):
             current["step"] = step
             if offload and step == attach_at:
@@ -105,7 +107,7 @@ def chunked_job(model, dtype, *, chunk_fraction=None, slots=2, offload=True, mic
         snapshot = _jobs.snapshot(chunks, optimizer) if kind else models.snapshot(chunks, optimizer)
         check_devices(devices)
         return {"results": results, "figures": figures, "snapshot": snapshot, "peaks": peaks,
-                "budget": budget, "whole": whole, "checked": len(devices),
+                "budget": budget, "whole": whole, "checked": len(devices), "skip_supported": skip_supported,
                 "optimizers": len(distributed)}
 
 
@@ -123,7 +125,7 @@ def _assert_bounded(reference, chunked, dtype, *, min_chunks=2):
     for ref, off in zip(reference, chunked):
         budget = off["budget"]
         updated = [r["update_successful"] for r in off["results"]]
-        assert not updated[SKIP_AT]
+        assert not updated[SKIP_AT] or not off["skip_supported"]
         assert off["checked"] == off["optimizers"]
         attached_peaks = off["peaks"][len(off["peaks"]) - len(off["figures"]):]
         for step, (peak, figures) in enumerate(zip(attached_peaks, off["figures"])):
@@ -157,7 +159,9 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=[pytest.mark.floor] if name == "bf16-mlp-one-slot-dp2" else []) for name in CASES
+])
 def test_chunked_update_is_bitwise_and_bounded(rank_pool, name):
     model, dtype, job, pool = CASES[name]
     reference = rank_pool.run(chunked_job, model, dtype, offload=False, **job, **pool)
