@@ -7,8 +7,10 @@
 
 Reports bytes offloaded and host bytes (and their ratio), copies per cycle (and how they
 scale with 10x the parameters), the cycle time against the physical floor measured in the
-same run, the Python bookkeeping per cycle, and on GPUs step time with and without
-offloading and peak device memory. Ends with the targets and whether they were met.
+same run, the Python bookkeeping per cycle, the chunked update's device footprint against
+its budget (and its bitwise agreement with the whole update), and on GPUs step time with
+and without offloading and peak device memory. Ends with the targets and whether they were
+met.
 """
 
 from __future__ import annotations
@@ -164,6 +166,30 @@ def run_megatron(args) -> dict:
             "scaling_layout": f"tp {args.world_size} (dp 1)", "world_size": args.world_size, "tp": args.tp, "pp": args.pp}
 
 
+def run_chunked(args) -> dict:
+    from . import chunked_bench
+
+    cfg = chunked_bench.job_config(model=args.model, dtype=args.dtype, layers=args.layers, hidden=args.hidden,
+                                   heads=args.heads, steps=args.chunked_steps, fraction=args.chunked_fraction)
+    result = chunked_bench.run_in_rank_pool(cfg, world_size=args.world_size, tp=args.tp, pp=args.pp)
+    return chunked_bench.strip(result)
+
+
+def print_chunked(res: dict, args) -> None:
+    print(f"\n== Chunked update (chunked_update_bytes = {args.chunked_fraction} x the optimizer state; "
+          f"{args.model} {args.dtype}, {args.layers} layers, hidden {args.hidden}; gloo CPU ranks)")
+    for whole, chunked in zip(res["whole"], res["chunked"]):
+        print(f"  rank {whole['rank']}: state {_mib(whole['state_bytes'])}, chunked_update_bytes "
+              f"{_mib(chunked['budget'])}")
+        for label, run in (("whole reload", whole), ("chunked     ", chunked)):
+            steady = run["steps"][1:] or run["steps"]
+            print(f"    {label}: optimizer footprint during the update {_mib(max(s['footprint'] for s in steady))} "
+                  f"(first step {_mib(run['steps'][0]['footprint'])}); chunks per step "
+                  f"{max(s['chunks'] for s in steady)}, update copies {max(s['copies'] for s in steady)}; "
+                  f"step median {_ms(run['step_time']['median'])}")
+    print(f"  parameters and optimizer states after {args.chunked_steps} steps bitwise equal: {res['bitwise']}")
+
+
 def print_megatron(res: dict, args, title: str) -> None:
     print(f"\n== {title}: {args.model} {args.dtype}, {args.layers} layers, hidden {args.hidden}; "
           f"world {res['world_size']} = tp {res['tp']} x pp {res['pp']} x dp "
@@ -256,6 +282,13 @@ def targets(results: dict, args) -> list[tuple[str, str, bool | None]]:
                              f"({r['layout']['tensors']} tensors)", r["bookkeeping"]["no_function_mode"]["median"]))
         rows.append((f"{prefix}bookkeeping < 1 ms per cycle", "; ".join(f"{k} {_ms(v)}" for k, v in book),
                      all(v < TARGET_BOOKKEEPING_S for _, v in book)))
+    chunked = results.get("chunked")
+    if chunked:
+        worst = max(max(s["footprint"] for s in rank["steps"]) / rank["budget"] for rank in chunked["chunked"])
+        rows.append(("chunked update: optimizer footprint during the step <= chunked_update_bytes, "
+                     "bitwise equal to the whole update",
+                     f"max footprint / budget {worst:.3f} over every step and rank; bitwise {chunked['bitwise']}",
+                     worst <= 1.0 and chunked["bitwise"]))
     return rows
 
 
@@ -286,6 +319,9 @@ def parse_args(argv=None):
     m.add_argument("--tp", type=int, default=1)
     m.add_argument("--pp", type=int, default=1)
     m.add_argument("--steps", type=int, default=3, help="timed training steps per phase")
+    m.add_argument("--chunked-fraction", type=float, default=0.25,
+                   help="chunked update run: chunked_update_bytes as this fraction of the state (0: skip it)")
+    m.add_argument("--chunked-steps", type=int, default=6, help="training steps of each chunked-update run")
     m.add_argument("--no-scale-megatron", dest="scale_megatron", action="store_false",
                    help="skip the tiny MLP with --scale times fewer parameters (copies scaling check)")
     c = parser.add_argument_group("measurement")
@@ -326,6 +362,9 @@ def main(argv=None) -> int:
     if args.mode in ("all", "megatron") and main_process:
         results["megatron"] = run_megatron(args)
         print_megatron(results["megatron"], args, "Real megatron-core DistributedOptimizer")
+        if args.chunked_fraction > 0:
+            results["chunked"] = run_chunked(args)
+            print_chunked(results["chunked"], args)
     if cuda and args.mode in ("all", "gpu"):
         if main_process:
             print(f"\n[{gpu.NOT_EXERCISED}]")
