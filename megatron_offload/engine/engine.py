@@ -102,6 +102,7 @@ class OffloadEngine:
         self._streamed = streamed
         self._adopted: dict[int, tuple[torch.Tensor, torch.Tensor, object]] = {}
         self._where: dict[int, tuple[FlatGroup, int]] = {}
+        self.generation = 0  # advances whenever the groups are laid out again
         self._groups: list[FlatGroup] = []
         self._tracked: list[tuple[str, torch.Tensor]] = []
         self._kept_resident: list[tuple[str, torch.Tensor, str]] = []
@@ -500,6 +501,7 @@ class OffloadEngine:
         self._groups = groups
         self._tracked = current
         self._where = {id(t): (g, i) for g in groups for i, t in enumerate(g.tensors)}
+        self.generation += 1
 
     def _host_copies(self) -> dict[int, tuple[torch.Tensor, object]]:
         """Where the bytes of every tensor that has no device memory are: id -> (host, event)."""

@@ -11,6 +11,7 @@ objects, so the optimizer (and its state-dict keys) never notice.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,12 @@ def owns_storage(tensor: torch.Tensor) -> bool:
     return count is None or count <= 1
 
 
+@functools.lru_cache(maxsize=None)
+def _itemsize(dtype: torch.dtype) -> int:
+    # Asked per tensor when chunks are laid out: computed once per dtype.
+    return torch.empty((), dtype=dtype).element_size()
+
+
 @dataclass(eq=False)
 class FlatGroup:
     """Tensors of one kind and dtype that move together."""
@@ -81,7 +88,7 @@ class FlatGroup:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return _itemsize(self.dtype)
 
     @property
     def nbytes(self) -> int:

@@ -71,7 +71,9 @@ class Chunk:
 
     units: list[int]
     segments: list[_Segment] = field(default_factory=list)
-    places: dict[int, tuple[_Segment, int, torch.Tensor]] = field(default_factory=dict)
+    # id(tensor) -> (index of its segment, element offset in the segment's typed slot view,
+    # shape, stride): enough to make its slot view with one as_strided call.
+    places: dict[int, tuple[int, int, tuple, tuple]] = field(default_factory=dict)
     nbytes: int = 0
 
 
@@ -154,7 +156,9 @@ class SlotStream:
                 chunk.segments.append(segment)
             else:
                 segment.end = end
-            chunk.places[id(tensor)] = (segment, offset, tensor)
+            chunk.places[id(tensor)] = (
+                len(chunk.segments) - 1, offset - segment.start, tuple(tensor.shape), tuple(tensor.stride())
+            )
         chunk.nbytes = sum(s.nbytes for s in chunk.segments)
         return chunk
 
@@ -222,11 +226,11 @@ class SlotStream:
                 # Rules 3 and 4: the update reads what the H2D wrote.
                 device.wait_event(current, h2d_events.pop(index), label=USE_AFTER_H2D)
                 slot = slots[index % count]
-                views = {}
-                for key, (segment, offset, tensor) in chunk.places.items():
-                    base = segment.slot_offset + (offset - segment.start) * segment.group.itemsize
-                    nbytes = tensor.numel() * tensor.element_size()
-                    views[key] = slot[base : base + nbytes].view(tensor.dtype).view(tensor.shape)
+                typed = [_slot_view(slot, segment) for segment in chunk.segments]
+                views = {
+                    key: typed[segment].as_strided(shape, stride, typed[segment].storage_offset() + offset)
+                    for key, (segment, offset, shape, stride) in chunk.places.items()
+                }
                 update(chunk, views)
                 del views
                 # Rule 1: the D2H copies what the update wrote.

@@ -95,6 +95,7 @@ class ChunkedUpdate:
         self._previous_step = self.inner.step
         self._base_steps: dict[int, object] = {}
         self._final_steps: dict[int, object] = {}
+        self._cached = None  # (key, layout) of _layout
 
         def step(*args, **kwargs):
             return self._step(*args, **kwargs)
@@ -114,29 +115,15 @@ class ChunkedUpdate:
         if not self.active or args or kwargs:
             return self._previous_step(*args, **kwargs)
         inner = self.inner
-        streamed, creating, rest = [], [], []
-        for group in inner.param_groups:
-            for param in group["params"]:
-                entries = inner.state.get(param)
-                if not entries:
-                    # Adam creates states for parameters with a gradient (TE: for all; its
-                    # precision-aware path passes gradients as ``decoupled_grad``).
-                    has_grad = param.grad is not None or getattr(param, "decoupled_grad", None) is not None
-                    wanted = self.kinds and has_grad and param.numel()
-                    (creating if wanted else rest).append(param)
-                    continue
-                unit = [
-                    (holder, name, tensor)
-                    for _, holder, name, tensor in inner_optimizers.state_places(param, entries)
-                    if self.stream.streamable(tensor)
-                ]
-                (streamed.append((param, unit)) if unit else rest.append(param))
+        streamed, stateless, rest, chunks = self._layout()
+        creating = []
+        for param in stateless:
+            # Adam creates states for parameters with a gradient (TE: for all; its
+            # precision-aware path passes gradients as ``decoupled_grad``).
+            has_grad = param.grad is not None or getattr(param, "decoupled_grad", None) is not None
+            (creating if self.kinds and has_grad and param.numel() else rest).append(param)
         if not streamed and not creating:
             return self._previous_step()
-        chunks = self.stream.plan(
-            [[tensor for _, _, tensor in unit] for _, unit in streamed],
-            [f"parameter {tuple(param.shape)}" for param, _ in streamed],
-        )
         self._base_steps = {id(g): g.get("step", _ABSENT) for g in inner.param_groups}
         self._final_steps = {}
         if self._owner is not None:
@@ -157,6 +144,40 @@ class ChunkedUpdate:
                 else:
                     group["step"] = final
         return None
+
+    def _layout(self):
+        """(streamed (param, places) pairs, parameters without state, the other parameters,
+        chunks), worked out again only when the states or the engine's groups changed."""
+        inner, engine = self.inner, self.engine
+        key = (
+            engine.generation,
+            len(inner.state),
+            sum(map(len, inner.state.values())),
+            tuple(group.place for group in engine.groups),
+            tuple((id(group["params"]), len(group["params"])) for group in inner.param_groups),
+        )
+        if self._cached is not None and self._cached[0] == key:
+            streamed, stateless, rest, chunks = self._cached[1]
+            return streamed, stateless, list(rest), chunks
+        streamed, stateless, rest = [], [], []
+        for group in inner.param_groups:
+            for param in group["params"]:
+                entries = inner.state.get(param)
+                if not entries:
+                    stateless.append(param)
+                    continue
+                unit = [
+                    (holder, name, tensor)
+                    for _, holder, name, tensor in inner_optimizers.state_places(param, entries)
+                    if self.stream.streamable(tensor)
+                ]
+                (streamed.append((param, unit)) if unit else rest.append(param))
+        chunks = self.stream.plan(
+            [[tensor for _, _, tensor in unit] for _, unit in streamed],
+            [f"parameter {tuple(param.shape)}" for param, _ in streamed],
+        )
+        self._cached = (key, (streamed, stateless, rest, chunks))
+        return streamed, stateless, list(rest), chunks
 
     def _update_chunk(self, streamed, chunk, views) -> None:
         """Point the chunk's states at their slot places, update, point them back."""

@@ -138,3 +138,33 @@ def test_a_refusal_half_way_through_attaching_unwraps_every_optimizer():
         _AutomaticCycle(offloader)
     assert vars(small)["step"] is own_step  # the first wrapper was removed again
     assert "step" not in vars(large)
+
+
+def run_cached_layout():
+    params, opt = _optimizer()
+    engine, chunked = _attached(opt)
+    plans = []
+    plan = chunked.stream.plan
+    chunked.stream.plan = lambda *a, **k: plans.append(1) or plan(*a, **k)
+    counts = []
+    for step in range(5):
+        _grads(params, step)
+        if step == 3:
+            engine.reload()  # the user brings everything back: the layout key changes
+            engine.wait()
+        chunked.active = True
+        opt.step()
+        chunked.active = False
+        engine.offload()
+        engine.release()
+        counts.append(len(plans))
+    return counts
+
+
+def test_the_chunk_layout_is_worked_out_only_when_something_changed(isolated):
+    """Steady steps reuse the classification and the plan (Python work per step stays
+    small); a first step, new states and a changed residency each work it out again."""
+    counts = isolated.run(run_cached_layout)
+    # step 0: no states (planned once, nothing streamed); step 1: states on the host now
+    # (planned again); step 2: cached; step 3: resident (planned); step 4: released again.
+    assert counts == [1, 2, 2, 3, 4]
