@@ -73,11 +73,21 @@ def _shared_directory(path):
     return shared[0]
 
 
-def checkpoint_job(offload, dtype, async_save, directory, checked=False):
+def _chunked_options(optimizer, options):
+    """The chunked update with two slots of the largest parameter shard's two fp32 moments."""
+    from tests.harness import models
+
+    largest = max(p.numel() for d in models.distributed_optimizers(optimizer)
+                  for g in d.optimizer.param_groups for p in g["params"])
+    return {**options, "chunked_update_bytes": 2 * (8 * largest + 32)}
+
+
+def checkpoint_job(offload, dtype, async_save, directory, checked=False, chunked=False):
     """Phase 1: train STEPS steps, saving after SAVE_AFTER (states offloaded at that point).
     Phase 2: a fresh model+optimizer loads the checkpoint and trains the remaining steps.
     Phase 3: a third one trains 2 steps of its own (offloaded), then loads the checkpoint
-    into the running optimizer and trains the remaining steps."""
+    into the running optimizer and trains the remaining steps.
+    chunked: with the chunked update (states on the host during the steps too)."""
     import megatron_offload
     from tests.harness import models
     from tests.support.checked import check_devices, checked_device_options
@@ -87,6 +97,8 @@ def checkpoint_job(offload, dtype, async_save, directory, checked=False):
     options, devices = checked_device_options() if checked else ({}, [])
 
     chunks, optimizer, config = models.build("mlp", dtype)
+    if chunked:
+        options = _chunked_options(optimizer, options)
     offloader = megatron_offload.attach(optimizer, **options) if offload else None
     results, pending = [], None
     for step in range(STEPS):
@@ -105,6 +117,8 @@ def checkpoint_job(offload, dtype, async_save, directory, checked=False):
     # Phase 2: resume in a fresh optimizer (offloaded before anything, like a restarted job).
     torch.manual_seed(99)  # different init: everything must come from the checkpoint
     chunks, optimizer, config = models.build("mlp", dtype)
+    if chunked:
+        options = _chunked_options(optimizer, options)
     offloader = megatron_offload.attach(optimizer, **options) if offload else None
     _load(chunks, optimizer, directory, offload)
     out["resumed"] = [models.train_step(chunks, optimizer, config, s) for s in range(SAVE_AFTER, STEPS)]
@@ -113,6 +127,8 @@ def checkpoint_job(offload, dtype, async_save, directory, checked=False):
     # Phase 3: load into a running optimizer whose states are offloaded.
     torch.manual_seed(7)
     chunks, optimizer, config = models.build("mlp", dtype)
+    if chunked:
+        options = _chunked_options(optimizer, options)
     offloader = megatron_offload.attach(optimizer, **options) if offload else None
     for step in range(2):
         models.train_step(chunks, optimizer, config, 100 + step)
@@ -124,6 +140,7 @@ def checkpoint_job(offload, dtype, async_save, directory, checked=False):
     if offloader:
         stats = offloader.stats()
         out["host_equals_tracked"] = stats["host_bytes"] == stats["tracked_bytes"]
+        out["update_chunks"] = stats["update_chunks"]
         for engine in offloader.engines:  # the last offload's D2H has nothing after it to order it
             engine.synchronize_host()
     check_devices(devices)
@@ -148,13 +165,15 @@ def _equal(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("dtype,async_save,checked", [
-    ("fp32", False, False), ("bf16", False, False), ("bf16", True, False), ("bf16", True, True),
-], ids=["fp32-sync", "bf16-sync", "bf16-async", "bf16-async-checked-device"])
-def test_save_while_offloaded_then_resume_is_bitwise(rank_pool, tmp_path, dtype, async_save, checked):
+@pytest.mark.parametrize("dtype,async_save,checked,chunked", [
+    ("fp32", False, False, False), ("bf16", False, False, False), ("bf16", True, False, False),
+    ("bf16", True, True, False), ("bf16", True, True, True),
+], ids=["fp32-sync", "bf16-sync", "bf16-async", "bf16-async-checked-device", "bf16-async-checked-chunked"])
+def test_save_while_offloaded_then_resume_is_bitwise(rank_pool, tmp_path, dtype, async_save, checked, chunked):
     reference = rank_pool.run(checkpoint_job, False, dtype, async_save, str(tmp_path / "ref"))
-    offloaded = rank_pool.run(checkpoint_job, True, dtype, async_save, str(tmp_path / "off"), checked)
+    offloaded = rank_pool.run(checkpoint_job, True, dtype, async_save, str(tmp_path / "off"), checked, chunked)
     assert all(rank["checked"] == (3 if checked else 0) for rank in offloaded)
+    assert all((rank["update_chunks"] >= 2) == chunked for rank in offloaded)
     for ref, off in zip(reference, offloaded):
         assert off["offloaded_at_save"] and off["resident_after_save"]
         assert off["offloaded_before_load"] and off["host_equals_tracked"]

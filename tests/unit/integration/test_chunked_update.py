@@ -153,6 +153,7 @@ CASES = {
         overlap_grad_reduce=True, bucket_size=1000)), {}),
     "fp16-mlp-loss-scaler-dp2": ("mlp", "fp16", dict(chunk_fraction=0.2, overrides={
         "initial_loss_scale": 2.0**24, "hysteresis": 1}, build=dict(num_layers=4)), {}),
+    "bf16-gpt-backward-prefetch-dp2": ("gpt", "bf16", dict(chunk_fraction=0.3, micro=2, options={"prefetch": 0.5}), {}),
     "bf16-moe-ep2": ("gpt", "bf16", dict(chunk_fraction=0.3, build=dict(transformer_overrides=dict(
         num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="allgather",
         expert_model_parallel_size=2))), {"ep": 2}),
