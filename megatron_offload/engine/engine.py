@@ -141,9 +141,11 @@ class OffloadEngine:
         on_host = sum(g.nbytes for g in self._groups if g.place is Place.RELEASED)
         tracked = sum(g.nbytes for g in self._groups)
         kept = sum(t.numel() * t.element_size() for _, t, _ in self._kept_resident)
+        payload = sum(g.payload_bytes for g in self._groups if g.place is Place.RELEASED)
         return {
             "tracked_bytes": tracked,
             "offloaded_bytes": on_host,
+            "offloaded_payload_bytes": payload,
             "resident_bytes": tracked - on_host + kept,
             "host_bytes": self._host.nbytes,
             "kept_resident_bytes": kept,

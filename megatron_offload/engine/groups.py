@@ -92,7 +92,13 @@ class FlatGroup:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the group's storage, alignment padding included."""
         return self.numel * self.itemsize
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of the tensors themselves (``nbytes`` without the alignment padding)."""
+        return sum(t.numel() for t in self.tensors) * self.itemsize
 
     def host_slices(self):
         """(tensor, its slice of the host copy) pairs, for per-tensor copies."""

@@ -149,11 +149,14 @@ class OptimizerStateOffloader:
     def stats(self) -> dict:
         """Byte counts and the copy figures of the last cycle, summed over optimizers.
 
-        ``offloaded_bytes``: device bytes currently released; ``resident_bytes``: bytes of
-        tracked (or unmovable) state on the device; ``host_bytes``: host memory held;
-        ``d2h_copies``/``h2d_copies`` and ``*_bytes``: copy operations of the last offload
-        and reload; ``offload_seconds``/``reload_seconds``: host time spent issuing them
-        (the copies themselves on a CPU). ``per_optimizer`` has the same per optimizer.
+        ``offloaded_bytes``: device bytes currently released (each tensor padded to 16 bytes,
+        as it is laid out); ``offloaded_payload_bytes``: the same without that padding;
+        ``resident_bytes``: bytes of tracked (or unmovable) state on the device;
+        ``host_bytes``: host memory held; ``d2h_copies``/``h2d_copies`` and ``*_bytes``: copy
+        operations of the last offload and reload; ``offload_seconds``/``reload_seconds``: host
+        time spent issuing them (the copies themselves on a CPU); ``update_chunks``,
+        ``update_copies``, ``update_bytes``: chunks and copies of the last chunked update.
+        ``per_optimizer`` has the same per optimizer.
         """
         per = [engine.stats() for engine in self._engines]
         total = {key: sum(s[key] for s in per) for key in (per[0] if per else {})}
