@@ -34,10 +34,9 @@ import torch
 
 from ..adapters import OPTIMIZER_STATES, PRIMARY_WEIGHTS
 from ..adapters import inner_optimizers
-from ..engine import OffloadEngine, OffloadStateError
+from ..engine import OffloadEngine, OffloadStateError, SlotSizeError, SlotStream
 from ..engine.engine import D2H_AFTER_WRITERS, D2H_RECORD_STREAM, _typed
 from ..engine.groups import owns_storage
-from ..engine import SlotSizeError, SlotStream
 from ..engine.slots import aligned_bytes, round_up
 
 _ABSENT = object()
@@ -96,6 +95,7 @@ class ChunkedUpdate:
         self._base_steps: dict[int, object] = {}
         self._final_steps: dict[int, object] = {}
         self._cached = None  # (key, layout) of _layout
+        self._group_of: dict[int, int] = {}  # id(param) -> index of its param group
 
         def step(*args, **kwargs):
             return self._step(*args, **kwargs)
@@ -159,6 +159,8 @@ class ChunkedUpdate:
         if self._cached is not None and self._cached[0] == key:
             streamed, stateless, rest, chunks = self._cached[1]
             return streamed, stateless, list(rest), chunks
+        # Which param group each parameter is in, for narrowing the groups per call.
+        self._group_of = {id(p): i for i, group in enumerate(inner.param_groups) for p in group["params"]}
         streamed, stateless, rest = [], [], []
         for group in inner.param_groups:
             for param in group["params"]:
@@ -206,15 +208,17 @@ class ChunkedUpdate:
         """One inner step over ``params`` only (and parameter-less groups if asked)."""
         inner = self.inner
         groups = inner.param_groups
-        wanted = {id(p) for p in params}
-        saved = [group["params"] for group in groups]
-        chosen = []
-        for group in groups:
-            subset = [p for p in group["params"] if id(p) in wanted]
-            if subset or (empty_groups and not group["params"]):
-                chosen.append((group, subset))
-        if not chosen:
+        subsets: dict[int, list] = {}
+        for param in params:
+            subsets.setdefault(self._group_of[id(param)], []).append(param)
+        if empty_groups:
+            for index, group in enumerate(groups):
+                if not group["params"]:
+                    subsets.setdefault(index, [])
+        if not subsets:
             return
+        chosen = [(groups[index], subsets[index]) for index in sorted(subsets)]
+        saved = [(group, group["params"]) for group, _ in chosen]
         try:
             for group, subset in chosen:
                 group["params"] = subset
@@ -229,7 +233,7 @@ class ChunkedUpdate:
             self._previous_step()
         finally:
             inner.param_groups = groups
-            for group, params_of_group in zip(groups, saved):
+            for group, params_of_group in saved:
                 group["params"] = params_of_group
         for group, _ in chosen:
             self._final_steps[id(group)] = group.get("step", _ABSENT)
