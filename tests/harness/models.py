@@ -65,11 +65,13 @@ class MLP(MegatronModule):
     error, shaped [batch, seq] like GPTModel's per-token loss.
     """
 
-    def __init__(self, config: TransformerConfig, pre_process=True, post_process=True):
+    def __init__(self, config: TransformerConfig, pre_process=True, post_process=True, vp_stage=None):
         super().__init__(config=config)
-        pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+        self.vp_stage = vp_stage  # read by Float16Module to find the first and last chunk
+        # Virtual pipeline: every stage holds vpp chunks, each with its share of the blocks.
+        pp_size = parallel_state.get_pipeline_model_parallel_world_size() * _vpp_size()
         if config.num_layers % pp_size:
-            raise ValueError(f'num_layers={config.num_layers} is not divisible by pp={pp_size}')
+            raise ValueError(f'num_layers={config.num_layers} is not divisible by pp x vpp={pp_size}')
         # Looked up on the unwrapped model by the schedules and, with pp > 1, by
         # finalize_model_grads (GPTModel defines both itself).
         self.model_type = ModelType.encoder_or_decoder
@@ -116,9 +118,16 @@ class MLP(MegatronModule):
         return (hidden.float() - targets.float()).pow(2).mean(dim=-1).transpose(0, 1).contiguous()
 
 
+def _vpp_size() -> int:
+    """Model chunks per pipeline stage (1 without virtual pipeline parallelism)."""
+    return parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+
+
 def _transformer_config(spec_model, dtype, num_layers, hidden, heads, **overrides):
     params_dtype = _DTYPES[dtype]
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     kwargs = dict(
+        virtual_pipeline_model_parallel_size=vpp,
         num_layers=num_layers,
         hidden_size=hidden,
         num_attention_heads=heads,
@@ -142,11 +151,11 @@ def _transformer_config(spec_model, dtype, num_layers, hidden, heads, **override
     return TransformerConfig(**kwargs)
 
 
-def _build_module(spec: HarnessSpec, config: TransformerConfig):
-    pre_process = parallel_state.is_pipeline_first_stage()
-    post_process = parallel_state.is_pipeline_last_stage()
+def _build_module(spec: HarnessSpec, config: TransformerConfig, vp_stage: int | None = None):
+    pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     if spec.model == 'mlp':
-        return MLP(config, pre_process=pre_process, post_process=post_process)
+        return MLP(config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
     if spec.model == 'gpt':
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -192,8 +201,9 @@ def build(
 ):
     """Build (model_chunks, optimizer, config) for the current parallel_state.
 
-    Tensor and pipeline parallelism come from parallel_state (one model chunk per rank, no
-    virtual pipeline); num_layers must be divisible by the pipeline size.
+    Tensor, pipeline and virtual pipeline parallelism come from parallel_state (one model
+    chunk per virtual pipeline stage; virtual pipeline for the mlp model only); num_layers
+    must be divisible by the pipeline size times the virtual pipeline size.
 
     grad_reduce_in_fp32: None means Megatron's default (True for bf16, via
         --accumulate-allreduce-grads-in-fp32 being forced on for bf16).
@@ -224,9 +234,12 @@ def build(
     )
     config = _transformer_config(model, dtype, num_layers, hidden, heads,
                                  **(transformer_overrides or {}))
-    module = _build_module(spec, config)
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if vpp is not None and model != 'mlp':
+        raise ValueError('the harness builds virtual pipeline chunks for the mlp model only')
+    modules = [_build_module(spec, config, vp_stage) for vp_stage in (range(vpp) if vpp else [None])]
     if dtype in ('bf16', 'fp16'):
-        module = Float16Module(config, module)
+        modules = [Float16Module(config, module) for module in modules]
 
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=True,
@@ -236,9 +249,15 @@ def build(
         grad_reduce_in_fp32=grad_reduce_in_fp32,
         **(ddp_overrides or {}),
     )
-    # One chunk (no virtual pipeline). DP replicas start equal because every DP rank draws the
-    # same init seed (Megatron broadcasts only with --data-parallel-random-init).
-    model_chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)]
+    # One chunk per virtual pipeline stage (one without virtual pipeline); as Megatron's
+    # get_model, only the first chunk's buffers are split into buckets. DP replicas start
+    # equal because every DP rank draws the same init seed (Megatron broadcasts only with
+    # --data-parallel-random-init).
+    model_chunks = [
+        DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
+                                disable_bucketing=index > 0)
+        for index, module in enumerate(modules)
+    ]
 
     optimizer_config = OptimizerConfig(
         optimizer='adam',
@@ -341,7 +360,9 @@ def train_step(model_chunks, optimizer, config, step_index: int, micro_batches: 
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
 
-    batches = iter([_micro_batch(spec, step_index, i) for i in range(micro_batches)])
+    batches = [_micro_batch(spec, step_index, i) for i in range(micro_batches)]
+    # The interleaved schedule takes one iterator per model chunk.
+    batches = [iter(batches) for _ in model_chunks] if len(model_chunks) > 1 else iter(batches)
     forward_backward = get_forward_backward_func()
     losses_reduced = forward_backward(
         forward_step_func=partial(_forward_step, spec),

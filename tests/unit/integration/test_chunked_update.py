@@ -171,6 +171,17 @@ def test_chunked_update_is_bitwise_and_bounded(rank_pool, name):
     _assert_bounded(reference, chunked, dtype)
 
 
+def test_chunked_update_with_a_virtual_pipeline(rank_pool4):
+    """PP 2 with two virtual stages per rank (one optimizer over two model chunks), with the
+    prefetch at half the backward pass (its trigger parameter is found across the chunks)."""
+    job = dict(chunk_fraction=0.3, micro=4, build=dict(num_layers=4), options={"prefetch": 0.5})
+    layout = dict(pp=2, mp_kwargs={"virtual_pipeline_model_parallel_size": 2})
+    reference = rank_pool4.run(chunked_job, "mlp", "bf16", offload=False, **job, **layout)
+    chunked = rank_pool4.run(chunked_job, "mlp", "bf16", **job, **layout)
+    _assert_bitwise(reference, chunked)
+    _assert_bounded(reference, chunked, "bf16")
+
+
 PRECISION_AWARE_FP8 = _jobs.precision_aware(True, "fp8", "fp8", "fp32")
 
 

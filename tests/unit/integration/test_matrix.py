@@ -1,8 +1,9 @@
 """The correctness matrix: offloading on vs off, bitwise, across Megatron's training modes.
 
 Dimensions: dtype (fp32, bf16, fp16 with dynamic loss scaling, whose first steps overflow
-and are skipped) x layout (DP=2, DP=4, TP=2 x DP=2, PP=2 x DP=2, MoE with expert
-parallelism: a ChainedOptimizer of a dense and an expert DistributedOptimizer) x overlap
+and are skipped) x layout (DP=2, DP=4, TP=2 x DP=2, PP=2 x DP=2, PP=2 with two virtual
+stages per rank, MoE with expert parallelism: a ChainedOptimizer of a dense and an expert
+DistributedOptimizer) x overlap
 (none, grad reduce, grad reduce + param gather) x gradient accumulation (1 or 2
 micro-batches) x model (MLP, GPT). Each (layout, dtype) pair appears, and the overlap and
 accumulation settings rotate through them so every value of every dimension is covered
@@ -24,6 +25,9 @@ LAYOUTS = {
     "dp4": (4, {}, {}),
     "tp2": (4, {"tp": 2}, {}),
     "pp2": (4, {"pp": 2}, {}),
+    # Interleaved (virtual) pipeline: two model chunks per stage, one DistributedOptimizer
+    # over both; 4 micro-batches so the interleaved schedule has work for every chunk.
+    "vpp2": (4, {"pp": 2, "mp_kwargs": {"virtual_pipeline_model_parallel_size": 2}}, {"num_layers": 4}),
 }
 OVERLAPS = [(False, False, None), (True, False, 1000), (True, True, 1000)]
 STEPS, SKIP_AT = 6, 4
@@ -36,8 +40,10 @@ def _cases():
     for layout, dtype in itertools.product(LAYOUTS, ("fp32", "bf16", "fp16")):
         (ogr, opg, bucket), micro = next(rotation)
         model = next(models)
-        if layout == "pp2":
+        if layout in ("pp2", "vpp2"):
             model = "mlp"  # keeps 4-rank pipeline cases short; GPT runs PP in the functional tests
+        if layout == "vpp2":
+            micro = 4
         cases.append((layout, dtype, model, ogr, opg, bucket, micro))
     for dtype, (ogr, opg, bucket) in (("bf16", OVERLAPS[2]), ("fp32", OVERLAPS[1]), ("fp16", OVERLAPS[0])):
         cases.append(("moe", dtype, "gpt", ogr, opg, bucket, 2))
@@ -56,6 +62,7 @@ def _build_options(layout, dtype, model, ogr, opg, bucket):
         options["optimizer_overrides"] = {"initial_loss_scale": 2.0**24, "hysteresis": 1}
     if layout == "moe":
         options["transformer_overrides"] = dict(MOE)
+    options.update(LAYOUTS.get(layout, (0, {}, {}))[2])
     return options
 
 
