@@ -57,6 +57,16 @@ class OffloadConfig:
     2, the copies of one chunk overlap the update of the next; 1 uses the whole budget for
     one slot, without overlap."""
 
+    max_piece_bytes: int = 256 << 20
+    """Largest device storage the offloader frees and regrows as one (default 256 MiB). The
+    states of one kind and dtype are laid out in pieces of at most this size (a larger
+    tensor gets a piece of its own), each with its own copy and events, and each piece's
+    memory is released as soon as its own copy to the host is queued. On a GPU the caching
+    allocator can then hand the first pieces to the next forward pass while the later ones
+    are still being copied, and a regrowth never needs one huge contiguous block. Smaller
+    pieces mean finer reuse but more copies per cycle (bytes / piece + groups per direction,
+    a few microseconds of launch each); see the README's "Memory on a real GPU"."""
+
     per_optimizer: dict[int, dict[str, bool]] | None = None
     """Overrides of ``offload_optimizer_states`` / ``offload_primary_weights`` for single
     optimizers of a ChainedOptimizer, by index in ``chained_optimizers`` (for example
@@ -98,6 +108,12 @@ class OffloadConfig:
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0):
             raise ValueError(
                 f"OffloadConfig.chunked_update_bytes must be a number of bytes (int > 0) or None, got {chunk!r}."
+            )
+        piece = self.max_piece_bytes
+        if isinstance(piece, bool) or not isinstance(piece, int) or piece <= 0:
+            raise ValueError(
+                f"OffloadConfig.max_piece_bytes must be a positive number of bytes (int > 0), got "
+                f"{piece!r}; the default is {256 << 20} (256 MiB)."
             )
         slots = self.chunked_update_slots
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:

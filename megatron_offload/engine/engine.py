@@ -2,9 +2,11 @@
 
 The engine knows nothing about optimizers. It is given a ``collect`` callable returning
 ``(kind, tensor)`` pairs (``kind`` names what the tensor is, e.g. ``"optimizer_states"``)
-and a ``Device``; it groups the tensors by kind and dtype into ``FlatGroup`` objects,
-keeps one exactly-sized host arena for all of them, and moves each group with one copy
-per direction once consolidated (see ``groups.py``).
+and a ``Device``; it groups the tensors by kind and dtype, splits each group into pieces
+of at most ``max_piece_bytes`` (``FlatGroup`` objects), keeps one exactly-sized host arena
+for all of them, and moves each piece with one copy per direction once consolidated (see
+``groups.py``). Copies per cycle are therefore bounded by bytes / piece size plus the
+number of groups, whatever the number of tensors.
 
 When the set of tensors changes (new states appear), the groups are laid out again in a new
 arena; groups whose only copy is on the host stay released and their bytes move from the old
@@ -17,7 +19,9 @@ The copy protocol (numbers refer to the rules in the project's design notes):
 1. A D2H starts only after the work that last wrote the tensors: the D2H stream waits for
    the current stream before copying.
 2. Device memory is released only once the allocator knows the D2H stream reads it
-   (``record_stream``), so the memory is not reused before that copy is done.
+   (``record_stream``), so the memory is not reused before that copy is done. Each piece
+   is released right after its own copy is queued (``offload(release=True)``), so it
+   becomes reusable when that copy is done, piece by piece.
 3. A released tensor is not touched until regrown and its H2D is ordered before the
    reader (``wait``).
 4. The update (any caller of ``wait``) waits for the H2D of everything it reads.
@@ -33,15 +37,22 @@ The copy protocol (numbers refer to the rules in the project's design notes):
 from __future__ import annotations
 
 import time
+import warnings
 import weakref
 from typing import Callable, Iterable, Sequence
 
 import torch
 
 from ..device import Device
-from .groups import FlatGroup, Place, owns_storage
+from .groups import FlatGroup, Place, itemsize_of, owns_storage, split_pieces
+from .host import HOST_FREE_AFTER_COPIES, HostArena, HostBudget, HostMemoryBudgetError
 
 Collect = Callable[[], Iterable[tuple[str, torch.Tensor]]]
+
+#: Default bound of one device storage (piece); see ``OffloadConfig.max_piece_bytes``.
+DEFAULT_MAX_PIECE_BYTES = 256 << 20
+#: More copies than this per cycle and direction get a warning (launch overhead adds up).
+MANY_COPIES = 10_000
 
 # Labels of the ordering calls (passed to the device; see the rules above).
 D2H_AFTER_WRITERS = "d2h-after-writers"  # rule 1
@@ -50,7 +61,6 @@ H2D_AFTER_ALLOCATION = "h2d-after-allocation"  # rule 7 (the regrown block's ear
 H2D_AFTER_D2H = "h2d-after-d2h"  # rule 5 (the host copy is complete before it is read)
 USE_AFTER_H2D = "use-after-h2d"  # rules 3 and 4
 HOST_READ_AFTER_D2H = "host-read-after-d2h"  # rule 5
-HOST_FREE_AFTER_COPIES = "host-free-after-copies"  # rule 5 (no copy uses a freed host arena)
 WRITE_AFTER_D2H = "write-after-d2h"  # rule 2 (memory kept in place is not rewritten under its D2H)
 
 
@@ -75,6 +85,11 @@ class OffloadEngine:
             update (``engine.slots.SlotStream``) rather than reloading them whole. They are
             grouped apart from the others, so ``reload(streamed=False)`` can leave them on
             the host.
+        max_piece_bytes: no consolidated device storage holds more than this many bytes
+            (a larger tensor gets a storage of its own). Each piece is copied, released and
+            regrown on its own, so the allocator can hand a piece's memory out again as soon
+            as that piece's copy is done, not when the whole group's is. None: one storage
+            per kind and dtype.
     """
 
     def __init__(
@@ -84,9 +99,10 @@ class OffloadEngine:
         *,
         name: str = "offload engine",
         fingerprint: Callable[[], object] | None = None,
-        budget: "HostBudget | None" = None,
+        budget: HostBudget | None = None,
         fraction: float = 1.0,
         streamed: Callable[[], Iterable[torch.Tensor]] | None = None,
+        max_piece_bytes: int | None = DEFAULT_MAX_PIECE_BYTES,
     ) -> None:
         self.device = device
         self.name = name
@@ -99,6 +115,11 @@ class OffloadEngine:
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"offload fraction must be between 0 and 1, got {fraction!r}.")
         self._fraction = fraction
+        if max_piece_bytes is not None and (
+            isinstance(max_piece_bytes, bool) or not isinstance(max_piece_bytes, int) or max_piece_bytes <= 0
+        ):
+            raise ValueError(f"max_piece_bytes must be a positive number of bytes or None, got {max_piece_bytes!r}.")
+        self._max_piece_bytes = max_piece_bytes
         self._streamed = streamed
         self._adopted: dict[int, tuple[torch.Tensor, torch.Tensor, object]] = {}
         self._where: dict[int, tuple[FlatGroup, int]] = {}
@@ -109,7 +130,7 @@ class OffloadEngine:
         # The host arena and the newest copy into or out of it on each side stream. Kept
         # apart from the engine so that an engine dropped with copies in flight still waits
         # for them before its arena is freed (the finalizer below).
-        self._host = _HostArena(device, budget)
+        self._host = HostArena(device, budget)
         weakref.finalize(self, self._host.free)
         self._d2h_stream = None
         self._h2d_stream = None
@@ -151,6 +172,8 @@ class OffloadEngine:
             "kept_resident_bytes": kept,
             "unreleasable_bytes": self.unreleasable_bytes,
             "groups": len(self._groups),
+            "pieces": _count_by_kind(self._groups),
+            "largest_piece_bytes": max((g.nbytes for g in self._groups), default=0),
             "tensors": sum(len(g.tensors) for g in self._groups),
             "d2h_copies": self.last.d2h_copies,
             "h2d_copies": self.last.h2d_copies,
@@ -164,11 +187,16 @@ class OffloadEngine:
         }
 
     # --------------------------------------------------------------- the cycle
-    def offload(self, kinds: Iterable[str] | None = None, *, skip_unchanged: bool = False) -> None:
+    def offload(
+        self, kinds: Iterable[str] | None = None, *, skip_unchanged: bool = False, release: bool = False
+    ) -> None:
         """Start copying the selected groups to the host (asynchronous on accelerators).
 
         Groups already offloading or released are left alone. With ``skip_unchanged``, a
-        group whose host copy is still valid is not copied again (rule 6).
+        group whose host copy is still valid is not copied again (rule 6). With ``release``,
+        each piece's device memory is released right after its own copy is queued, so the
+        allocator may hand it out again once that copy is done (progressive reuse); the
+        same as ``release()`` afterwards, where every piece waits for the last copy.
         """
         self._check_open()
         start = time.perf_counter()
@@ -184,22 +212,34 @@ class OffloadEngine:
         if to_copy:
             current = self.device.current_stream()
             side = self._side_stream("d2h")
-            # Rule 1: the D2H must see everything the current stream wrote (the step).
-            self.device.wait_stream(side, current, label=D2H_AFTER_WRITERS)
-            with self.device.use_stream(side):
-                for group in to_copy:
-                    self._copy_group_to_host(group)
-                event = self.device.record_event(side)
-            self._host.last_d2h = event
             for group in to_copy:
+                # Rule 1: the D2H must see everything the current stream wrote (the step).
+                # Once per piece: the host calls between two pieces (record_stream, the
+                # release) are device calls too, and nothing may be assumed about what the
+                # current stream queued around them. It costs one event wait per piece.
+                self.device.wait_stream(side, current, label=D2H_AFTER_WRITERS)
+                with self.device.use_stream(side):
+                    self._copy_group_to_host(group)
+                    event = self.device.record_event(side)
                 group.d2h_event = event
                 group.host_valid = True
+                group.place = Place.OFFLOADING
                 # Rule 2: the side stream reads this memory; tell the allocator before any
                 # release so it is not handed out again until the copy is done.
                 for tensor in self._device_tensors(group):
                     self.device.record_stream(tensor, side, label=D2H_RECORD_STREAM)
+                if release:
+                    # Freed now, before the next piece's copy is queued: the caching
+                    # allocator marks a block freed under record_stream reusable once the
+                    # work queued on the recorded stream AT THE FREE has run, i.e. once this
+                    # piece's own copy is done, not the copies queued after it.
+                    self._release_group(group)
+            self._host.last_d2h = event
         for group in selected:
-            group.place = Place.OFFLOADING
+            if group.place is not Place.RELEASED:
+                group.place = Place.OFFLOADING
+                if release:
+                    self._release_group(group)
         self.last.offload_seconds = time.perf_counter() - start
 
     def release(self, kinds: Iterable[str] | None = None) -> None:
@@ -213,21 +253,23 @@ class OffloadEngine:
                 "Call offload() first."
             )
         for group in selected:
-            if group.place is not Place.OFFLOADING:
-                continue
-            if group.flat is not None:
-                if not group.flat.untyped_storage().resizable():
-                    raise OffloadStateError(
-                        f"{self.name}: the memory of the {group.kind} ({group.dtype}) cannot be "
-                        "released because something made it non-resizable (on CPU, "
-                        "Tensor.numpy() of a state tensor does). Keep copies instead "
-                        "(tensor.clone().numpy()), or leave these states on the device."
-                    )
-                self.device.release(group.flat)
-            else:
-                self._release_unconsolidated(group)
-            group.place = Place.RELEASED
+            if group.place is Place.OFFLOADING:
+                self._release_group(group)
         self.last.offload_seconds += time.perf_counter() - start
+
+    def _release_group(self, group: FlatGroup) -> None:
+        if group.flat is not None:
+            if not group.flat.untyped_storage().resizable():
+                raise OffloadStateError(
+                    f"{self.name}: the memory of the {group.kind} ({group.dtype}) cannot be "
+                    "released because something made it non-resizable (on CPU, "
+                    "Tensor.numpy() of a state tensor does). Keep copies instead "
+                    "(tensor.clone().numpy()), or leave these states on the device."
+                )
+            self.device.release(group.flat)
+        else:
+            self._release_unconsolidated(group)
+        group.place = Place.RELEASED
 
     def reload(self, kinds: Iterable[str] | None = None, *, streamed: bool = True) -> None:
         """Regrow the released groups and start copying them back (asynchronous on accelerators).
@@ -271,13 +313,13 @@ class OffloadEngine:
         with self.device.use_stream(side):
             for group in released:
                 self._copy(group.flat, group.host, to_host=False)
-            event = self.device.record_event(side)
-        self._host.last_h2d = event
+                # One event per piece: a reader waits for the pieces it uses.
+                group.h2d_event = self.device.record_event(side)
+        self._host.last_h2d = released[-1].h2d_event
         for group in released:
             # No record_stream for the H2D's writes: nothing frees this memory before the
             # H2D is ordered before the current stream (offload, rebuild and close wait for
             # it first) or the host has waited for it (a dropped engine's finalizer).
-            group.h2d_event = event
             group.d2h_event = None  # the H2D waited for it, so the host copy is complete
             group.place = Place.RELOADING
         self.last.reload_seconds = time.perf_counter() - start
@@ -461,8 +503,21 @@ class OffloadEngine:
         _check_no_aliasing(current, self.name)
         old_flat = {id(t): g for g in self._groups if g.flat is not None for t in g.tensors}
         groups = []
-        for (kind, dtype, is_streamed), tensors in by_key.items():
-            group = FlatGroup(kind, dtype, tensors, streamed=is_streamed)
+        pieces = [
+            (kind, dtype, is_streamed, index, piece)
+            for (kind, dtype, is_streamed), tensors in by_key.items()
+            for index, piece in enumerate(split_pieces(tensors, itemsize_of(dtype), self._max_piece_bytes))
+        ]
+        if len(pieces) > MANY_COPIES:
+            warnings.warn(
+                f"{self.name}: max_piece_bytes={self._max_piece_bytes:,} splits the states into "
+                f"{len(pieces):,} pieces, so every offload and reload issues that many copies "
+                "(each costs a launch, a few microseconds on a GPU, and an event). Raise "
+                "max_piece_bytes (the default is 256 MiB).",
+                stacklevel=3,
+            )
+        for kind, dtype, is_streamed, index, tensors in pieces:
+            group = FlatGroup(kind, dtype, tensors, streamed=is_streamed, piece=index)
             previous = {id(old_flat.get(id(t))) for t in tensors}
             old = old_flat.get(id(tensors[0]))
             if (
@@ -471,7 +526,7 @@ class OffloadEngine:
                 and len(old.tensors) == len(tensors)
                 and all(a is b for a, b in zip(old.tensors, tensors))
             ):
-                group.flat = old.flat  # unchanged group: keep its consolidated storage
+                group.flat = old.flat  # unchanged piece: keep its consolidated storage
             if all(id(t) in on_host for t in tensors):
                 group.place = Place.RELEASED
                 group.host_valid = True
@@ -545,36 +600,6 @@ class OffloadEngine:
 _NEVER = object()
 
 
-class HostMemoryBudgetError(MemoryError):
-    """Offloading would hold more host memory than the configured budget."""
-
-
-class HostBudget:
-    """A limit on the host memory held by several engines (one offloader's optimizers)."""
-
-    def __init__(self, limit: int | None) -> None:
-        self.limit = limit
-        self._held: dict[int, int] = {}
-
-    def check(self, owner, nbytes: int, name: str) -> None:
-        if self.limit is None:
-            return
-        others = sum(n for key, n in self._held.items() if key != id(owner))
-        if others + nbytes > self.limit:
-            raise HostMemoryBudgetError(
-                f"{name}: offloading needs {nbytes:,} bytes of host memory ({others:,} already "
-                f"held by the other optimizers), over host_memory_budget={self.limit:,}. Raise "
-                "host_memory_budget, or offload less: offload_fraction, per_optimizer, or "
-                "offload_primary_weights=False."
-            )
-
-    def hold(self, owner, nbytes: int) -> None:
-        self._held[id(owner)] = nbytes
-
-    def release(self, owner) -> None:
-        self._held.pop(id(owner), None)
-
-
 def _largest_first(pairs, fraction):
     """Split ``pairs`` into the largest tensors making up ``fraction`` of the bytes, and the rest.
 
@@ -591,61 +616,6 @@ def _largest_first(pairs, fraction):
             chosen.add(i)
             used += nbytes
     return ([p for i, p in enumerate(pairs) if i in chosen], [p for i, p in enumerate(pairs) if i not in chosen])
-
-
-class _HostArena:
-    """The engine's one host buffer, and the newest copy using it on each side stream."""
-
-    def __init__(self, device: Device, budget: HostBudget | None = None) -> None:
-        self.device = device
-        self.budget = budget
-        self.buffer: torch.Tensor | None = None
-        self.retired: torch.Tensor | None = None  # the previous buffer, while its bytes move
-        # Side streams run in order, so the newest event of each covers every earlier copy.
-        self.last_d2h = None
-        self.last_h2d = None
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.buffer is None else self.buffer.numel()
-
-    def check(self, nbytes: int, name: str) -> None:
-        if self.budget is not None:
-            self.budget.check(self, nbytes, name)
-
-    def replace(self, nbytes: int) -> torch.Tensor:
-        """A new buffer of ``nbytes``; the old one stays readable until ``free_retired``."""
-        self.free_retired()
-        self.retired, self.buffer = self.buffer, self.device.host_buffer(nbytes)
-        if self.budget is not None:
-            self.budget.hold(self, nbytes)
-        return self.buffer
-
-    def free_retired(self) -> None:
-        """Give back the buffer ``replace`` retired."""
-        if self.retired is None:
-            return
-        self._synchronize()
-        self.device.free_host_buffer(self.retired)
-        self.retired = None
-
-    def _synchronize(self) -> None:
-        # Rule 5: copies into or out of the arena may still be queued even when the device
-        # streams are ordered; the host must see them finish before the memory goes.
-        for event in (self.last_d2h, self.last_h2d):
-            if event is not None:
-                self.device.synchronize_event(event, label=HOST_FREE_AFTER_COPIES)
-        self.last_d2h = self.last_h2d = None
-
-    def free(self) -> None:
-        self.free_retired()
-        if self.buffer is None:
-            return
-        self._synchronize()
-        self.device.free_host_buffer(self.buffer)
-        self.buffer = None
-        if self.budget is not None:
-            self.budget.release(self)
 
 
 class _CycleStats:
@@ -667,6 +637,13 @@ class _CycleStats:
         self.d2h_copies = self.h2d_copies = self.d2h_bytes = self.h2d_bytes = 0
         self.update_chunks = self.update_copies = self.update_bytes = 0
         self.offload_seconds = self.reload_seconds = 0.0
+
+
+def _count_by_kind(groups: Sequence[FlatGroup]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for group in groups:
+        counts[group.kind] = counts.get(group.kind, 0) + 1
+    return counts
 
 
 def _typed(buffer: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,9 @@
 """Flat groups: how a set of tensors of one kind and dtype is laid out on device and host.
 
+A group is one *piece*: the tensors of one kind and dtype are split into pieces of at most
+``max_piece_bytes`` (``split_pieces``), so that no device storage the engine frees is larger
+than that. Each piece is a group of its own: its own storage, host range, copies and events.
+
 A group starts as the tensors the optimizer made (each with its own storage). The first
 time it is reloaded it is *consolidated*: one flat device tensor is allocated and every
 tracked tensor is re-pointed (``Tensor.set_``) at its slice of it. From then on the whole
@@ -51,9 +55,39 @@ def owns_storage(tensor: torch.Tensor) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _itemsize(dtype: torch.dtype) -> int:
+def itemsize_of(dtype: torch.dtype) -> int:
     # Asked per tensor when chunks are laid out: computed once per dtype.
     return torch.empty((), dtype=dtype).element_size()
+
+
+def aligned_numel(numel: int, itemsize: int) -> int:
+    """``numel`` rounded up so that the next tensor starts on an ``ALIGN_BYTES`` boundary."""
+    align = max(1, ALIGN_BYTES // itemsize)
+    return -(-numel // align) * align
+
+
+def split_pieces(tensors: list[torch.Tensor], itemsize: int, max_bytes: int | None) -> list[list[torch.Tensor]]:
+    """Split ``tensors`` (in order) into pieces of at most ``max_bytes`` each, laid out aligned.
+
+    Consecutive tensors share a piece while it stays within the bound; a tensor larger than
+    the bound gets a piece of its own; no tensor straddles two pieces. ``None``: one piece.
+    The same tensors give the same pieces on every rank and in every run.
+    """
+    if max_bytes is None:
+        return [tensors] if tensors else []
+    pieces: list[list[torch.Tensor]] = []
+    current: list[torch.Tensor] = []
+    used = 0
+    for tensor in tensors:
+        nbytes = aligned_numel(tensor.numel(), itemsize) * itemsize
+        if current and used + nbytes > max_bytes:
+            pieces.append(current)
+            current, used = [], 0
+        current.append(tensor)
+        used += nbytes
+    if current:
+        pieces.append(current)
+    return pieces
 
 
 @dataclass(eq=False)
@@ -64,6 +98,7 @@ class FlatGroup:
     dtype: torch.dtype
     tensors: list[torch.Tensor]
     streamed: bool = False  # streamed through device slots by the caller's update, not reloaded whole
+    piece: int = 0  # index among the pieces of its (kind, dtype) (see ``split_pieces``)
     offsets: list[int] = field(default_factory=list)  # element offset of each tensor
     numel: int = 0
     host: torch.Tensor | None = None  # this group's slice of the host arena, as ``dtype``
@@ -78,17 +113,17 @@ class FlatGroup:
         # own would (allocators align far more): vectorized optimizer and cast kernels
         # (TE's, apex's multi-tensor apply) rely on it or fall back to slow paths. The group
         # is padded to a multiple of 16 bytes too, so groups stay aligned in the host arena.
-        align = max(1, ALIGN_BYTES // self.itemsize)
+        itemsize = self.itemsize
         offset = 0
         self.offsets = []
         for tensor in self.tensors:
             self.offsets.append(offset)
-            offset += -(-tensor.numel() // align) * align
+            offset += aligned_numel(tensor.numel(), itemsize)
         self.numel = offset
 
     @property
     def itemsize(self) -> int:
-        return _itemsize(self.dtype)
+        return itemsize_of(self.dtype)
 
     @property
     def nbytes(self) -> int:

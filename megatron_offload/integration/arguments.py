@@ -17,6 +17,7 @@ from ..config import OffloadConfig
 
 OFFLOAD_FLAG = '--offload-optimizer-states'
 CHUNKED_FLAG = '--offload-chunked-update-bytes'
+PIECE_FLAG = '--offload-max-piece-mb'
 
 # Tuning flags: (option, dest). All are "--no-..." switches whose default is True, so a False
 # value means the user passed the flag.
@@ -105,6 +106,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         'results. Each parameter shard\'s moments must fit in half of BYTES.',
     )
     group.add_argument(
+        PIECE_FLAG,
+        type=int,
+        default=None,
+        dest='offload_max_piece_mb',
+        metavar='MIB',
+        help='With --offload-optimizer-states: the largest device storage the offloader frees '
+        'and regrows as one, in MiB (default 256). Each piece\'s memory becomes reusable by '
+        'the caching allocator as soon as its own copy to the host is done; smaller pieces '
+        'free memory sooner and fragment less, at a few microseconds of copy launch each.',
+    )
+    group.add_argument(
         '--no-log-offload-stats',
         action='store_false',
         dest='log_offload_stats',
@@ -150,6 +162,8 @@ def validate_args(args) -> None:
         used = [flag for flag, dest in TUNING_FLAGS if getattr(args, dest, True) is False]
         if getattr(args, 'offload_chunked_update_bytes', None) is not None:
             used.append(CHUNKED_FLAG)
+        if getattr(args, 'offload_max_piece_mb', None) is not None:
+            used.append(PIECE_FLAG)
         if used:
             _refuse(
                 f'{used[0]} has no effect without {OFFLOAD_FLAG}: add {OFFLOAD_FLAG} to '
@@ -237,6 +251,9 @@ def validate_args(args) -> None:
             'has nothing to offload. Drop one of them (or drop '
             f'{OFFLOAD_FLAG}).'
         )
+    piece = getattr(args, 'offload_max_piece_mb', None)
+    if piece is not None and (isinstance(piece, bool) or not isinstance(piece, int) or piece <= 0):
+        _refuse(f'{PIECE_FLAG} must be a whole number of MiB > 0 (default 256), got {piece!r}.')
     chunked = getattr(args, 'offload_chunked_update_bytes', None)
     if chunked is not None and chunked <= 0:
         _refuse(f'{CHUNKED_FLAG} must be a number of bytes > 0, got {chunked}.')
@@ -260,4 +277,10 @@ def config_from_args(args) -> OffloadConfig:
         offload_primary_weights=bool(getattr(args, 'offload_master_weights', True)),
         release_master_grads=bool(getattr(args, 'offload_release_master_grads', True)),
         chunked_update_bytes=getattr(args, 'offload_chunked_update_bytes', None),
+        **_piece_option(args),
     )
+
+
+def _piece_option(args) -> dict:
+    piece = getattr(args, 'offload_max_piece_mb', None)
+    return {} if piece is None else {'max_piece_bytes': piece << 20}

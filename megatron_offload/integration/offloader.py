@@ -120,6 +120,7 @@ class OptimizerStateOffloader:
                     budget=budget,
                     fraction=float(self.config.offload_fraction),
                     streamed=_in_state(distrib_optimizer) if self.config.chunked_update_bytes else None,
+                    max_piece_bytes=self.config.max_piece_bytes,
                 )
             )
         for distrib_optimizer in distributed:
@@ -155,11 +156,23 @@ class OptimizerStateOffloader:
         ``host_bytes``: host memory held; ``d2h_copies``/``h2d_copies`` and ``*_bytes``: copy
         operations of the last offload and reload; ``offload_seconds``/``reload_seconds``: host
         time spent issuing them (the copies themselves on a CPU); ``update_chunks``,
-        ``update_copies``, ``update_bytes``: chunks and copies of the last chunked update.
+        ``update_copies``, ``update_bytes``: chunks and copies of the last chunked update;
+        ``pieces``: device storages (pieces) per kind, ``largest_piece_bytes`` the largest.
         ``per_optimizer`` has the same per optimizer.
         """
         per = [engine.stats() for engine in self._engines]
-        total = {key: sum(s[key] for s in per) for key in (per[0] if per else {})}
+        total = {}
+        for key in per[0] if per else {}:
+            if isinstance(per[0][key], dict):  # counts per kind (``pieces``)
+                merged: dict = {}
+                for figures in per:
+                    for kind, count in figures[key].items():
+                        merged[kind] = merged.get(kind, 0) + count
+                total[key] = merged
+            elif key == "largest_piece_bytes":
+                total[key] = max(s[key] for s in per)
+            else:
+                total[key] = sum(s[key] for s in per)
         total["cycles"] = self._cycles
         total["per_optimizer"] = per
         return total
@@ -299,8 +312,8 @@ class OptimizerStateOffloader:
     def _offload(self, selection: list[tuple[str, ...]], *, skip_unchanged: bool = False) -> None:
         """Copy out (unless ``skip_unchanged`` and still valid) and release, per optimizer."""
         for engine, kinds in zip(self._engines, selection):
-            engine.offload(kinds, skip_unchanged=skip_unchanged)
-            engine.release(kinds)
+            # Released piece by piece as the copies are queued (progressive reuse).
+            engine.offload(kinds, skip_unchanged=skip_unchanged, release=True)
         if self.config.release_master_grads:
             for distrib_optimizer, kinds in zip(self._distributed, selection):
                 if PRIMARY_WEIGHTS in kinds:

@@ -11,6 +11,7 @@ from megatron_offload.config import OffloadConfig
 from megatron_offload.integration.arguments import (
     CHUNKED_FLAG,
     OFFLOAD_FLAG,
+    PIECE_FLAG,
     TUNING_FLAGS,
     OffloadArgumentError,
     add_arguments,
@@ -43,7 +44,8 @@ def test_add_arguments_is_an_extra_args_provider():
     for _, dest in TUNING_FLAGS:
         assert getattr(args, dest) is True
     assert args.offload_chunked_update_bytes is None
-    flags = [OFFLOAD_FLAG, CHUNKED_FLAG] + [flag for flag, _ in TUNING_FLAGS]
+    assert args.offload_max_piece_mb is None
+    flags = [OFFLOAD_FLAG, CHUNKED_FLAG, PIECE_FLAG] + [flag for flag, _ in TUNING_FLAGS]
     for flag in flags:
         action = parser._option_string_actions[flag]
         assert action.help and len(action.help) > 40, flag
@@ -69,6 +71,21 @@ def test_config_from_args():
     assert config_from_args(argparse.Namespace()) == OffloadConfig()
     chunked = argparse.Namespace(offload_optimizer_states=True, offload_chunked_update_bytes=1 << 20)
     assert config_from_args(chunked).chunked_update_bytes == 1 << 20
+    pieces = argparse.Namespace(offload_optimizer_states=True, offload_max_piece_mb=64)
+    assert config_from_args(pieces).max_piece_bytes == 64 << 20
+    assert config_from_args(argparse.Namespace()).max_piece_bytes == 256 << 20  # the default
+
+
+def test_max_piece_bytes_option_is_validated_before_anything_is_touched():
+    import megatron_offload
+
+    for bad in (0, -1, 1.5, True, "256MiB", None):
+        with pytest.raises(ValueError, match="max_piece_bytes must be a positive number of bytes"):
+            OffloadConfig(max_piece_bytes=bad)
+        # attach() validates its options before it looks at the optimizer at all.
+        with pytest.raises(ValueError, match="max_piece_bytes"):
+            megatron_offload.attach(object(), max_piece_bytes=bad)
+    assert OffloadConfig(max_piece_bytes=1).max_piece_bytes == 1
 
 
 # ---------------------------------------------------------------------------- accepted runs
@@ -87,6 +104,7 @@ def test_config_from_args():
     OK_BASE + ['--use-precision-aware-optimizer'],
     OK_BASE + [CHUNKED_FLAG, '1073741824'],
     OK_BASE + [CHUNKED_FLAG, '1073741824', '--no-offload-master-weights'],
+    OK_BASE + [PIECE_FLAG, '64'],
     # megatron-core's offload_to_cpu/restore_from_cpu are routed to the offloader.
     OK_BASE + ['--rl-offload-optimizer-during-inference'],
     ['--use-distributed-optimizer', '--optimizer-cpu-offload'],  # theirs alone is not ours to judge
@@ -186,6 +204,18 @@ REFUSED = [
         OK_BASE + [CHUNKED_FLAG, '4096', '--no-offload-moments'],
         [CHUNKED_FLAG, '--no-offload-moments', 'Drop one'],
         id='chunked-update-without-moments'),
+    pytest.param(
+        ['--use-distributed-optimizer', PIECE_FLAG, '64'],
+        [PIECE_FLAG + ' has no effect without ' + OFFLOAD_FLAG],
+        id='max-piece-without-offloading'),
+    pytest.param(
+        OK_BASE + [PIECE_FLAG, '0'],
+        [PIECE_FLAG, 'must be a whole number of MiB > 0'],
+        id='max-piece-zero'),
+    pytest.param(
+        OK_BASE + [PIECE_FLAG, '-8'],
+        [PIECE_FLAG, 'must be a whole number of MiB > 0'],
+        id='max-piece-negative'),
     pytest.param(
         ['--no-log-offload-stats', '--no-offload-master-weights'],
         ['--no-offload-master-weights', '--no-log-offload-stats', OFFLOAD_FLAG],

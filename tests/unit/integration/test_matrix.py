@@ -10,7 +10,9 @@ accumulation settings rotate through them so every value of every dimension is c
 several times; the size is printed at the end of the test run.
 
 Every case also skips one step in the middle (grad-norm threshold), after the moments
-exist, and checks that the skipped step copied nothing. Planted bugs (negative controls)
+exist, and checks that the skipped step copied nothing. The offloaded runs use pieces of
+``PIECE`` bytes (far below the default), so every group of the test models is split into
+several device storages, each copied and released on its own. Planted bugs (negative controls)
 show that the comparison catches a broken offloader.
 """
 
@@ -31,6 +33,7 @@ LAYOUTS = {
 }
 OVERLAPS = [(False, False, None), (True, False, 1000), (True, True, 1000)]
 STEPS, SKIP_AT = 6, 4
+PIECE = 64 << 10  # max_piece_bytes of the matrix: every group of the test models is split
 
 
 def _cases():
@@ -96,7 +99,11 @@ def matrix_job(layout, dtype, model, ogr, opg, bucket, micro, *, offload, plant=
             sizes = [t.untyped_storage().nbytes() for index, d in enumerate(distributed)
                      for kind, t in adapter.collect(d) if kind in offloader.config.kinds(index)]
             figures.append({"offloaded": stats["offloaded_bytes"], "d2h": stats["d2h_copies"],
-                            "held": sum(sizes), "host": stats["host_bytes"], "tracked": stats["tracked_bytes"]})
+                            "held": sum(sizes), "host": stats["host_bytes"], "tracked": stats["tracked_bytes"],
+                            "pieces": stats["pieces"], "largest_piece": stats["largest_piece_bytes"],
+                            "groups": _groups_per_kind(offloader),
+                            "largest_tensor": max(t.numel() * t.element_size() for e in offloader.engines
+                                                  for g in e.groups for t in g.tensors)})
     if offloader:
         offloader.reload()
         offloader.wait()
@@ -105,6 +112,15 @@ def matrix_job(layout, dtype, model, ogr, opg, bucket, micro, *, offload, plant=
     check_devices(devices)
     return {"results": results, "figures": figures, "snapshot": snapshot,
             "optimizers": len(distributed), "checked": len(devices)}
+
+
+def _groups_per_kind(offloader):
+    """(kind, dtype) groups per kind: what the pieces split."""
+    counts = {}
+    for engine in offloader.engines:
+        for kind in {(g.kind, g.dtype) for g in engine.groups}:
+            counts[kind[0]] = counts.get(kind[0], 0) + 1
+    return counts
 
 
 def _plant(bug):
@@ -149,7 +165,7 @@ def _compare(reference, offloaded):
 def test_matrix_offloading_is_bitwise_invisible(rank_pool, request, case):
     pool4 = request.getfixturevalue("rank_pool4") if LAYOUTS.get(case[0], (2,))[0] == 4 else None
     reference = _run_ranks(rank_pool, pool4, case, offload=False)
-    offloaded = _run_ranks(rank_pool, pool4, case, offload=True)
+    offloaded = _run_ranks(rank_pool, pool4, case, offload=True, options={"max_piece_bytes": PIECE})
     assert _compare(reference, offloaded) == []
     layout, dtype = case[0], case[1]
     for ref, off in zip(reference, offloaded):
@@ -162,6 +178,12 @@ def test_matrix_offloading_is_bitwise_invisible(rank_pool, request, case):
         for step, figures in enumerate(off["figures"]):
             assert figures["held"] == 0 and figures["offloaded"] == figures["tracked"] > 0
             assert figures["host"] == figures["tracked"]
+            # Every group is split, and a piece exceeds the bound only as a single tensor.
+            for kind, groups in figures["groups"].items():
+                assert figures["pieces"][kind] > groups, (kind, figures)
+            assert figures["largest_piece"] <= max(PIECE, figures["largest_tensor"])
+            if step > 0 and not skipped[step]:
+                assert figures["d2h"] == sum(figures["pieces"].values())  # one copy per piece
             if step == SKIP_AT or (step > 0 and skipped[step] and skipped[step - 1]):
                 assert figures["d2h"] == 0, step  # nothing changed: no needless copy
 

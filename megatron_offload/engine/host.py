@@ -1,0 +1,101 @@
+"""Host memory of the engine: one exactly-sized arena per engine, and a budget shared by engines.
+
+The arena is the only host memory an engine holds for its groups (each group has a slice of
+it). It remembers the newest copy into or out of it on each side stream, so that it is
+never given back (or replaced) while a copy still uses it (protocol rule 5). The budget
+limits what several engines (one offloader's optimizers) hold together, checked before
+anything is allocated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..device import Device
+
+HOST_FREE_AFTER_COPIES = "host-free-after-copies"  # rule 5 (no copy uses a freed host arena)
+
+
+class HostMemoryBudgetError(MemoryError):
+    """Offloading would hold more host memory than the configured budget."""
+
+
+class HostBudget:
+    """A limit on the host memory held by several engines (one offloader's optimizers)."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self._held: dict[int, int] = {}
+
+    def check(self, owner, nbytes: int, name: str) -> None:
+        if self.limit is None:
+            return
+        others = sum(n for key, n in self._held.items() if key != id(owner))
+        if others + nbytes > self.limit:
+            raise HostMemoryBudgetError(
+                f"{name}: offloading needs {nbytes:,} bytes of host memory ({others:,} already "
+                f"held by the other optimizers), over host_memory_budget={self.limit:,}. Raise "
+                "host_memory_budget, or offload less: offload_fraction, per_optimizer, or "
+                "offload_primary_weights=False."
+            )
+
+    def hold(self, owner, nbytes: int) -> None:
+        self._held[id(owner)] = nbytes
+
+    def release(self, owner) -> None:
+        self._held.pop(id(owner), None)
+
+
+class HostArena:
+    """The engine's one host buffer, and the newest copy using it on each side stream."""
+
+    def __init__(self, device: Device, budget: HostBudget | None = None) -> None:
+        self.device = device
+        self.budget = budget
+        self.buffer: torch.Tensor | None = None
+        self.retired: torch.Tensor | None = None  # the previous buffer, while its bytes move
+        # Side streams run in order, so the newest event of each covers every earlier copy.
+        self.last_d2h = None
+        self.last_h2d = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel()
+
+    def check(self, nbytes: int, name: str) -> None:
+        if self.budget is not None:
+            self.budget.check(self, nbytes, name)
+
+    def replace(self, nbytes: int) -> torch.Tensor:
+        """A new buffer of ``nbytes``; the old one stays readable until ``free_retired``."""
+        self.free_retired()
+        self.retired, self.buffer = self.buffer, self.device.host_buffer(nbytes)
+        if self.budget is not None:
+            self.budget.hold(self, nbytes)
+        return self.buffer
+
+    def free_retired(self) -> None:
+        """Give back the buffer ``replace`` retired."""
+        if self.retired is None:
+            return
+        self._synchronize()
+        self.device.free_host_buffer(self.retired)
+        self.retired = None
+
+    def _synchronize(self) -> None:
+        # Rule 5: copies into or out of the arena may still be queued even when the device
+        # streams are ordered; the host must see them finish before the memory goes.
+        for event in (self.last_d2h, self.last_h2d):
+            if event is not None:
+                self.device.synchronize_event(event, label=HOST_FREE_AFTER_COPIES)
+        self.last_d2h = self.last_h2d = None
+
+    def free(self) -> None:
+        self.free_retired()
+        if self.buffer is None:
+            return
+        self._synchronize()
+        self.device.free_host_buffer(self.buffer)
+        self.buffer = None
+        if self.budget is not None:
+            self.budget.release(self)
