@@ -13,7 +13,7 @@ import torch
 
 from ..device import Device
 
-HOST_FREE_AFTER_COPIES = "host-free-after-copies"  # rule 5 (no copy uses a freed host arena)
+from .labels import HOST_FREE_AFTER_COPIES
 
 
 class HostMemoryBudgetError(MemoryError):

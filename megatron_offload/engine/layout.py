@@ -1,0 +1,233 @@
+"""Laying the tracked tensors out: which tensors move, in which pieces, and again when they change.
+
+The half of ``OffloadEngine`` that decides what the groups (pieces) are: ``_rescan`` asks
+``collect`` for the tensors (cheaply, when a fingerprint says nothing changed), keeps
+unmovable ones resident and, with a fraction, picks the largest; ``_rebuild`` splits them by
+kind, dtype and streaming into pieces of at most ``max_piece_bytes`` and gives each a range
+of a new host arena, carrying over the host copies of groups that stay released and of
+tensors the caller handed over with ``adopt``. ``OffloadEngine`` (``engine.py``) moves the
+pieces; this mixin only lays them out.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Iterable
+
+import torch
+
+from ..device import Device
+from .groups import FlatGroup, Place, itemsize_of, split_pieces
+from .labels import HOST_FREE_AFTER_COPIES, HOST_READ_AFTER_D2H
+
+#: More copies than this per cycle and direction get a warning (launch overhead adds up).
+MANY_COPIES = 10_000
+
+_NEVER = object()
+
+
+class LayoutMixin:
+    """Tracking and layout of ``OffloadEngine`` (which provides the attributes used here)."""
+
+    def invalidate(self) -> None:
+        """The tracked tensors may have been replaced: look at them again at the next offload."""
+        self._last_fingerprint = _NEVER
+
+    def _rescan(self) -> None:
+        """Pick up tensors created or replaced since the last offload."""
+        if self._fingerprint is not None:
+            fingerprint = self._fingerprint()
+            if fingerprint == self._last_fingerprint:
+                return
+            self._last_fingerprint = fingerprint
+        current: list[tuple[str, torch.Tensor]] = []
+        kept: list[tuple[str, torch.Tensor, str]] = []
+        for kind, tensor in self._collect():
+            reason = _unmovable_reason(tensor, self.device)
+            if reason:
+                kept.append((kind, tensor, reason))
+            elif tensor.numel():
+                current.append((kind, tensor))
+        if self._fraction < 1.0:
+            current, partial = _largest_first(current, self._fraction)
+            kept += [(kind, tensor, "partial offload") for kind, tensor in partial]
+        self._kept_resident = kept
+        if len(current) == len(self._tracked) and all(
+            a is b and k == j for (k, a), (j, b) in zip(current, self._tracked)
+        ):
+            return
+        self._rebuild(current)
+
+    def adopt(self, items: Iterable[tuple[torch.Tensor, torch.Tensor, object]]) -> None:
+        """Take over tensors whose only copy the caller put on the host.
+
+        Each item is ``(tensor, host, event)``: ``host`` is a buffer from this engine's
+        device (``host_buffer``) holding the tensor's bytes once ``event`` (the D2H that
+        filled it, or None) completed, and the caller has released the tensor's device
+        memory. At the next rescan the tensors are tracked as released and their bytes move
+        into the host arena; the engine gives the buffers back.
+        """
+        for tensor, host, event in items:
+            self._adopted[id(tensor)] = (tensor, host, event)
+        self.invalidate()
+
+    def _rebuild(self, current: list[tuple[str, torch.Tensor]]) -> None:
+        streamed = {id(t) for t in self._streamed()} if self._streamed is not None else set()
+        by_key: dict[tuple[str, torch.dtype, bool], list[torch.Tensor]] = {}
+        for kind, tensor in current:
+            by_key.setdefault((kind, tensor.dtype, id(tensor) in streamed), []).append(tensor)
+        # A group is described by one place, so it cannot mix tensors whose only copy is on
+        # the host with tensors on the device (a new state beside released ones): the former
+        # come back to the device first. Groups made only of host copies stay released, and
+        # their bytes move from the old arena (or an adopted buffer) into the new one.
+        on_host = self._host_copies()
+        mixed = {
+            id(t)
+            for tensors in by_key.values()
+            if any(id(t) in on_host for t in tensors) and not all(id(t) in on_host for t in tensors)
+            for t in tensors
+        }
+        if mixed:
+            self._reload_groups(
+                [g for g in self._groups if g.place is Place.RELEASED and any(id(t) in mixed for t in g.tensors)]
+            )
+            self._restore_adopted(mixed)
+            on_host = self._host_copies()
+        self.wait()
+        _check_no_aliasing(current, self.name)
+        old_flat = {id(t): g for g in self._groups if g.flat is not None for t in g.tensors}
+        groups = []
+        pieces = [
+            (kind, dtype, is_streamed, index, piece)
+            for (kind, dtype, is_streamed), tensors in by_key.items()
+            for index, piece in enumerate(split_pieces(tensors, itemsize_of(dtype), self._max_piece_bytes))
+        ]
+        if len(pieces) > MANY_COPIES:
+            warnings.warn(
+                f"{self.name}: max_piece_bytes={self._max_piece_bytes:,} splits the states into "
+                f"{len(pieces):,} pieces, so every offload and reload issues that many copies "
+                "(each costs a launch, a few microseconds on a GPU, and an event). Raise "
+                "max_piece_bytes (the default is 256 MiB).",
+                stacklevel=3,
+            )
+        for kind, dtype, is_streamed, index, tensors in pieces:
+            group = FlatGroup(kind, dtype, tensors, streamed=is_streamed, piece=index)
+            previous = {id(old_flat.get(id(t))) for t in tensors}
+            old = old_flat.get(id(tensors[0]))
+            if (
+                old is not None
+                and len(previous) == 1
+                and len(old.tensors) == len(tensors)
+                and all(a is b for a, b in zip(old.tensors, tensors))
+            ):
+                group.flat = old.flat  # unchanged piece: keep its consolidated storage
+            if all(id(t) in on_host for t in tensors):
+                group.place = Place.RELEASED
+                group.host_valid = True
+            groups.append(group)
+        # Largest element size first: every group's host slice is then aligned for its dtype
+        # without padding, and host bytes equal tracked bytes exactly.
+        groups.sort(key=lambda g: -g.itemsize)
+        need = sum(g.nbytes for g in groups)
+        self._host.check(need, self.name)  # against the budget, before anything is freed or allocated
+        carried = [g for g in groups if g.place is Place.RELEASED]
+        # Rule 5: the host reads the old copies below, so the copies into them must be done.
+        for _, event in on_host.values():
+            if event is not None:
+                self.device.synchronize_event(event, label=HOST_READ_AFTER_D2H)
+        for group in self._groups:
+            group.d2h_event = None
+        arena = self._host.replace(need)
+        offset = 0
+        for group in groups:
+            group.host = arena[offset : offset + group.nbytes].view(group.dtype)
+            offset += group.nbytes
+        for group in carried:
+            for tensor, host in group.host_slices():
+                host.copy_(on_host[id(tensor)][0])
+        self._host.free_retired()
+        for _, buffer, _ in self._adopted.values():
+            self.device.free_host_buffer(buffer)
+        self._adopted = {}
+        self._groups = groups
+        self._tracked = current
+        self._where = {id(t): (g, i) for g in groups for i, t in enumerate(g.tensors)}
+        self.generation += 1
+
+    def _host_copies(self) -> dict[int, tuple[torch.Tensor, object]]:
+        """Where the bytes of every tensor that has no device memory are: id -> (host, event)."""
+        copies = {}
+        for group in self._groups:
+            if group.place is Place.RELEASED:
+                for tensor, host in group.host_slices():
+                    copies[id(tensor)] = (host, group.d2h_event)
+        for key, (tensor, host, event) in self._adopted.items():
+            copies[key] = (_typed(host, tensor), event)
+        return copies
+
+    def _restore_adopted(self, ids: set[int]) -> None:
+        """Copy adopted tensors among ``ids`` back into device memory of their own."""
+        for key in [k for k in self._adopted if k in ids]:
+            tensor, host, event = self._adopted.pop(key)
+            if event is not None:
+                self.device.synchronize_event(event, label=HOST_READ_AFTER_D2H)
+            self.device.regrow(tensor, tensor.numel() * tensor.element_size())
+            current = self.device.current_stream()
+            # On the current stream, the one that regrew the memory and will use it (rule 7).
+            with self.device.use_stream(current):
+                self.device.copy(tensor, _typed(host, tensor))
+            # Rule 5: the buffer is given back only once the copy reading it is done.
+            self.device.synchronize_event(self.device.record_event(current), label=HOST_FREE_AFTER_COPIES)
+            self.device.free_host_buffer(host)
+
+
+def _largest_first(pairs, fraction):
+    """Split ``pairs`` into the largest tensors making up ``fraction`` of the bytes, and the rest.
+
+    Whole tensors only; ties keep their order, so the choice is the same on every rank
+    and from run to run.
+    """
+    total = sum(t.numel() * t.element_size() for _, t in pairs)
+    budget = fraction * total
+    order = sorted(range(len(pairs)), key=lambda i: -pairs[i][1].numel() * pairs[i][1].element_size())
+    chosen, used = set(), 0
+    for i in order:
+        nbytes = pairs[i][1].numel() * pairs[i][1].element_size()
+        if used + nbytes <= budget:
+            chosen.add(i)
+            used += nbytes
+    return ([p for i, p in enumerate(pairs) if i in chosen], [p for i, p in enumerate(pairs) if i not in chosen])
+
+
+def _typed(buffer: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """The first bytes of the uint8 ``buffer`` seen as a tensor like ``tensor``."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return buffer[:nbytes].view(tensor.dtype).view(tensor.shape)
+
+
+def _unmovable_reason(tensor: torch.Tensor, device: Device) -> str:
+    """Why ``tensor`` cannot be moved by the engine ('' if it can)."""
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        return f"tensor subclass {type(tensor).__name__}"
+    if tensor.device != device.torch_device:
+        return f"on {tensor.device}, not on {device.torch_device}"
+    if not tensor.is_contiguous():
+        return "not contiguous"
+    return ""
+
+
+def _check_no_aliasing(pairs: list[tuple[str, torch.Tensor]], name: str) -> None:
+    """Two tracked tensors sharing memory would be separated by consolidation: refuse."""
+    # Tensors without memory (released and replaced) cannot alias anything live.
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i)
+        for i, (_, t) in enumerate(pairs)
+        if t.untyped_storage().nbytes()
+    )
+    for (start_a, end_a, i), (start_b, _, j) in zip(spans, spans[1:]):
+        if start_b < end_a:
+            raise ValueError(
+                f"{name}: tensors {pairs[i][0]}#{i} and {pairs[j][0]}#{j} share memory, so they "
+                "cannot be moved independently. Offloading supports optimizers whose state "
+                "tensors do not alias each other."
+            )
