@@ -1,5 +1,7 @@
-"""Test helpers: a device that models accelerator streams on the CPU and checks ordering."""
+"""Test helpers: a device that models accelerator streams on the CPU and checks ordering, and
+a model of the CUDA caching allocator that says when freed device memory is reusable."""
 
+from .allocator_model import AllocatorModel, ModelledOutOfMemory
 from .checked_device import (
     DEVICE_RACE,
     FREED_IN_USE,
@@ -18,8 +20,13 @@ from .checked_device import (
     Violation,
     fill_poison,
 )
+from .modelled_device import REUSE_BEFORE_COPY, ModelledDevice
 
 __all__ = [
+    "AllocatorModel",
+    "ModelledDevice",
+    "ModelledOutOfMemory",
+    "REUSE_BEFORE_COPY",
     "CheckedDevice",
     "ProtocolViolation",
     "Violation",

@@ -1,0 +1,194 @@
+"""Real megatron-core training on the caching-allocator model: is the freed memory reusable in time?
+
+The offloader runs on a ``ModelledDevice`` (the checked stream model, mirrored into an
+``AllocatorModel``) while 2 gloo ranks train a bf16 GPT with overlapped gradient reduce and
+parameter gather. The model's byte counts are ``SCALE`` times the real ones, so the tiny test
+model stands for a rank holding a few GiB of optimizer state, offloaded over a PCIe-class link.
+
+Each iteration, in modelled time: the forward pass allocates activations (half the state's
+size, in ``CHUNK`` pieces, a little slower than the link copies: a stall-free run is
+physically possible), the backward pass frees them, then the real training step runs: the
+states are regrown and copied back, updated, and copied out again piece by piece. After two
+warm-up iterations the device capacity is set to what the run needs if freed memory were
+reusable at once (the larger of the step's and the forward's residency) plus one piece (the
+largest: a tensor over the bound is a piece of its own).
+
+Asserted: in steady state no allocation stalls (the model's ``num_alloc_retries``) and none
+runs out of memory; after the last step the state's memory becomes reusable piece by piece,
+each piece exactly when its own copy has crossed the link; training is bitwise the same as
+without offloading. Negative controls: one storage per group (no piece bound)
+stalls under the same capacity and workload; dropping ``record_stream`` is reported as reuse
+before the copy.
+"""
+
+import pytest
+import torch
+
+SCALE = 4096  # modelled bytes per real byte
+PIECE = 16 << 10  # real max_piece_bytes: 64 MiB modelled
+LINK = 25e9  # bytes/s each way (PCIe Gen4 x16)
+MIB = 1 << 20
+CHUNK = 16 * MIB  # modelled activation allocation: a quarter of a piece, a whole 2 MiB multiple
+SLOWER = 1.25  # the forward allocates at 1/1.25 of the link speed
+STEPS, WARMUP = 6, 2
+BUILD = dict(overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=3000)
+
+
+class _Forward:
+    """The modelled activations: allocated during the forward, freed during the backward."""
+
+    def __init__(self, model, nbytes):
+        self.model, self.count, self.blocks = model, -(-nbytes // CHUNK), []
+
+    def forward(self):
+        for _ in range(self.count):
+            # Compute that produces one chunk of activations, then its allocation.
+            self.model.compute(CHUNK / LINK * SLOWER)
+            self.blocks.append(self.model.malloc(CHUNK))
+
+    def backward(self):
+        while self.blocks:
+            self.model.compute(CHUNK / LINK * SLOWER)
+            self.model.free(self.blocks.pop())
+
+
+def modelled_job(max_piece_bytes, *, offload=True, capacity=None, skip_labels=(), chunked=None):
+    from megatron_offload import attach
+    from megatron_offload.testing import ModelledDevice
+    from megatron_offload.testing.allocator_model import segment_size
+    from tests.harness import models
+
+    chunks, optimizer, config = models.build("gpt", "bf16", **BUILD)
+    devices = []
+
+    def factory(torch_device):
+        devices.append(ModelledDevice(capacity=1 << 62, d2h_bandwidth=LINK, h2d_bandwidth=LINK, scale=SCALE,
+                                      skip_labels=skip_labels, raise_violations=not skip_labels))
+        return devices[-1]
+
+    options = {"device_factory": factory, "max_piece_bytes": max_piece_bytes}
+    if chunked:
+        options["chunked_update_bytes"] = chunked
+    offloader = attach(optimizer, **options) if offload else None
+    results, figures = [], []
+    forward = None
+    for step in range(STEPS):
+        model = devices[0].model if devices else None
+        if step == WARMUP - 1 and model is not None:  # the layout (pieces) exists from here on
+            forward = _Forward(model, offloader.stats()["tracked_bytes"] * SCALE // 2)
+        if forward is not None:
+            forward.forward()
+            forward.backward()
+        if step == WARMUP - 1 and model is not None:
+            # Steady state starts from a clean cache (torch.cuda.empty_cache()) and a device
+            # of the residency of the step or of the forward, whichever is larger, plus one
+            # piece (the largest: a tensor over the bound is a piece of its own).
+            model.empty_cache()
+            sizes = [segment_size(g.nbytes * SCALE) for e in offloader.engines for g in e.groups if not g.streamed]
+            step_need = sum(sizes) + (segment_size(chunked * SCALE) if chunked else 0)
+            forward_need = forward.count * segment_size(CHUNK)
+            model.capacity = capacity or max(step_need, forward_need) + max(sizes)
+            figures.append({"capacity": model.capacity, "state": offloader.stats()["tracked_bytes"] * SCALE,
+                            "step_need": step_need, "forward_need": forward_need, "spare": max(sizes)})
+        stalls = model.num_alloc_retries if model is not None else 0
+        results.append(models.train_step(chunks, optimizer, config, step))
+        if forward is not None and step >= WARMUP:
+            t0 = model.now  # the step just ended: its D2H copies start now
+            figures.append({"step": step, "stalls": model.num_alloc_retries - stalls, "t0": t0,
+                            "ooms": model.oom_count})
+    out = {"results": results, "figures": figures}
+    if offloader is not None:
+        model = devices[0].model
+        stats = offloader.stats()
+        # Pieces in copy order (each engine copies its groups in order; one engine here).
+        pieces = [g.nbytes * SCALE for e in offloader.engines for g in e.groups]
+        t0 = figures[-1]["t0"]
+        model.synchronize()  # let every copy finish in modelled time
+        out.update(
+            timeline=[(t, n) for t, n in model.reuse_timeline() if t >= t0], pieces=pieces,
+            pieces_per_kind=stats["pieces"], t0=t0,
+            violations=[(v.rule, v.kind) for d in devices for v in d.violations],
+            hazards=len(model.hazards),
+            stall_log=[(s.time, s.requested, s.waited, s.waited_for) for s in model.stalls],
+        )
+        offloader.reload()
+        offloader.wait()
+    models.flush_param_gather(chunks)
+    out["snapshot"] = models.snapshot(chunks, optimizer)
+    return out
+
+
+def _same(reference, run):
+    for ref, off in zip(reference, run):
+        assert ref["results"] == off["results"]
+        for section in ("params", "optimizer"):
+            a, b = ref["snapshot"][section], off["snapshot"][section]
+            assert all(torch.equal(a[k], b[k]) for k in a), section
+
+
+@pytest.fixture(scope="module")
+def reference(rank_pool):
+    return rank_pool.run(modelled_job, PIECE, offload=False)
+
+
+@pytest.fixture(scope="module")
+def pieces_run(rank_pool):
+    return rank_pool.run(modelled_job, PIECE)
+
+
+def test_no_stall_in_steady_state_and_bitwise(reference, pieces_run):
+    _same(reference, pieces_run)
+    for rank in pieces_run:
+        setup, *steady = rank["figures"]
+        assert setup["state"] > 2 * 1024 * MIB  # a rank with GiBs of state, modelled
+        assert len(steady) == STEPS - WARMUP
+        assert [f["stalls"] for f in steady] == [0] * len(steady), rank["stall_log"]
+        assert all(f["ooms"] == 0 for f in steady)
+        assert rank["violations"] == [] and rank["hazards"] == 0
+        assert all(count > 1 for count in rank["pieces_per_kind"].values())
+
+
+def test_memory_becomes_reusable_piece_by_piece_at_link_speed(pieces_run):
+    from megatron_offload.testing.allocator_model import round_size
+
+    for rank in pieces_run:
+        t0, pieces, timeline = rank["t0"], rank["pieces"], rank["timeline"]
+        # Every piece comes back on its own, in copy order, when its own copy has crossed
+        # the link: t0 + (bytes copied up to and including it) / bandwidth.
+        assert len(timeline) == len(pieces)
+        for (_, block), nbytes in zip(timeline, pieces):  # a block keeps a remainder <= 1 MiB
+            assert round_size(nbytes) <= block <= round_size(nbytes) + MIB
+        done = 0
+        for (when, _), nbytes in zip(timeline, pieces):
+            done += nbytes
+            assert when == pytest.approx(t0 + done / LINK, rel=1e-9)
+        # Half the state is reusable after about half the transfer, not at its end.
+        half = next(when for when, _ in _cumulative(timeline) if _ >= sum(pieces) / 2)
+        assert half - t0 <= 0.55 * sum(pieces) / LINK
+
+
+def _cumulative(timeline):
+    total = 0
+    for when, nbytes in timeline:
+        total += nbytes
+        yield when, total
+
+
+def test_one_storage_per_group_stalls_under_the_same_capacity(rank_pool, pieces_run):
+    """Negative control: today's layout (one storage per kind and dtype) needs the whole
+    group's copy before any of its memory is reusable, so the forward stalls."""
+    capacity = pieces_run[0]["figures"][0]["capacity"]
+    whole = rank_pool.run(modelled_job, 1 << 62, capacity=capacity)  # no bound: one per group
+    for rank in whole:
+        steady = rank["figures"][1:]
+        assert sum(f["stalls"] for f in steady) >= len(steady) - 1, rank["stall_log"]
+        assert all(count == 1 for count in rank["pieces_per_kind"].values())
+
+
+def test_dropped_record_stream_is_reported_as_reuse_before_the_copy(rank_pool):
+    from megatron_offload.testing import REUSE_BEFORE_COPY
+
+    run = rank_pool.run(modelled_job, PIECE, skip_labels=("d2h-record-stream",))
+    for rank in run:
+        assert rank["hazards"] > 0  # the forward got memory a queued copy still reads
+        assert (2, REUSE_BEFORE_COPY) in rank["violations"]
