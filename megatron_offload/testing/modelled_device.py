@@ -9,7 +9,9 @@ with real (CPU) tensors. Mirroring, call by call:
 - Device memory the model has not seen (tensors the optimizer made itself) is adopted at
   first sight (a copy, ``record_stream`` or ``release``): allocated on the compute stream
   then, as if it had been allocated there before.
-- A storage that dies (garbage collected) is freed in the model at the next device call.
+- A storage that dies (garbage collected) is freed in the model at the next device call (or
+  ``settle``), and so is one that only the checked device still keeps for queued copies
+  announced with ``record_stream``.
 - ``record_stream`` -> ``model.record_stream``, unless ``skip_labels`` drops it.
 - ``copy`` -> ``model.copy``: d2h when the destination is a host buffer, h2d otherwise; on
   the compute stream it advances the clock by the compute-copy time.
@@ -115,6 +117,11 @@ class ModelledDevice(CheckedDevice):
     def memory_allocated(self) -> int:
         return self.model.allocated_bytes
 
+    def settle(self) -> None:
+        """Free in the model what died since the last device call (a real allocator frees a
+        block when its last tensor goes): call it before allocating on the model directly."""
+        self._reap()
+
     def adopt(self, *tensors: torch.Tensor) -> None:
         """Tell the model about device memory allocated outside this device (now, on the
         compute stream), e.g. optimizer states, before anything else touches it."""
@@ -201,6 +208,16 @@ class ModelledDevice(CheckedDevice):
         self._own(storage, block)
         self._report_hazards()
 
+    def _held_for_copies(self) -> dict[int, int]:
+        """Storage key -> references the checked device keeps for queued recorded copies."""
+        held: dict[int, int] = {}
+        for op in self._pending():
+            for ref in (op.dst, op.src):
+                if ref.keep is not None:
+                    key = ref.keep.untyped_storage()._cdata
+                    held[key] = held.get(key, 0) + 1
+        return held
+
     def _report_hazards(self) -> None:
         """Report the model's reuse hazards not reported yet: those of this device's own
         allocations, and those of allocations made on the model directly (a modelled
@@ -228,6 +245,17 @@ class ModelledDevice(CheckedDevice):
         """Free in the model the memory of storages that died since the last device call,
         and report reuse hazards the model noted since then."""
         self._report_hazards()
+        # Memory kept alive only for queued copies announced with record_stream (the checked
+        # device holds it until the copy runs) is freed by its owner already: a real
+        # allocator frees the block when the last tensor goes, deferred for those streams.
+        held = self._held_for_copies()
+        for key, owned in self._owned.items():
+            if held.get(key) and owned.block is not None and owned.block.state == "allocated":
+                # One use beyond the tensors: the storage's own Python object (as in
+                # ``engine.groups.storage_use_count``).
+                if not owned.weak.expired() and torch._C._storage_Use_Count(key) <= held[key] + 1:
+                    self.model.free(owned.block)
+                    owned.block = None
         dead = [key for key, owned in self._owned.items() if owned.weak.expired()]
         for key in dead:
             owned = self._owned.pop(key)
