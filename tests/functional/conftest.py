@@ -2,7 +2,7 @@
 
 Tests marked ``gpu`` run the same cases with NCCL on GPUs. Where no GPU exists they are
 skipped with that reason (visible in the summary); where GPUs exist they run, and fail (never
-skip) when something they need is missing: too few GPUs, or no golden file for that GPU.
+skip) when something they need is missing: too few GPUs, or no golden file for the case.
 """
 
 from __future__ import annotations

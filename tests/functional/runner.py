@@ -25,9 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / 'examples' / 'pretrain_gpt.py'
 RECORDER = REPO / 'tests' / 'functional' / 'record_pretrain.py'
-GOLDEN_DIR = REPO / 'tests' / 'functional' / 'golden'
 TORCHRUN = Path(sys.executable).with_name('torchrun')
-WRITE_GOLDEN_ENV = 'MEGATRON_OFFLOAD_WRITE_GOLDEN'
 RUN_TIMEOUT = 420.0
 
 # A small GPT trained the way pretrain_gpt.py trains: mock data, the local transformer
@@ -112,16 +110,6 @@ def gpu_count() -> int:
     return torch.cuda.device_count()
 
 
-def platform(device: str) -> str:
-    """The golden-file platform key: the CPU's vector ISA, or the GPU model."""
-    import torch
-
-    if device == 'cpu':
-        return 'cpu-' + torch.backends.cpu.get_cpu_capability().lower()
-    name = torch.cuda.get_device_name(0)
-    return 'cuda-' + re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')
-
-
 def flags(case: Case, *, offload: bool, device: str, save_dir: str | None) -> list[str]:
     args = list(MODEL_FLAGS) + list(case.flags) + ['--train-iters', str(case.train_iters)]
     args += ['--distributed-backend', 'gloo' if device == 'cpu' else 'nccl']
@@ -202,69 +190,3 @@ def run(case: Case | str, *, offload: bool, device: str = 'cpu', route: str | No
 
 def _tail(log: str, lines: int = 60) -> str:
     return '\n'.join(log.splitlines()[-lines:])
-
-
-# ------------------------------------------------------------------------------ golden files
-def golden_path(case: Case, device: str) -> Path:
-    return GOLDEN_DIR / f'{case.name}.{platform(device)}.json'
-
-
-def golden_command(device: str) -> str:
-    marker = ' -m gpu' if device == 'cuda' else ''
-    return (f'{WRITE_GOLDEN_ENV}=1 PYTHONPATH=. python -m pytest tests/functional{marker} '
-            '-q -p no:cacheprovider')
-
-
-def trajectory(result: Run) -> dict:
-    """What the golden file holds: per-iteration values (from the last rank, which is on the
-    last pipeline stage), each rank's optimizer-state bytes and the checkpoint digests."""
-    last = result.ranks[-1]
-    return {
-        'iterations': [
-            {'iteration': index + 1, 'lm_loss': entry['lm_loss'],
-             'grad_norm': entry['grad_norm'], 'skipped': entry['skipped']}
-            for index, entry in enumerate(last['iterations'])
-        ],
-        'optimizer_state_bytes_per_rank': [
-            rank['iterations'][-1]['expected_offload_bytes'] for rank in result.ranks
-        ],
-        'saves_per_rank': [rank['saves'] for rank in result.ranks],
-    }
-
-
-def write_golden(result: Run) -> Path:
-    import megatron.core
-    import torch
-
-    path = golden_path(result.case, result.device)
-    data = {
-        'case': result.case.name,
-        'description': result.case.description,
-        'platform': platform(result.device),
-        'generated_by': golden_command(result.device),
-        'versions': {'torch': torch.__version__, 'megatron-core': megatron.core.__version__},
-        'command': 'torchrun --nproc-per-node {} examples/pretrain_gpt.py {}'.format(
-            result.case.world_size,
-            ' '.join(flags(result.case, offload=False, device=result.device, save_dir='<dir>')),
-        ),
-        'world_size': result.case.world_size,
-        **trajectory(result),
-    }
-    for entry in data['iterations']:  # readable next to the exact hex
-        for key in ('lm_loss', 'grad_norm'):
-            if entry[key] is not None:
-                entry[key + '_decimal'] = repr(float.fromhex(entry[key]))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1) + '\n')
-    return path
-
-
-def read_golden(case: Case, device: str) -> dict | None:
-    path = golden_path(case, device)
-    if not path.exists():
-        return None
-    data = json.loads(path.read_text())
-    for entry in data['iterations']:
-        entry.pop('lm_loss_decimal', None)
-        entry.pop('grad_norm_decimal', None)
-    return data

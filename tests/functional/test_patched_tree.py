@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from tests.functional import runner
+from tests.functional import golden_values, runner
 from tests.unit.patches.tree import patched_tree
 
 DEVICES = [
@@ -45,10 +45,10 @@ def test_patched_tree_trains_like_the_runtime_route(device, tmp_path):
     for rank in range(case.world_size):
         assert _same_values(chunked.ranks[rank], reference.ranks[rank])
         assert all(e['offloader']['update_chunks'] >= 2 for e in chunked.ranks[rank]['iterations'][1:])
-    golden = runner.read_golden(case, device)
-    if golden is not None:
-        assert runner.trajectory(patched)['iterations'] == golden['iterations']
-        assert runner.trajectory(patched)['saves_per_rank'] == golden['saves_per_rank']
+    # Exact on the platform the golden file was written on; elsewhere loss and grad norm
+    # within golden_values.RTOL, and the checkpoint digests left out (with the reason printed).
+    golden_values.check(golden_values.trajectory(patched), case.name, device,
+                        sections=('iterations', 'saves_per_rank'), required=False)
 
 
 def _same_values(a, b) -> bool:

@@ -3,11 +3,27 @@
 For each case (data parallel 2; tensor parallel 2 and pipeline parallel 2 on 4 ranks) the run
 with offloading goes through ``python -m megatron_offload.launch`` and the run without it is
 the plain script (no megatron_offload hook at all). Per iteration, on every rank, lm loss and
-grad norm must be bitwise identical, and both runs must match the golden values of the
-platform (``golden/<case>.<platform>.json``). The memory figures are checked against the
-optimizer's own tensors: what the offloader reports, and what the log line prints.
+grad norm must be bitwise identical, and so must the optimizer state each checkpoint save
+sees. The memory figures are checked against the optimizer's own tensors: what the offloader
+reports, and what the log line prints.
 
-Regenerate golden files (after an intended numerical change) with::
+Golden values: the run is also compared with ``golden/<case>.<device>.json`` (device ``cpu``
+or ``cuda``, one file per case), which records the platform it was written on: CPU vendor and
+model name (GPU model for cuda), the vector ISA torch uses (compute capability), and the torch
+and megatron-core versions. The rule (``golden_values.compare``):
+
+* same platform as the file: exact. lm loss and grad norm per iteration as ``float.hex``
+  strings, skipped flags, optimizer-state bytes per rank and the checkpoint digests must all
+  be equal.
+* any other platform: lm loss and grad norm per iteration within a relative tolerance
+  (``golden_values.RTOL``, 1e-3: the drift measured between an AMD and an Intel CPU is at most
+  2.3e-4, while an Adam step counter off by one moves loss and grad norm by 2.7e-3 to 1.1e-2),
+  skipped flags, byte counts and the save iterations exactly. The checkpoint digests (raw
+  bytes of the optimizer state) are not compared; the test prints why, naming both
+  platforms, and issues a warning.
+
+Regenerate golden files (after an intended numerical change, or to make a new machine the
+exact reference) with::
 
     MEGATRON_OFFLOAD_WRITE_GOLDEN=1 PYTHONPATH=. \\
         python -m pytest tests/functional -q -p no:cacheprovider
@@ -23,7 +39,7 @@ import sys
 
 import pytest
 
-from tests.functional import runner
+from tests.functional import golden_values, runner
 
 DEVICES = [
     pytest.param('cpu', id='cpu'),
@@ -73,21 +89,11 @@ def test_loss_curve_identical_and_golden(case_name, device):
     if case.save_interval:
         assert [s['iteration'] for s in on.ranks[0]['saves']] == [3, 5]
 
-    expected = runner.read_golden(case, device)
-    if os.environ.get(runner.WRITE_GOLDEN_ENV) == '1':
-        path = runner.write_golden(off)
+    if os.environ.get(golden_values.WRITE_GOLDEN_ENV) == '1':
+        path = golden_values.write(off)
         print(f'wrote {path}')
         return
-    if expected is None:
-        pytest.fail(
-            f'no golden values for case {case_name} on platform {runner.platform(device)} '
-            f'({runner.golden_path(case, device).relative_to(runner.REPO)}). Generate them '
-            f'with:\n    {runner.golden_command(device)}'
-        )
-    actual = runner.trajectory(off)
-    assert actual['iterations'] == expected['iterations'], 'lm loss / grad norm differ from golden'
-    assert actual['optimizer_state_bytes_per_rank'] == expected['optimizer_state_bytes_per_rank']
-    assert actual['saves_per_rank'] == expected['saves_per_rank']
+    golden_values.check(golden_values.trajectory(off), case_name, device)
 
 
 @pytest.mark.parametrize('device', DEVICES)
@@ -148,9 +154,8 @@ def test_chunked_update_flag_trains_like_the_plain_script():
         # From the second step on the moments exist and are streamed in several chunks;
         # nothing but the fp32 master weights comes back whole.
         assert all(e['offloader']['update_chunks'] >= 2 for e in entries[1:]), entries
-    expected = runner.read_golden(case, 'cpu')
-    if expected is not None:
-        assert runner.trajectory(on)['iterations'] == expected['iterations']
+    golden_values.check(golden_values.trajectory(on), case.name, 'cpu',
+                        sections=('iterations',), required=False)
 
 
 def test_refused_combination_fails_before_initialization():
