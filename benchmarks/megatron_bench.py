@@ -90,9 +90,19 @@ class _Memory:
     def peak(self):
         return None if self.module is None else self.module.max_memory_allocated(self.device)
 
+    def retries(self):
+        """The caching allocator's retries so far (synchronize + free the cache + retry)."""
+        if self.module is None or not hasattr(self.module, "memory_stats"):
+            return None
+        return self.module.memory_stats(self.device).get("num_alloc_retries", 0)
+
+    def reserved(self):
+        return None if self.module is None else self.module.memory_reserved(self.device)
+
 
 def _timed_steps(step, first_index: int, count: int, sync, memory: _Memory) -> dict:
     memory.reset_peak()
+    retries_before = memory.retries()
     times = []
     with undisturbed():
         for i in range(count):
@@ -105,6 +115,9 @@ def _timed_steps(step, first_index: int, count: int, sync, memory: _Memory) -> d
         "step": summary(times),
         "peak_device_bytes": memory.peak(),
         "between_steps_device_bytes": memory.allocated(),
+        "between_steps_reserved_bytes": memory.reserved(),
+        # Allocator retries during these (steady-state) steps: must be 0 on a GPU.
+        "alloc_retries": None if retries_before is None else memory.retries() - retries_before,
     }
 
 

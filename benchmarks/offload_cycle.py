@@ -2,6 +2,7 @@
 
     python -m benchmarks.offload_cycle                 # engine + real megatron-core (+ GPU if any)
     python -m benchmarks.offload_cycle --mode engine   # synthetic tensors only (a few seconds)
+    python -m benchmarks.offload_cycle --mode modelled # the caching-allocator model: memory reusable after the step
     python -m benchmarks.offload_cycle --mode megatron --layers 11 --hidden 1024 --world-size 2
     torchrun --nproc-per-node 8 -m benchmarks.offload_cycle --mode gpu --tp 2   # NOT EXERCISED here
 
@@ -282,6 +283,21 @@ def targets(results: dict, args) -> list[tuple[str, str, bool | None]]:
                              f"({r['layout']['tensors']} tensors)", r["bookkeeping"]["no_function_mode"]["median"]))
         rows.append((f"{prefix}bookkeeping < 1 ms per cycle", "; ".join(f"{k} {_ms(v)}" for k, v in book),
                      all(v < TARGET_BOOKKEEPING_S for _, v in book)))
+    for row in results.get("modelled") or []:
+        if row["layout"] != "pieces":
+            continue
+        link = f"{row['link'] / 1e9:.0f} GB/s"
+        rows.append((f"modelled GPU, {link}: 100% of the state reusable <= 1.05x and 50% <= 0.55x of "
+                     "bytes / bandwidth after the step, no stall",
+                     f"100% at {row['full_ratio']:.3f}x, 50% at {row['half_ratio']:.3f}x, {row['stalls']} stalls, "
+                     f"{row['copies']} copies",
+                     row["full_ratio"] <= 1.05 and row["half_ratio"] <= 0.55 and row["stalls"] == 0))
+    gpu_meg = results.get("gpu_megatron")
+    if gpu_meg:
+        retries = [r.get("steps_with", {}).get("alloc_retries") for r in gpu_meg["main"]]
+        rows.append(("GPU allocator retries in steady state with offloading == 0 (num_alloc_retries)",
+                     f"per rank {retries}", all(r == 0 for r in retries if r is not None)
+                     if any(r is not None for r in retries) else None))
     chunked = results.get("chunked")
     if chunked:
         worst = max(max(s["footprint"] for s in rank["steps"]) / rank["budget"] for rank in chunked["chunked"])
@@ -295,7 +311,7 @@ def targets(results: dict, args) -> list[tuple[str, str, bool | None]]:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.offload_cycle", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=("all", "engine", "megatron", "gpu"), default="all",
+    parser.add_argument("--mode", choices=("all", "engine", "megatron", "gpu", "modelled"), default="all",
                         help="all: engine + megatron (+ gpu when CUDA is available)")
     g = parser.add_argument_group("engine level (synthetic tensors)")
     g.add_argument("--mib", type=int, default=256, help="state bytes of the cycle-vs-floor run, in MiB")
@@ -359,6 +375,11 @@ def main(argv=None) -> int:
     if args.mode in ("all", "engine") and main_process:
         results["engine"] = run_engine(args, torch.device("cpu"))
         print_engine(results["engine"], args)
+    if args.mode in ("all", "modelled") and main_process:
+        from . import modelled_gpu
+
+        results["modelled"] = modelled_gpu.run()
+        modelled_gpu.print_rows(results["modelled"])
     if args.mode in ("all", "megatron") and main_process:
         results["megatron"] = run_megatron(args)
         print_megatron(results["megatron"], args, "Real megatron-core DistributedOptimizer")
@@ -388,6 +409,9 @@ def main(argv=None) -> int:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(results, handle, indent=1, default=str)
         print(f"\nfigures written to {args.json}")
+    if args.mode == "gpu" and any(ok is False for target, _, ok in rows if target.startswith("GPU")):
+        print("a GPU target was missed (see above)", file=sys.stderr)
+        return 1
     return 0
 
 
