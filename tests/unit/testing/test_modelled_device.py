@@ -243,6 +243,28 @@ def test_storages_from_empty_that_die_are_freed_in_the_model():
     assert model.reserved_bytes == 20 * MiB
 
 
+def test_memory_kept_only_for_a_recorded_copy_is_freed_when_its_owner_drops_it():
+    """A slot dropped while its D2H is queued: the checked device keeps the bytes for the
+    copy, the allocator frees the block at once, deferred until the copy has run."""
+    device = new_device()
+    model = device.model
+    slot, other = device.empty(NUMEL, torch.float32), device.empty(NUMEL, torch.float32)
+    host = device.host_buffer(NUMEL * 4)
+    side = device.new_stream()
+    device.wait_stream(side, device.current_stream())
+    with device.use_stream(side):
+        device.copy(host.view(torch.float32), slot)
+    copy_end = device.model.record_event(device._streams_of[side]).time
+    device.record_stream(slot, side)
+    del slot
+    gc.collect()
+    device.settle()
+    assert model.allocated_bytes == NUMEL * 4  # only ``other``: the slot's block is freed...
+    assert model.reusable_bytes() < model.reusable_bytes(at=copy_end)  # ...deferred to the copy
+    assert other.numel() == NUMEL  # control: a live storage stays allocated
+    device.synchronize()
+
+
 def test_a_model_and_its_arguments_are_not_both_accepted():
     with pytest.raises(TypeError):
         ModelledDevice(AllocatorModel(capacity=1, d2h_bandwidth=1, h2d_bandwidth=1), capacity=2)
