@@ -93,13 +93,18 @@ def _outcome(device: CheckedDevice, raised: ProtocolViolation | None, **extra) -
     }
 
 
-def run_cycles(skip_labels=(), raise_violations=True) -> dict:
+def run_cycles(skip_labels=(), raise_violations=True, max_piece_bytes=None) -> dict:
     """Offload/release/reload/wait cycles with steps, skipped steps, back-to-back calls and
-    host reads; returns where the results differ from the run without offloading."""
+    host reads; returns where the results differ from the run without offloading.
+
+    With ``max_piece_bytes``, the groups are split into pieces and the full cycles release
+    each piece right after its own copy (``offload(release=True)``)."""
     ref, off = Model(), Model()
     device = CheckedDevice(skip_labels=skip_labels, raise_violations=raise_violations)
-    engine = OffloadEngine(device, off.collect, name="checked")
+    options = {} if max_piece_bytes is None else {"max_piece_bytes": max_piece_bytes}
+    engine = OffloadEngine(device, off.collect, name="checked", **options)
     mismatches, host_mismatches, held, skipped_step_copies = [], [], [], None
+    groups = []  # (kind, dtype) of every piece at the end
 
     def step(index):
         engine.mark_dirty()
@@ -110,8 +115,11 @@ def run_cycles(skip_labels=(), raise_violations=True) -> dict:
             mismatches.append(index)
 
     def full_cycle():
-        engine.offload()
-        engine.release()
+        if max_piece_bytes is None:
+            engine.offload()
+            engine.release()
+        else:
+            engine.offload(release=True)
         held.append(device.held_bytes)  # released memory queued D2Hs still read
         engine.reload()
         engine.wait()
@@ -161,6 +169,7 @@ def run_cycles(skip_labels=(), raise_violations=True) -> dict:
         full_cycle()
         if not all(torch.equal(a, b) for a, b in zip(off.tensors(), ref.tensors())):
             mismatches.append("final")
+        groups.extend((g.kind, g.dtype) for g in engine.groups)
         engine.close()  # detach: the host arena is given back
         device.check(raise_on_violation=raise_violations)
     except ProtocolViolation as exc:
@@ -172,6 +181,8 @@ def run_cycles(skip_labels=(), raise_violations=True) -> dict:
         host_mismatches=host_mismatches,
         held_after_release=held,
         skipped_step_copies=skipped_step_copies,
+        pieces=len(groups),
+        groups=len(set(groups)),
     )
 
 
@@ -312,6 +323,28 @@ def test_dropped_ordering_call_is_caught(isolated, label):
     # On the CPU the compute stream runs eagerly, so a missing wait *for* the compute
     # stream cannot change data here; every other missing call lets poison through.
     assert corrupted == corrupts, data
+
+
+PIECE_BYTES = 64  # a piece per tensor or two: every group of the model is split
+
+
+def test_full_protocol_in_pieces_is_clean_and_bitwise(isolated):
+    out = isolated.run(run_cycles, max_piece_bytes=PIECE_BYTES)
+    assert out["raised"] is None, out
+    assert out["violations"] == []
+    assert out["mismatches"] == [] and out["host_mismatches"] == []
+    assert out["skipped_step_copies"] == 0
+    assert out["held_after_release"][0] > 0  # pieces released while their D2Hs were queued
+    assert out["pieces"] > out["groups"] > 0  # the groups really were split
+
+
+@pytest.mark.parametrize("label", sorted(CAUGHT_BY))
+def test_dropped_ordering_call_is_caught_in_pieces(isolated, label):
+    """The same negative controls with pieces released one by one after their copies."""
+    (rule, kind), _ = CAUGHT_BY[label]
+    out = isolated.run(run_cycles, skip_labels=(label,), max_piece_bytes=PIECE_BYTES)
+    assert out["skipped"].get(label, 0) > 0
+    assert out["raised"] == (rule, kind), out
 
 
 @pytest.mark.parametrize("label", sorted(CAUGHT_ONLY_WHEN_DROPPED))

@@ -219,6 +219,7 @@ def test_matrix_cases_under_the_checked_stream_model(rank_pool, case):
     raises in the ranks or corrupts the comparison."""
     extra = {"ep": 2} if case[0] == "moe" else {}
     reference = rank_pool.run(matrix_job, *case, offload=False, **extra)
-    checked = rank_pool.run(matrix_job, *case, offload=True, checked=True, **extra)
+    checked = rank_pool.run(matrix_job, *case, offload=True, checked=True,
+                            options={"max_piece_bytes": PIECE}, **extra)
     assert _compare(reference, checked) == []
     assert all(rank["checked"] == rank["optimizers"] for rank in checked)
