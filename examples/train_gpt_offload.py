@@ -14,9 +14,19 @@ gloo, through the CPU redirects of ``megatron_offload.testing.cpu_megatron``.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import warnings
 
 import torch
+
+# A demo shows what offloading does, not megatron-core's notices about optional packages
+# (Transformer Engine, apex, absl), deprecations inside megatron-core and torch.distributed,
+# or torch's about a missing CUDA toolkit. (In this demo only: your scripts keep them.)
+warnings.filterwarnings("ignore", module=r"megatron\.")
+warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.")
+for logger in ("megatron", "torch.utils.cpp_extension"):
+    logging.getLogger(logger).setLevel(logging.ERROR)
 
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
@@ -114,6 +124,27 @@ def train(args, offload: bool):
     return rows, offloader.stats() if offloader else None
 
 
+def table(ranks) -> str:
+    """The demo's output: per step both losses, whether every rank saw them identical, and
+    the MiB each rank offloaded; then each rank's host memory and copies."""
+    mib = float(1 << 20)
+    world = len(ranks)
+    offloaded_head = "offloaded MiB " + "/".join(f"r{r}" for r in range(world))
+    lines = [f"{'step':>4} {'loss (no offload)':>18} {'loss (offload)':>15} {'identical':>9}  {offloaded_head}"]
+    plain0, offloaded0, _ = ranks[0]
+    for step, ((a, _), (b, _)) in enumerate(zip(plain0, offloaded0)):
+        same = all(p[step][0] == o[step][0] for p, o, _ in ranks)
+        per_rank = " / ".join(f"{o[step][1] / mib:.2f}" for _, o, _ in ranks)
+        lines.append(f"{step:>4} {a:>18.6f} {b:>15.6f} {'yes' if same else 'NO':>9}  {per_rank}")
+    identical = all(p[s][0] == o[s][0] for p, o, _ in ranks for s in range(len(p)))
+    host = " / ".join(f"{st['host_bytes'] / mib:.2f}" for _, _, st in ranks)
+    _, _, first = ranks[0]
+    lines.append(f"host MiB per rank {host}; copies per cycle {first['d2h_copies']} out + "
+                 f"{first['h2d_copies']} in; losses identical on every rank and step: "
+                 f"{'yes' if identical else 'NO'}")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
@@ -130,18 +161,11 @@ def main():
     plain, _ = train(args, offload=False)
     offloaded, stats = train(args, offload=True)
 
-    for r in range(torch.distributed.get_world_size()):
-        if r == rank:
-            if rank == 0:
-                print(f"{'step':>4} {'loss (no offload)':>18} {'loss (offload)':>15} {'same':>5}"
-                      f" {'offloaded bytes/rank':>21}")
-            for step, ((a, _), (b, nbytes)) in enumerate(zip(plain, offloaded)):
-                print(f"{step:>4} {a:>18.6f} {b:>15.6f} {str(a == b):>5} {nbytes:>21,}  (rank {rank})")
-            print(f"rank {rank}: host bytes {stats['host_bytes']:,}, copies per cycle "
-                  f"{stats['d2h_copies']} out + {stats['h2d_copies']} in, "
-                  f"identical losses: {all(a == b for (a, _), (b, _) in zip(plain, offloaded))}",
-                  flush=True)
-        torch.distributed.barrier()
+    # One table for all ranks: rank 0 prints what every rank saw.
+    ranks = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(ranks, (plain, offloaded, stats))
+    if rank == 0:
+        print(table(ranks), flush=True)
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
 

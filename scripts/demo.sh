@@ -5,6 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=$(scripts/venv.sh py312)
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec "$venv/bin/torchrun" --nproc-per-node 2 --master-port "${MASTER_PORT:-29511}" \
   examples/train_gpt_offload.py "$@"

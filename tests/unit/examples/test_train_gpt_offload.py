@@ -25,3 +25,22 @@ def test_example_trains_identically_with_offloading(rank_pool, bf16):
         assert [loss for loss, _ in plain] == [loss for loss, _ in offloaded]
         assert all(nbytes == host_bytes > 0 for _, nbytes in offloaded)
         assert copies == (2 if bf16 else 1)  # moments (+ masters with bf16): one copy each
+
+
+def test_demo_prints_one_table_with_every_rank_folded_in(rank_pool):
+    """The demo's table: one header, one row per step, each rank's offloaded and host MiB,
+    and 'NO' as soon as one rank's losses differ (the negative control)."""
+    spec = importlib.util.spec_from_file_location("train_gpt_offload_table", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    ranks = [(plain, offloaded, {"host_bytes": host, "d2h_copies": copies, "h2d_copies": copies})
+             for plain, offloaded, host, copies in rank_pool.run(example_job, True, 2)]
+    text = example.table(ranks)
+    lines = text.splitlines()
+    assert len(lines) == 1 + 2 + 1 and lines[0].count("step") == 1
+    assert "r0/r1" in lines[0] and all(" yes " in line for line in lines[1:3])
+    assert lines[-1].startswith("host MiB per rank") and lines[-1].endswith("yes")
+    plain, offloaded, stats = ranks[1]
+    ranks[1] = (plain, [(loss + 1.0, nbytes) for loss, nbytes in offloaded], stats)
+    broken = example.table(ranks).splitlines()
+    assert " NO " in broken[1] and broken[-1].endswith("NO")
