@@ -49,7 +49,7 @@ def collect(distrib_optimizer) -> Iterator[tuple[str, torch.Tensor]]:
         yield PRIMARY_WEIGHTS, master
     state = distrib_optimizer.optimizer.state
     for param in inner_params(distrib_optimizer):
-        entries = state.get(param)
+        entries = _entries(state, param)
         if not entries:
             continue  # apex FusedAdam: no state until the parameter had a gradient
         for key, tensor in inner_optimizers.state_tensors(param, entries):
@@ -61,10 +61,17 @@ def in_state(distrib_optimizer) -> Iterator[torch.Tensor]:
     megatron-core keeps beside it): what the chunked update can stream."""
     state = distrib_optimizer.optimizer.state
     for param in inner_params(distrib_optimizer):
-        entries = state.get(param)
+        entries = _entries(state, param)
         if entries:
             for _, tensor in inner_optimizers.state_tensors(param, entries):
                 yield tensor
+
+
+def _entries(state, param):
+    """``state.get(param)`` by dict's own lookup: while states are offloaded the mapping is
+    the offloader's guarded one (``integration/guard.py``), whose accessors bring them back,
+    and finding the tensors touches none of them."""
+    return dict.get(state, param) if isinstance(state, dict) else state.get(param)
 
 
 def master_weights(distrib_optimizer) -> Iterator[torch.Tensor]:

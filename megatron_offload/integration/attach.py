@@ -90,19 +90,30 @@ class _AutomaticCycle:
 
     def _step(self, *args, **kwargs):
         offloader = self._offloader
-        if offloader.is_offloaded:
-            # Start the copy-back now: it overlaps the gradient copy, unscale, norm and
-            # clipping the step does before the update, which waits for it (pre-hook).
-            # States a chunked update streams stay on the host.
-            offloader.prefetch()
-        for chunked in self._chunked:
-            chunked.stream.clear_figures()
-            chunked.active = True
+        guard = offloader._guard
+        # The step reads the optimizer's state mapping itself, at full speed, and a chunked
+        # update reads it while its states are still on the host: the mapping is not
+        # guarded until the offload after the step. The update orders itself after the
+        # copy-back (pre-hook) and reads no state before it.
+        guard.stepping += 1
+        guard.arm(False)
         try:
-            result = self._previous_step(*args, **kwargs)
-        finally:
+            if offloader.is_offloaded:
+                # Start the copy-back now: it overlaps the gradient copy, unscale, norm and
+                # clipping the step does before the update, which waits for it (pre-hook).
+                # States a chunked update streams stay on the host.
+                offloader.prefetch()
             for chunked in self._chunked:
-                chunked.active = False
+                chunked.stream.clear_figures()
+                chunked.active = True
+            try:
+                result = self._previous_step(*args, **kwargs)
+            finally:
+                for chunked in self._chunked:
+                    chunked.active = False
+        finally:
+            guard.stepping -= 1
+            offloader._sync_state_guard()  # a failed step may have left states on the host
         self._after_step()
         return result
 
@@ -111,6 +122,7 @@ class _AutomaticCycle:
         # Rule 6: a skipped step left the states as they were copied last time.
         offloader._offload(offloader._selection(None, None), skip_unchanged=True)
         offloader._cycles += 1
+        offloader._sync_state_guard()
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -18,10 +18,15 @@ pre-hooks. After a load, megatron-core (up to 0.19.2) gives every parameter of a
 ``torch.optim`` optimizer the same ``step`` tensor, which Adam then increments once per
 parameter per step, and a DistributedOptimizer checkpoint load leaves that step at a stale
 value; each parameter gets its own tensor with the saved step back here.
+
+The inner optimizer's ``state`` mapping itself is guarded too, for code that reads the
+states the way research code does (``optimizer.optimizer.state[p]["exp_avg"].sum()``
+between steps): see ``GuardedState``.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import torch
@@ -68,6 +73,102 @@ READ_ONLY_METHODS = frozenset(
 )
 
 
+class GuardedState(collections.defaultdict):
+    """An inner optimizer's ``state`` while an offloader is attached.
+
+    As long as nothing is offloaded (and during every optimizer step) it is a
+    ``collections.defaultdict`` and nothing more: no method is overridden on the way to the
+    data, so the step reads it at C speed. While states are offloaded its class is switched
+    to ``_ArmedState``, whose accessors first bring every state back (as
+    ``offloader.resident()`` does, and for as long as the next step), then proceed. Copies
+    and pickles of it are plain ``defaultdict`` objects.
+    """
+
+    def __reduce__(self):
+        return (collections.defaultdict, (self.default_factory,), None, None, iter(dict.items(self)))
+
+    def copy(self):
+        return collections.defaultdict(self.default_factory, dict.items(self))
+
+    __copy__ = copy
+
+    def __or__(self, other):
+        if not isinstance(other, dict):
+            return NotImplemented
+        merged = self.copy()
+        merged.update(other)
+        return merged
+
+    def __ror__(self, other):
+        if not isinstance(other, dict):
+            return NotImplemented
+        merged = collections.defaultdict(self.default_factory, other)
+        merged.update(dict.items(self))
+        return merged
+
+    def __repr__(self) -> str:
+        return repr(self.copy())  # printed as the defaultdict it stands for
+
+
+class _ArmedState(GuardedState):
+    """``GuardedState`` while states are offloaded; every accessor listed below reloads.
+
+    Not guarded, because they touch no tensor: ``len(state)`` and ``p in state`` (tensors
+    hash by identity, and a dict compares keys by identity before equality, so a lookup
+    reads no tensor data).
+    """
+
+
+# Accessors of an armed mapping, and whether they may put new tensors into the state.
+# Everything that hands out entries, keys (the parameter shards: the offloaded master
+# weights of a bf16/fp16 model) or values, or compares, prints, copies or pickles them.
+_ARMED_ACCESSORS = {
+    "__getitem__": False,
+    "get": False,
+    "keys": False,
+    "values": False,
+    "items": False,
+    "__iter__": False,
+    "__reversed__": False,
+    "__eq__": False,
+    "__ne__": False,
+    "__or__": False,
+    "__ror__": False,
+    "__repr__": False,
+    "copy": False,
+    "__copy__": False,
+    "__reduce__": False,
+    "__setitem__": True,
+    "__delitem__": True,
+    "setdefault": True,
+    "pop": True,
+    "popitem": True,
+    "clear": True,
+    "update": True,
+    "__ior__": True,
+}
+
+
+def _armed_accessor(name: str, writes: bool):
+    plain = getattr(GuardedState, name)
+
+    def accessor(self, *args, **kwargs):
+        guard = self.__dict__.get("_guard")
+        if guard is None:  # not attached to any offloader (never expected)
+            self.__class__ = GuardedState
+        else:
+            guard._accessed(self, writes)
+        return plain(self, *args, **kwargs)
+
+    accessor.__name__ = accessor.__qualname__ = name
+    return accessor
+
+
+for _name, _writes in _ARMED_ACCESSORS.items():
+    setattr(_ArmedState, _name, _armed_accessor(_name, _writes))
+del _name, _writes
+
+
 class StateAccessGuard:
     """Wraps the state-touching methods of the offloader's optimizers; ``remove`` undoes it."""
 
@@ -85,12 +186,23 @@ class StateAccessGuard:
             if all(callable(getattr(type(target), n, None)) for n in ("offload_to_cpu", "restore_from_cpu")):
                 self._wrap(target, "offload_to_cpu", _rl_offload(offloader))
                 self._wrap(target, "restore_from_cpu", _rl_restore(offloader))
+        # The state mappings of the inner optimizers (see GuardedState): the objects they
+        # replaced (given back, refilled, by remove()), and whether an optimizer step is
+        # running (the step reads the mapping itself, some of it still on the host while a
+        # chunked update streams it: no guard then).
+        self._inners = [d.optimizer for d in offloader._distributed]
+        self._originals: dict[int, object] = {}
+        self.stepping = 0
+        for inner in self._inners:
+            self._install(inner)
         for distrib_optimizer in offloader._distributed:
             inner = distrib_optimizer.optimizer
             if isinstance(inner, torch.optim.Optimizer):
                 bring_back = functools.partial(_inner_pre_hook, offloader)
                 self._hooks.append(inner.register_state_dict_pre_hook(bring_back))
                 self._hooks.append(inner.register_load_state_dict_pre_hook(bring_back))
+                # torch's load_state_dict() puts a new defaultdict in place of the state.
+                self._hooks.append(inner.register_load_state_dict_post_hook(self._install))
             # Methods of the inner optimizer itself that touch state outside step() (TE's
             # get_unscaled_state / set_scaled_state / initialize_state): the torch hooks
             # above cover only state_dict and load_state_dict.
@@ -134,6 +246,8 @@ class StateAccessGuard:
                 offloader._make_resident(changes=changes, replaced=changes)
                 result = previous(*args, **kwargs)
                 if name in LOAD_METHODS:
+                    for inner in self._inners:  # a load may have put a new state mapping in
+                        self._install(inner)
                     for distrib_optimizer in offloader._distributed:
                         if distrib_optimizer is target and name == "load_state_dict" and args:
                             restore_step_tensors(distrib_optimizer.optimizer, args[0])
@@ -145,7 +259,73 @@ class StateAccessGuard:
 
         return make
 
+    # ------------------------------------------------------- the state mapping
+    def arm(self, offloaded: bool) -> None:
+        """Guard the state mappings while ``offloaded`` (and no step runs), else not.
+
+        Switching is an assignment of the mapping's class: while nothing is offloaded the
+        optimizer reads a plain defaultdict subclass with no Python method in the way.
+        """
+        armed = offloaded and not self.stepping
+        for inner in self._inners:
+            state = getattr(inner, "state", None)
+            if armed and type(state) is collections.defaultdict:
+                self._install(inner)  # replaced behind our back (a load we did not see)
+                state = inner.state
+            if isinstance(state, GuardedState) and state.__dict__.get("_guard") is self:
+                state.__class__ = _ArmedState if armed else GuardedState
+
+    def _install(self, inner) -> None:
+        """Put a ``GuardedState`` with the same entries in place of ``inner.state``.
+
+        Only torch's own ``defaultdict`` is replaced (what every torch optimizer, and so
+        TE's and apex's FusedAdam, keeps); any other mapping is left as it is, unguarded.
+        """
+        state = getattr(inner, "state", None)
+        if isinstance(state, GuardedState):
+            state.__dict__["_guard"] = self
+            return
+        if type(state) is not collections.defaultdict:
+            return
+        mapping = GuardedState(state.default_factory)
+        dict.update(mapping, state)
+        mapping.__dict__["_guard"] = self
+        inner.state = mapping
+        self._originals[id(inner)] = state
+
+    def _accessed(self, state: "GuardedState", writes: bool) -> None:
+        """An access to an armed mapping: bring every state back before it proceeds."""
+        # The plain class first, so that nothing the reload does comes back here.
+        state.__class__ = GuardedState
+        offloader = self._offloader
+        if offloader.detached:
+            return
+        try:
+            # The mapping hands out the live tensors (the caller may write through them),
+            # so the host copy is stale from now on; a write may put new tensors in.
+            offloader._make_resident(changes=True, replaced=writes)
+        finally:
+            offloader._sync_state_guard()
+
+    def _restore_states(self) -> None:
+        """Give each inner optimizer a plain ``defaultdict`` again (the one replaced at
+        attach or after a load, refilled with the current entries)."""
+        for inner in self._inners:
+            state = getattr(inner, "state", None)
+            if not (isinstance(state, GuardedState) and state.__dict__.get("_guard") is self):
+                continue
+            state.__class__ = GuardedState
+            original = self._originals.get(id(inner))
+            if original is None:
+                original = collections.defaultdict(state.default_factory)
+            original.clear()
+            original.update(dict.items(state))
+            del state.__dict__["_guard"]  # a reference kept elsewhere is a plain mapping now
+            inner.state = original
+        self._originals = {}
+
     def remove(self) -> None:
+        self._restore_states()
         for hook in self._hooks:
             hook.remove()
         for target, name, had_instance_attr, previous in reversed(self._wrapped):

@@ -18,8 +18,9 @@ offload_primary_weights)``            their device memory (asynchronous on accel
 ====================================  ================================================
 
 Methods of the optimizers that touch the states (state dicts, checkpointing, megatron's
-own ``offload_to_cpu``) are made safe while offloaded by ``guard.py``; ``attach`` (see
-``attach.py``) adds the automatic per-step cycle on top.
+own ``offload_to_cpu``) and the inner optimizers' ``state`` mappings are made safe while
+offloaded by ``guard.py``; ``attach`` (see ``attach.py``) adds the automatic per-step cycle
+on top.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from ..adapters import OPTIMIZER_STATES, PRIMARY_WEIGHTS
 from ..adapters import distributed_optimizer as dopt_adapter
 from ..config import OffloadConfig
 from ..device import device_for
-from ..engine import HostBudget, OffloadEngine, OffloadStateError
+from ..engine import HostBudget, OffloadEngine, OffloadStateError, Place
 from .guard import StateAccessGuard
 
 
@@ -189,6 +190,7 @@ class OptimizerStateOffloader:
         """
         self._check_attached()
         self._offload(self._selection(offload_optimizer_states, offload_primary_weights))
+        self._sync_state_guard()
 
     def release_gpu_memory(self) -> None:
         """Kept for compatibility: ``offload()`` already frees the device memory (safely on
@@ -209,6 +211,7 @@ class OptimizerStateOffloader:
             )
         for engine in self._engines:
             engine.reload()
+        self._sync_state_guard()
 
     def prefetch(self) -> None:
         """Start reloading what the step needs whole (asynchronous): everything, except
@@ -216,11 +219,13 @@ class OptimizerStateOffloader:
         during the step. What ``attach``'s cycle and the training hooks call."""
         for engine in self._engines:
             engine.reload(streamed=False)
+        self._sync_state_guard()
 
     def wait(self) -> None:
         """Order every pending copy-back before the current stream (no host block)."""
         for engine in self._engines:
             engine.wait()
+        self._sync_state_guard()
 
     sync_before_step = wait
 
@@ -235,22 +240,38 @@ class OptimizerStateOffloader:
 
     # ------------------------------------------------------------- conveniences
     @contextlib.contextmanager
-    def offloaded(self) -> Iterator["OptimizerStateOffloader"]:
-        """States offloaded for the duration of the block (for example an RL rollout).
+    def offloaded(
+        self, offload_optimizer_states: bool | None = None, offload_primary_weights: bool | None = None
+    ) -> Iterator["OptimizerStateOffloader"]:
+        """The selected states offloaded for the duration of the block (an RL rollout).
 
-        Nests, and composes with the per-step cycle: if the states are already offloaded on
-        entry they are left offloaded on exit; otherwise they are reloaded and ready for the
-        current stream on exit.
+        The selection is that of ``offload()`` (``None``: as configured), so a run whose
+        step cycle keeps the master weights on the device can free them for a rollout with
+        ``offloaded(offload_primary_weights=True)``. Nests, and composes with the per-step
+        cycle: what is already offloaded on entry is left offloaded on exit; what the block
+        offloads is reloaded, and ready for the current stream, on exit.
         """
-        was_offloaded = self.is_offloaded
-        if not was_offloaded:
-            self.offload()
+        self._check_attached()
+        selection = self._selection(offload_optimizer_states, offload_primary_weights)
+        taken = [
+            tuple(kind for kind in kinds if not _all_released(engine, kind))
+            for engine, kinds in zip(self._engines, selection)
+        ]
+        if any(taken):
+            self._offload(taken)
+            self._sync_state_guard()
         try:
             yield self
         finally:
-            if not was_offloaded and not self._detached:
-                self.reload()
-                self.wait()
+            if any(taken) and not self._detached:
+                for engine, kinds in zip(self._engines, taken):
+                    if kinds:
+                        engine.reload(kinds)
+                for engine, kinds in zip(self._engines, taken):
+                    if kinds:
+                        # Ordered before the current stream: the caller may step at once.
+                        engine.wait(kinds)
+                self._sync_state_guard()
 
     @contextlib.contextmanager
     def resident(self, *, read_only: bool = False) -> Iterator["OptimizerStateOffloader"]:
@@ -274,16 +295,25 @@ class OptimizerStateOffloader:
         finally:
             if was_offloaded and not self._detached:
                 self._offload(self._selection(None, None), skip_unchanged=True)
+                self._sync_state_guard()
 
     def detach(self) -> None:
-        """Stop offloading and give back the host memory; the states must be on the device."""
+        """Stop offloading: bring back whatever is offloaded, give back the host memory,
+        and leave a plain optimizer (its step, methods and state mapping as before attach).
+
+        Callable in any state, typically after a training loop, when the step cycle has
+        offloaded the states; training after it is bitwise that of a run never offloaded.
+        """
         if self._detached:
             return
-        if self.is_offloaded:
-            raise OffloadStateError(
-                "detach() while states are offloaded would lose them: call reload() (and "
-                "wait()) first, then detach()."
-            )
+        # The host copies may be the only copies: every engine regrows and copies back
+        # what it released (and waits for any copy-out still reading device memory) before
+        # its host arena is given back; the waits order the copies before the current
+        # stream, which uses the states next.
+        for engine in self._engines:
+            engine.reload()
+        for engine in self._engines:
+            engine.wait()
         if self._automatic is not None:
             self._automatic.remove()
             self._automatic = None
@@ -336,6 +366,15 @@ class OptimizerStateOffloader:
                 engine.mark_dirty()
             if replaced:
                 engine.invalidate()
+        self._sync_state_guard()
+
+    def _sync_state_guard(self) -> None:
+        """Guard the inner optimizers' state mappings while some state is not on the device
+        (released, or still being copied), and not otherwise (see ``guard.GuardedState``)."""
+        if not self._detached:
+            self._guard.arm(
+                any(group.place is not Place.RESIDENT for engine in self._engines for group in engine.groups)
+            )
 
     def _check_attached(self) -> None:
         if self._detached:
@@ -347,14 +386,18 @@ class OptimizerStateOffloader:
 
 def _fingerprinter(distrib_optimizer):
     """Cheap: changes when states are created (lazily, per parameter) or entries added."""
-    state = distrib_optimizer.optimizer.state
 
     def fingerprint():
-        return len(state), sum(map(len, state.values()))
+        # Looked up at every call: a load, and the state guard, put a new mapping in place.
+        # dict's own methods read it without the guard (no reload for looking).
+        state = distrib_optimizer.optimizer.state
+        entries = dict.values(state) if isinstance(state, dict) else state.values()
+        return len(state), sum(map(len, entries))
 
     return fingerprint
 
 
+# The adapter's walks read the state mapping with dict's own lookup (no reload for looking).
 def _in_state(distrib_optimizer):
     def streamed():
         return dopt_adapter.in_state(distrib_optimizer)
@@ -367,3 +410,11 @@ def _collector(distrib_optimizer):
         return dopt_adapter.collect(distrib_optimizer)
 
     return collect
+
+
+def _all_released(engine: OffloadEngine, kind: str) -> bool:
+    """True if ``engine`` tracks tensors of ``kind`` and all of them are on the host only.
+
+    A kind it does not track yet (nothing offloaded so far) counts as on the device."""
+    groups = [group for group in engine.groups if group.kind == kind]
+    return bool(groups) and all(group.place is Place.RELEASED for group in groups)

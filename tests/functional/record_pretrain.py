@@ -53,7 +53,8 @@ def _state_tensors(optimizer):
     for index, dopt in enumerate(_distributed_optimizers(optimizer)):
         for g, group in enumerate(dopt.optimizer.param_groups):
             for p, param in enumerate(group['params']):
-                for key, value in sorted(dopt.optimizer.state.get(param, {}).items()):
+                # dict's own lookup: the offloader's guarded mapping would bring the states back.
+                for key, value in sorted(dict.get(dopt.optimizer.state, param, {}).items()):
                     if isinstance(value, torch.Tensor) and value.dim() > 0 and key != 'step':
                         yield f'{index}.{g}.{p}.{key}', value
         masters = getattr(dopt, 'shard_fp32_from_float16_groups', None) or []

@@ -73,7 +73,8 @@ def state_census(optimizer) -> dict:
     for inner in inner_optimizers(optimizer):
         for group in inner.param_groups:
             for param in group["params"]:
-                for key, value in inner.state.get(param, {}).items():
+                # dict's own lookup: the guarded mapping would bring offloaded states back.
+                for key, value in dict.get(inner.state, param, {}).items():
                     if key == "step" or not isinstance(value, torch.Tensor):
                         continue
                     for buf in state_buffers(value).values():

@@ -63,7 +63,8 @@ def _census(inner) -> tuple[int, int]:
     sizes, total = [], 0
     for group in inner.param_groups:
         for p in group["params"]:
-            for value in inner.state.get(p, {}).values():
+            # dict's own lookup: the guarded mapping would bring offloaded states back.
+            for value in dict.get(inner.state, p, {}).values():
                 if not isinstance(value, torch.Tensor):
                     continue
                 for buf in _state_buffers(value):

@@ -133,3 +133,102 @@ def test_rl_phases_nest_and_compose_with_the_step_cycle(rank_pool, checked):
         assert seen["resident-after-reload"]
         assert seen["inside-outer"] and seen["inside-nested"] and seen["after-nested"]
         assert seen["resident-after-outer"]
+
+
+def _places(offloader):
+    """{kind: set of group places} over every engine."""
+    places = {}
+    for engine in offloader.engines:
+        for group in engine.groups:
+            places.setdefault(group.kind, set()).add(group.place.value)
+    return places
+
+
+def rl_selection_job(offload, checked=False):
+    """A step cycle that keeps the masters on the device, and rollouts that free them too."""
+    import megatron_offload
+    from tests.harness import models
+    from tests.support.checked import check_devices, checked_device_options
+
+    chunks, optimizer, config = models.build("mlp", "bf16", overlap_grad_reduce=True, bucket_size=1000)
+    options, devices = checked_device_options() if checked else ({}, [])
+    offloader = (megatron_offload.attach(optimizer, offload_primary_weights=False, **options)
+                 if offload else None)
+    seen, results = {}, []
+
+    def rollout():
+        with torch.no_grad():
+            return sum(float(p.float().sum()) for p in chunks[0].parameters())
+
+    def look(name):
+        if offloader:
+            seen[name] = (_places(offloader), offloader.stats()["offloaded_bytes"])
+
+    def block(**selection):
+        return offloader.offloaded(**selection) if offloader else _Null()
+
+    results.append(models.train_step(chunks, optimizer, config, 0))
+    look("after-step")  # the cycle offloaded the moments only
+    with block(offload_primary_weights=True):
+        look("rollout")
+        results.append(rollout())
+        with block():  # nested, as configured: the moments are offloaded already
+            look("nested-default")
+        with block(offload_optimizer_states=False, offload_primary_weights=True):  # nested, no-op
+            look("nested-masters")
+        look("after-nested")
+    look("after-block")  # as before the block: masters resident, moments offloaded
+    results.append(models.train_step(chunks, optimizer, config, 1))
+    if offloader:
+        offloader.reload()
+        offloader.wait()
+    look("all-resident")
+    with block(offload_optimizer_states=False, offload_primary_weights=True):  # the masters only
+        look("masters-only")
+        results.append(rollout())
+    look("after-masters-only")
+    results.append(models.train_step(chunks, optimizer, config, 2))
+    with block(offload_primary_weights=True):  # a step inside a block
+        results.append(models.train_step(chunks, optimizer, config, 3))
+        look("after-step-in-block")
+    look("after-block-with-step")
+    results.append(models.train_step(chunks, optimizer, config, 4))
+    if offloader:
+        offloader.reload()
+        offloader.wait()
+    models.flush_param_gather(chunks)
+    snapshot = models.snapshot(chunks, optimizer)
+    check_devices(devices)
+    return {"results": results, "seen": seen, "snapshot": snapshot, "checked": len(devices)}
+
+
+@pytest.mark.parametrize("checked", [False, True], ids=["cpu-device", "checked-device"])
+def test_rl_blocks_free_what_the_caller_names_and_restore_it(rank_pool, checked):
+    reference = rank_pool.run(rl_selection_job, False)
+    offloaded = rank_pool.run(rl_selection_job, True, checked)
+    states, masters = "optimizer_states", "primary_weights"
+    released, resident = {"released"}, {"resident"}
+    for ref, off in zip(reference, offloaded):
+        assert off["results"] == ref["results"]
+        for section in ("params", "optimizer"):
+            for key, value in ref["snapshot"][section].items():
+                assert torch.equal(value, off["snapshot"][section][key]), (section, key)
+        assert off["checked"] == (1 if checked else 0)
+        seen = off["seen"]
+        step_places, step_bytes = seen["after-step"]
+        assert step_places == {states: released, masters: resident}
+        # The block frees the masters too, although the moments were offloaded already.
+        rollout_places, rollout_bytes = seen["rollout"]
+        assert rollout_places == {states: released, masters: released} and rollout_bytes > step_bytes
+        for name in ("nested-default", "nested-masters", "after-nested"):
+            assert seen[name] == seen["rollout"], name
+        assert seen["after-block"] == seen["after-step"]  # everything back as it was
+        assert seen["all-resident"][0] == {states: resident, masters: resident}
+        masters_only, masters_bytes = seen["masters-only"]
+        assert masters_only == {states: resident, masters: released}
+        assert 0 < masters_bytes < rollout_bytes
+        assert seen["after-masters-only"] == seen["all-resident"]
+        # The step inside the block reloads everything and offloads what the cycle offloads;
+        # the block's exit reloads only what it had taken (the masters).
+        assert seen["after-step-in-block"][0] == {states: released, masters: resident}
+        assert seen["after-block-with-step"][0] == {states: released, masters: resident}

@@ -36,12 +36,11 @@ def misuse_job():
     found["reload_before_offload"] = _error(offloader.reload)
     models.train_step(chunks, optimizer, config, 0)  # the step offloads
     found["offloaded_after_step"] = offloader.is_offloaded
-    found["detach_while_offloaded"] = _error(offloader.detach)
-    offloader.reload()
-    offloader.wait()
-    offloader.detach()
+    offloader.detach()  # while offloaded: the states come back first
     found["detached"] = distrib._state_offloader is None and "step" not in vars(optimizer)
     found["use_after_detach"] = _error(offloader.offload)
+    found["reload_after_detach"] = _error(offloader.reload)
+    found["block_after_detach"] = _error(lambda: offloader.offloaded().__enter__())
     # After detach the optimizer is a plain optimizer again: a step leaves states resident.
     models.train_step(chunks, optimizer, config, 1)
     found["resident_after_detached_step"] = all(
@@ -89,12 +88,9 @@ def more_misuse_job():
     offloader.reload()
     offloader.sync_before_step()
     found["reloaded"] = not offloader.is_offloaded
-    # A step of the inner optimizer called directly while offloaded reloads by itself.
     offloader.offload()
-    offloader.detach_error = _error(offloader.detach)
-    offloader.reload()
-    offloader.wait()
-    offloader.detach()
+    offloader.detach()  # while offloaded: the states come back first
+    found["detached_while_offloaded"] = offloader.detached and not offloader.is_offloaded
     offloader.detach()  # twice is harmless
     found["restored"] = vars(optimizer).get("step") is outer_step and vars(optimizer).get("state_dict") is outer_state_dict
     found["repr"] = repr(offloader)
@@ -102,6 +98,7 @@ def more_misuse_job():
     attached = megatron_offload.attach(optimizer)
     models.train_step(chunks, optimizer, config, 1)
     found["offloaded"] = attached.is_offloaded
+    # A step of the inner optimizer called directly while offloaded reloads by itself.
     for group in distrib.optimizer.param_groups:
         for p in group["params"]:
             p.grad = torch.zeros_like(p) if p.untyped_storage().nbytes() else None
@@ -128,6 +125,7 @@ def test_more_misuse_and_the_upstream_call_sequence(rank_pool):
     kind, message = found["use_megatron_fsdp"]
     assert kind == "ValueError" and "--use-megatron-fsdp" in message
     assert found["resident_without_attach"] and found["moments_only"] and found["reloaded"]
+    assert found["detached_while_offloaded"]
     assert found["restored"] and found["repr"].startswith("OptimizerStateOffloader(OffloadEngine(")
     assert found["offloaded"] and found["inner_step_reloaded"] and found["restored_after_attach"]
     kind, message = found["prefetch_without_model"]
@@ -153,11 +151,10 @@ def test_misuse_is_refused_with_clear_messages(rank_pool):
     kind, message = found["reload_before_offload"]
     assert kind == "OffloadStateError" and "reload() before offload()" in message
     assert found["offloaded_after_step"]
-    kind, message = found["detach_while_offloaded"]
-    assert kind == "OffloadStateError" and "reload()" in message
     assert found["detached"]
-    kind, message = found["use_after_detach"]
-    assert kind == "OffloadStateError" and "detached" in message
+    for case in ("use_after_detach", "reload_after_detach", "block_after_detach"):
+        kind, message = found[case]
+        assert kind == "OffloadStateError" and "detached" in message, case
     assert found["resident_after_detached_step"]
     assert found["reattached_offloads"]
 

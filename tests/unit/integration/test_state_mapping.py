@@ -1,0 +1,203 @@
+"""Reading the states through the inner optimizer's ``state`` mapping while they are offloaded.
+
+Research code reads states between steps (``optimizer.optimizer.state[p]["exp_avg"].sum()``);
+without the guard that touches released memory and kills the process. Every access form
+runs here in rank processes (a regression kills the rank and fails the test with its exit
+code), on and off, and training after the reads must be bitwise identical.
+"""
+
+import collections
+import statistics
+import time
+
+import pytest
+import torch
+
+
+# Reads that touch no tensor (tensors hash by identity): they leave the states offloaded.
+TOUCH_NO_TENSOR = ("len", "in")
+
+
+def _reads(optimizer, distrib, param):
+    """(name, read) for every way code reaches the states through the mapping."""
+    import copy
+
+    inner = distrib.optimizer
+
+    def total(values):
+        return sum(float(v) for v in values)
+
+    def reduced(reduce_value):
+        cls, args, _, _, items = reduce_value
+        return cls.__name__, args, total(v["exp_avg"].sum() for _, v in items)
+
+    reads = [
+        ("index", lambda: float(inner.state[param]["exp_avg"].sum())),
+        ("get", lambda: float(inner.state.get(param)["exp_avg_sq"].sum())),
+        ("values", lambda: total(v["exp_avg"].sum() for v in inner.state.values())),
+        # Keys are the parameter shards: the offloaded fp32 masters of a bf16 model.
+        ("items", lambda: total(k.sum() + v["exp_avg_sq"].sum() for k, v in inner.state.items())),
+        ("keys", lambda: total(k.sum() for k in inner.state.keys())),
+        ("iteration", lambda: total(k.sum() for k in inner.state)),
+        ("dict", lambda: total(v["exp_avg"].sum() for v in dict(inner.state).values())),
+        ("repr", lambda: repr(inner.state)),
+        # What pickle and copy.deepcopy call (deepcopy itself refuses the non-leaf keys of fp32).
+        ("reduce", lambda: reduced(inner.state.__reduce__())),
+        ("copy", lambda: total(v["exp_avg"].sum() for v in inner.state.copy().values())),
+        ("copy.copy", lambda: total(v["exp_avg"].sum() for v in copy.copy(inner.state).values())),
+        ("setdefault", lambda: float(inner.state.setdefault(param, {})["exp_avg"].sum())),
+        # megatron-core's own views of the same mapping.
+        ("megatron_state", lambda: float(distrib.state[param]["exp_avg"].sum())),
+        ("len", lambda: len(inner.state)),
+        ("in", lambda: (param in inner.state, torch.zeros(1) in inner.state)),
+    ]
+    if hasattr(optimizer, "chained_optimizers"):  # ChainedOptimizer.state: a ProxyDict
+        reads.append(("chained_proxy", lambda: float(optimizer.state[(0, param)]["exp_avg"].sum())))
+    return reads
+
+
+def reads_job(offload, dtype, checked=False, options=None):
+    import megatron_offload
+    from megatron_offload.integration.guard import GuardedState
+    from tests.harness import models
+    from tests.support.checked import check_devices, checked_device_options
+
+    chunks, optimizer, config = models.build("mlp", dtype)
+    distrib = models.distributed_optimizers(optimizer)[0]
+    inner = distrib.optimizer
+    options, devices = checked_device_options(options) if checked else (dict(options or {}), [])
+    offloader = megatron_offload.attach(optimizer, **options) if offload else None
+    bring_backs = []
+    if offloader:
+        # Count every time the guard brings states back (an instance attribute shadows the method).
+        make_resident = offloader._make_resident
+
+        def counting(**kwargs):
+            bring_backs.append(kwargs)
+            return make_resident(**kwargs)
+
+        offloader._make_resident = counting
+    results = [models.train_step(chunks, optimizer, config, step) for step in range(2)]
+    chunks_per_step = [offloader.stats()["update_chunks"]] if offloader else []
+    param = inner.param_groups[0]["params"][0]
+    values, seen = {}, {}
+    for name, read in _reads(optimizer, distrib, param):
+        if offloader and not offloader.is_offloaded:
+            offloader.offload()  # every read starts from offloaded states
+        before = offloader.is_offloaded if offloader else None
+        values[name] = read()
+        seen[name] = (before, offloader.is_offloaded if offloader else None)
+    raw = {}
+    if offloader:
+        # The offloader's own walks read the mapping raw: they bring nothing back.
+        offloader.offload()
+        count = len(bring_backs)
+        offloader.mark_optimizer_states_initialized()
+        offloader.offload()  # walks every state again
+        offloader.stats()
+        raw = {"bring_backs": len(bring_backs) - count, "offloaded": offloader.is_offloaded,
+               "armed_type": type(inner.state).__name__}
+    # The research-code pattern: a read after every step; each next step offloads again.
+    pattern = []
+    for step in range(2, 5):
+        results.append(models.train_step(chunks, optimizer, config, step))
+        after_step = offloader.is_offloaded if offloader else None
+        if offloader:
+            chunks_per_step.append(offloader.stats()["update_chunks"])
+        value = float(inner.state[param]["exp_avg"].sum()) + float(inner.state[param]["exp_avg_sq"].sum())
+        pattern.append((after_step, value, offloader.is_offloaded if offloader else None,
+                        type(inner.state).__name__))
+    plain_type = type(inner.state)
+    if offloader:
+        offloader.detach()
+    check_devices(devices)
+    return {"results": results, "values": values, "seen": seen, "raw": raw, "pattern": pattern,
+            "plain_is_guarded_state": plain_type is GuardedState, "chunks_per_step": chunks_per_step,
+            "after_detach": type(inner.state).__name__, "snapshot": models.snapshot(chunks, optimizer)}
+
+
+@pytest.mark.parametrize("dtype,checked,options", [
+    ("bf16", True, None),
+    pytest.param("fp32", False, None, marks=pytest.mark.floor),
+    ("bf16", True, {"chunked_update_bytes": 1 << 17}),
+], ids=["bf16-checked", "fp32", "bf16-chunked-checked"])
+def test_reads_through_the_state_mapping_are_safe_and_training_stays_bitwise(rank_pool, dtype, checked,
+                                                                            options):
+    reference = rank_pool.run(reads_job, False, dtype)
+    guarded = rank_pool.run(reads_job, True, dtype, checked, options)
+    for ref, off in zip(reference, guarded):
+        assert off["results"] == ref["results"]
+        # Every read sees exactly the values the run without offloading sees.
+        assert off["values"] == ref["values"]
+        assert off["values"]["reduce"][0] == "defaultdict"  # pickles and copies are plain mappings
+        for key, value in ref["snapshot"]["params"].items():
+            assert torch.equal(value, off["snapshot"]["params"][key]), key
+        for key, value in ref["snapshot"]["optimizer"].items():
+            assert torch.equal(value, off["snapshot"]["optimizer"][key]), key
+        assert set(off["seen"]) >= set(TOUCH_NO_TENSOR) | {"index", "get", "values", "items", "keys"}
+        for name, (before, after) in off["seen"].items():
+            assert before, name  # the read met released states...
+            # ...and brought them back, unless it touches no tensor (len, in).
+            assert after == (name in TOUCH_NO_TENSOR), name
+        assert off["raw"] == {"bring_backs": 0, "offloaded": True, "armed_type": "_ArmedState"}
+        for after_step, value, after_read, state_type in off["pattern"]:
+            assert after_step and not after_read and state_type == "GuardedState"
+        assert [v for _, v, _, _ in off["pattern"]] == [v for _, v, _, _ in ref["pattern"]]
+        assert off["plain_is_guarded_state"] and off["after_detach"] == "defaultdict"
+        if options:
+            # The step reads the mapping while the chunked update streams: no reload then.
+            assert off["chunks_per_step"][0] >= 2
+
+
+# ------------------------------------------------------------------ the cost in the step
+def _adamw(count, numel):
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(numel, generator=gen)) for _ in range(count)]
+    for p in params:
+        p.grad = torch.randn(numel, generator=gen)
+    optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=False)
+    optimizer.step()  # states exist from here on
+    return optimizer
+
+
+def measure_guard_cost(count=300, numel=64, steps=40):
+    """Step medians of torch AdamW with its plain defaultdict and with the mapping attach
+    installs (as every step sees it), alternating step by step so that both see the same
+    machine load; and the cost of arming and disarming (what each offload cycle adds)."""
+    from megatron_offload.integration.guard import GuardedState, _ArmedState
+
+    optimizer = _adamw(count, numel)
+    plain = optimizer.state
+    guarded = GuardedState(plain.default_factory)
+    dict.update(guarded, plain)
+    times = {"plain": [], "guarded": []}
+    for index in range(steps):
+        order = (("plain", plain), ("guarded", guarded))
+        for name, mapping in order if index % 2 else order[::-1]:
+            optimizer.state = mapping
+            start = time.perf_counter()
+            optimizer.step()
+            times[name].append(time.perf_counter() - start)
+    switches = 10_000
+    start = time.perf_counter()
+    for _ in range(switches):
+        guarded.__class__ = _ArmedState
+        guarded.__class__ = GuardedState
+    switch = (time.perf_counter() - start) / switches
+    return {"plain": statistics.median(times["plain"]), "guarded": statistics.median(times["guarded"]),
+            "arm_and_disarm": switch}
+
+
+def test_the_guard_adds_nothing_measurable_to_a_step(isolated):
+    # Nothing is overridden on the way to the data while the guard is disarmed (every step).
+    from megatron_offload.integration.guard import GuardedState
+
+    for name in ("__getitem__", "get", "__iter__", "__len__", "__contains__", "items", "values", "keys",
+                 "__setitem__", "setdefault"):
+        assert getattr(GuardedState, name) is getattr(collections.defaultdict, name), name
+    figures = isolated.run(measure_guard_cost)
+    print(f"\nAdamW step, 300 params x 64: plain {figures['plain'] * 1e3:.3f} ms, "
+          f"guarded {figures['guarded'] * 1e3:.3f} ms; arm+disarm {figures['arm_and_disarm'] * 1e9:.0f} ns")
+    # Generous bounds (a 2-core machine shared with other work): the guard is a class switch.
+    assert figures["guarded"] <= 1.25 * figures["plain"]
+    assert figures["arm_and_disarm"] < 20e-6
