@@ -33,7 +33,7 @@ LAYOUTS = {
 }
 OVERLAPS = [(False, False, None), (True, False, 1000), (True, True, 1000)]
 STEPS, SKIP_AT = 6, 4
-PIECE = 64 << 10  # max_piece_bytes of the matrix: every group of the test models is split
+PIECE = 8 << 10  # max_piece_bytes of the matrix: every group of the test models is split
 
 
 def _cases():
@@ -182,8 +182,8 @@ def test_matrix_offloading_is_bitwise_invisible(rank_pool, request, case):
             for kind, groups in figures["groups"].items():
                 assert figures["pieces"][kind] > groups, (kind, figures)
             assert figures["largest_piece"] <= max(PIECE, figures["largest_tensor"])
-            if step > 0 and not skipped[step]:
-                assert figures["d2h"] == sum(figures["pieces"].values())  # one copy per piece
+            if step == STEPS - 1 and not skipped[step]:  # consolidated by then: one copy per piece
+                assert figures["d2h"] == sum(figures["pieces"].values())
             if step == SKIP_AT or (step > 0 and skipped[step] and skipped[step - 1]):
                 assert figures["d2h"] == 0, step  # nothing changed: no needless copy
 
