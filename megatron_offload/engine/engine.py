@@ -220,6 +220,9 @@ class OffloadEngine(LayoutMixin):
                 with self.device.use_stream(side):
                     self._copy_group_to_host(group)
                     event = self.device.record_event(side)
+                # Rule 5: the arena is not given back before this copy is done, even if a
+                # later piece's release raises before the loop ends.
+                self._host.last_d2h = event
                 group.d2h_event = event
                 group.host_valid = True
                 group.place = Place.OFFLOADING
@@ -233,7 +236,6 @@ class OffloadEngine(LayoutMixin):
                     # work queued on the recorded stream AT THE FREE has run, i.e. once this
                     # piece's own copy is done, not the copies queued after it.
                     self._release_group(group)
-            self._host.last_d2h = event
         for group in selected:
             if group.place is not Place.RELEASED:
                 group.place = Place.OFFLOADING

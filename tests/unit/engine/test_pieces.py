@@ -164,3 +164,56 @@ def test_a_bound_that_makes_too_many_copies_warns(isolated):
 def test_bad_max_piece_bytes_is_refused(bad):
     with pytest.raises(ValueError, match="max_piece_bytes"):
         OffloadEngine(CPUDevice(), lambda: [], max_piece_bytes=bad)
+
+
+def _release_refused_mid_offload_job():
+    """A piece whose memory cannot be released (numpy() pinned it) stops offload(release=True)
+    after earlier pieces were copied and released: nothing is lost, and the arena is not
+    given back under a copy that is still queued."""
+    from megatron_offload.engine import OffloadStateError
+    from megatron_offload.testing import CheckedDevice
+
+    ref, off = Model(SIZES), Model(SIZES)
+    device = CheckedDevice()
+    extra = []  # a tensor joining later makes the next offload lay the pieces out again
+    engine = OffloadEngine(device, lambda: [*off.collect(), *extra], max_piece_bytes=2 * KIB)
+    for _ in range(2):  # consolidated from the second reload on
+        ref.step()
+        engine.mark_dirty()
+        device.note_compute()
+        off.step()
+        engine.offload(release=True)
+        engine.reload()
+        engine.wait()
+    moments = [g for g in engine.groups if g.kind == STATES]
+    moments[-1].tensors[0].numpy()  # makes the last piece's storage non-resizable
+    ref.step()
+    engine.mark_dirty()
+    device.note_compute()
+    off.step()
+    try:
+        engine.offload(release=True)
+        refused = None
+    except OffloadStateError as exc:
+        refused = str(exc)
+    released = sum(g.place.value == "released" for g in engine.groups)
+    # A new layout replaces the host arena while the refused piece's copy may still be
+    # queued: the old arena is given back only after that copy (rule 5).
+    extra.append((MASTERS, torch.ones(5)))
+    try:
+        engine.offload(release=True)
+    except OffloadStateError:
+        pass  # the same piece is refused again, after the new layout was made
+    engine.reload()
+    engine.wait()
+    same = all(torch.equal(a, b) for a, b in zip(ref.snapshot(), off.snapshot()))
+    engine.close()  # gives the arena back: must wait for every copy still using it
+    device.check()
+    return refused, released, same
+
+
+def test_a_release_refused_mid_offload_loses_nothing(isolated):
+    refused, released, same = isolated.run(_release_refused_mid_offload_job)
+    assert refused is not None and "non-resizable" in refused
+    assert released > 0  # earlier pieces were already released when it stopped
+    assert same
