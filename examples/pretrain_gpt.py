@@ -1,8 +1,10 @@
 """Pretrain a GPT model with megatron.training.pretrain on mock data.
 
-A stock-style Megatron pretrain script (the structure of Megatron-LM's pretrain_gpt.py for
-megatron-core 0.19): parse and validate Megatron's arguments, build the config container,
-call ``pretrain``. It contains no offloading code: run it through the launcher to get
+A stock-style Megatron pretrain script (the structure of Megatron-LM's pretrain_gpt.py): parse
+and validate Megatron's arguments, build the config container, call ``pretrain``. It follows
+the ``megatron.training`` line installed: 0.19 and later build the model from the config
+container; 0.18 passes a model provider with the container; 0.17 passes the model provider
+and lets ``pretrain`` parse the arguments. It contains no offloading code: run it through the launcher to get
 ``--offload-optimizer-states``:
 
     torchrun --nproc-per-node 2 -m megatron_offload.launch examples/pretrain_gpt.py \\
@@ -14,6 +16,7 @@ ranks with ``--distributed-backend gloo`` and the CPU flags listed in examples/R
 """
 
 import os
+import inspect
 from functools import partial
 
 import torch
@@ -27,9 +30,10 @@ if not torch.cuda.is_available():
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.training import arguments as training_arguments
 from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0
-from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
-from megatron.training.arguments import parse_and_validate_args
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
 
@@ -121,16 +125,69 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
 train_valid_test_datasets_provider.is_distributed = True
 
 
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None,
+                   pg_collection=None):
+    """The GPT model, for the lines whose ``pretrain`` takes a model provider (0.17, 0.18):
+    megatron-core's local layer spec (``--transformer-impl local``), as their
+    pretrain_gpt.py builds it."""
+    args = get_args()
+    print_rank_0('building GPT model ...')
+    if config is None:
+        config = training_arguments.core_transformer_config_from_args(args)
+    spec = get_gpt_layer_local_spec(
+        num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm,
+        qk_layernorm=args.qk_layernorm, normalization=args.normalization,
+    )
+    kwargs = dict(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+    )
+    accepted = inspect.signature(GPTModel.__init__).parameters
+    for name, value in (('vp_stage', vp_stage), ('pg_collection', pg_collection)):
+        if value is not None and name in accepted:
+            kwargs[name] = value
+    return GPTModel(**kwargs)
+
+
 def main():
     use_prebuilt_dataset_helpers()
-    args = parse_and_validate_args(args_defaults={'tokenizer_type': 'NullTokenizer'})
-    model_config = gpt_config_from_args(args)
-    pretrain(
-        pretrain_cfg_container_from_args(args, model_config),
-        train_valid_test_datasets_provider,
-        ModelType.encoder_or_decoder,
-        forward_step,
-    )
+    defaults = {'tokenizer_type': 'NullTokenizer'}
+    if 'cfg_container' not in inspect.signature(pretrain).parameters:
+        # 0.17: pretrain() parses and validates the arguments itself.
+        pretrain(
+            train_valid_test_datasets_provider,
+            model_provider,
+            ModelType.encoder_or_decoder,
+            forward_step,
+            args_defaults=defaults,
+        )
+        return
+    from megatron.training import argument_utils
+
+    args = training_arguments.parse_and_validate_args(args_defaults=defaults)
+    if hasattr(argument_utils, 'gpt_config_from_args'):
+        # 0.19 and later: the model is built from the config container.
+        container = argument_utils.pretrain_cfg_container_from_args(
+            args, argument_utils.gpt_config_from_args(args)
+        )
+        pretrain(container, train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
+                 forward_step)
+    else:
+        # 0.18: the container holds the training configuration, the provider the model.
+        pretrain(argument_utils.pretrain_cfg_container_from_args(args),
+                 train_valid_test_datasets_provider, model_provider,
+                 ModelType.encoder_or_decoder, forward_step)
 
 
 if __name__ == '__main__':

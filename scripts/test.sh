@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
-# The test suite, as CI runs it: sets up both environments on a fresh machine, then runs
+# The test suite, as CI runs it: sets up the environments on a fresh machine, then runs
 #  1. the main suite on megatron-core 0.19.2 (Python 3.12) under coverage, every rank and
 #     isolated process included, and prints the line coverage of megatron_offload/;
-#  2. the smoke set marked `floor` on megatron-core 0.16.1 (Python 3.11).
+#  2. the smoke set marked `floor` on megatron-core 0.16.1 (Python 3.11);
+#  3. the smoke set and the tests marked `line` (the example pretrain script through the
+#     launcher, bitwise on vs. off and against the line's golden file; the line's source
+#     patches) on megatron-core 0.18.2 and 0.17.1 (Python 3.12, the main environment's torch).
 # Extra arguments go to the main pytest run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 main=$(scripts/venv.sh py312) || exit 1
 floor=$(scripts/venv.sh py311-floor) || exit 1
+lines=()
+for line in mcore-0.18 mcore-0.17; do
+  venv=$(scripts/venv.sh "$line") || exit 1
+  lines+=("$venv")
+done
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
 
 banner() {  # name python
@@ -31,4 +39,10 @@ echo "== line coverage of megatron_offload/ (all processes)"
 banner "compatibility floor" "$floor/bin/python"
 "$floor/bin/python" -m pytest -p no:cacheprovider tests -q -m floor
 rc=$?; no_tests $rc "compatibility floor"; [ $rc -eq 0 ] || status=1
+
+for venv in "${lines[@]}"; do
+  banner "megatron-core line" "$venv/bin/python"
+  "$venv/bin/python" -m pytest -p no:cacheprovider tests -q -m "floor or line"
+  rc=$?; no_tests $rc "megatron-core line"; [ $rc -eq 0 ] || status=1
+done
 exit $status

@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# Usage: scripts/venv.sh py312|py311-floor
+# Usage: scripts/venv.sh py312|py311-floor|mcore-0.17|mcore-0.18
 # Prints the path of a virtual environment with requirements/<name>.txt installed, creating
 # it on first use. Environments are cached under ${MEGATRON_OFFLOAD_CACHE:-~/.cache/megatron-offload}
 # and keyed by the requirements file's hash, so a fresh clone reuses them and a changed
 # requirements file gets a new one.
+#
+# mcore-* are the other megatron-core lines on Python 3.12. Each holds only its own
+# megatron-core (and what that line needs beyond the main environment); everything else
+# (torch, numpy, pytest, ...) is the main environment's own install, linked in (only pip and megatron left out), so every line
+# runs the same torch and costs seconds and megabytes instead of a second multi-GB torch.
 set -euo pipefail
 name=$1
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -12,6 +17,7 @@ req="$root/requirements/$name.txt"
 case "$name" in
   py312) want=3.12 ;;
   py311-floor) want=3.11 ;;
+  mcore-*) want=3.12; base=py312 ;;
   *) echo "unknown environment $name" >&2; exit 2 ;;
 esac
 
@@ -27,15 +33,44 @@ find_python() {
   return 1
 }
 
-hash=$(sha256sum "$req" | cut -c1-12)
+base_venv=
+if [ -n "${base:-}" ]; then
+  base_venv=$("$0" "$base") || exit 1
+fi
+# An overlay is also keyed by its base and by this recipe.
+hash=$( { cat "$req"; [ -z "$base_venv" ] || { echo "$base_venv"; cat "$0"; }; } | sha256sum | cut -c1-12)
 cache=${MEGATRON_OFFLOAD_CACHE:-$HOME/.cache/megatron-offload}
 venv="$cache/venv-$name-$hash"
 if [ ! -f "$venv/.complete" ]; then
-  python=$(find_python "$want") || { echo "Python $want is needed for $name (install it, or set MEGATRON_OFFLOAD_PYTHON)" >&2; exit 2; }
   rm -rf "$venv"
   mkdir -p "$cache"
-  "$python" -m venv "$venv" >&2
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$req" >&2
+  # Overlays are small and cheap to rebuild: drop this line's stale ones.
+  [ -z "$base_venv" ] || rm -rf "$cache/venv-$name-"*
+  if [ -n "$base_venv" ]; then
+    # A venv of the base interpreter whose site-packages sees the base environment's packages
+    # through a directory of links that leaves out megatron (a namespace package: a second
+    # copy on sys.path would merge into this line's) and pip.
+    "$base_venv/bin/python" -c "import sys; print(sys._base_executable)" >/dev/null
+    python=$(readlink -f "$base_venv/bin/python")
+    "$python" -m venv "$venv" >&2
+    site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    base_site=$("$base_venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    mkdir -p "$venv/shared"
+    for entry in "$base_site"/*; do
+      case "$(basename "$entry")" in
+        megatron|megatron_core-*|pip|pip-*|*.pth|__pycache__) ;;
+        *) ln -s "$entry" "$venv/shared/" ;;
+      esac
+    done
+    echo "$venv/shared" > "$site/zz-shared-with-$base.pth"
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -r "$req" >&2
+    # What this megatron-core declares must be met by the shared packages plus its own.
+    "$venv/bin/python" -m pip check >&2 || { echo "$name: unmet requirements (above)" >&2; exit 1; }
+  else
+    python=$(find_python "$want") || { echo "Python $want is needed for $name (install it, or set MEGATRON_OFFLOAD_PYTHON)" >&2; exit 2; }
+    "$python" -m venv "$venv" >&2
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$req" >&2
+  fi
   touch "$venv/.complete"
 fi
 echo "$venv"

@@ -2,7 +2,8 @@
 
 `install()` first installs `cpu_megatron` (the megatron-core redirects), then the few
 megatron.training-specific ones below, each found by leaving it out of a 2- or 4-rank
-``pretrain`` run with mock data on megatron-core 0.19.2 (it failed, or for the checkpoint
+``pretrain`` run with mock data on megatron-core 0.19.2 (and kept working on 0.17.1 and
+0.18.2) (it failed, or for the checkpoint
 Manager, cost seconds per rank). Nothing here is used by the offloader: it only lets the
 example script and the functional tests run the stock training loop on a machine without an
 accelerator. Call it only when no GPU exists.
@@ -67,15 +68,21 @@ def install() -> None:
     # (torch.cuda.get_device_properties, which initializes CUDA). Report 0, "no CUDA arch":
     # validation then takes the pre-Blackwell path, which wants CUDA_DEVICE_MAX_CONNECTIONS=1 in
     # the environment exactly as on such GPUs.
-    import megatron.training.arguments as arguments
-    import megatron.training.utils as training_utils
-    import megatron.training.utils.common_utils as common_utils
+    import importlib
 
     def no_cuda_arch():
         return 0
 
-    for owner in (arguments, training_utils, common_utils):
-        _patch(owner, 'get_device_arch_version', no_cuda_arch)
+    # Where each line keeps (or re-exports) it: megatron.training.utils is a module up to 0.17
+    # and a package with common_utils from 0.18 on.
+    for name in ('megatron.training.arguments', 'megatron.training.utils',
+                 'megatron.training.utils.common_utils'):
+        try:
+            owner = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(owner, 'get_device_arch_version'):
+            _patch(owner, 'get_device_arch_version', no_cuda_arch)
 
     # The first torch_dist checkpoint save creates a multiprocessing Manager for its write
     # results with the 'spawn' context, which re-imports __main__ (the whole training script,

@@ -118,8 +118,23 @@ def describe(platform_: dict) -> str:
 
 
 # ------------------------------------------------------------------------------ files
-def golden_path(case_name: str, device: str) -> Path:
-    return GOLDEN_DIR / f'{case_name}.{device}.json'
+# The megatron-core line of the main environment (requirements/py312.txt). Its golden files are
+# <case>.<device>.json; another line's are <case>.<device>.mcore-<line>.json, because a line
+# may build another model from the same flags (0.17's NullTokenizer adds an end-of-document
+# token, so the padded vocabulary and the loss differ), which no tolerance can cover.
+MAIN_LINE = '0.19'
+
+
+def megatron_line(version: str | None = None) -> str:
+    """'0.18' for megatron-core 0.18.2 (or 0.18.0rc1, 0.18.2.dev0)."""
+    version = version or _megatron_core_version()
+    return '.'.join(version.split('.')[:2])
+
+
+def golden_path(case_name: str, device: str, line: str | None = None) -> Path:
+    line = line or megatron_line()
+    suffix = '' if line == MAIN_LINE else f'.mcore-{line}'
+    return GOLDEN_DIR / f'{case_name}.{device}{suffix}.json'
 
 
 def golden_command(device: str) -> str:

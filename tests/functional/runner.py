@@ -25,7 +25,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / 'examples' / 'pretrain_gpt.py'
 RECORDER = REPO / 'tests' / 'functional' / 'record_pretrain.py'
-TORCHRUN = Path(sys.executable).with_name('torchrun')
+# torchrun as a module of this interpreter: an environment need not have the console script.
+TORCHRUN = [sys.executable, '-m', 'torch.distributed.run']
 RUN_TIMEOUT = 420.0
 
 # A small GPT trained the way pretrain_gpt.py trains: mock data, the local transformer
@@ -138,13 +139,15 @@ def environment(device: str, pythonpath_prefix: str | None = None) -> dict:
 
 
 def run(case: Case | str, *, offload: bool, device: str = 'cpu', route: str | None = None,
-        pythonpath_prefix: str | None = None) -> Run:
+        pythonpath_prefix: str | None = None, script: str | Path = EXAMPLE) -> Run:
     """Launch ``case`` (cached per session). ``route``: 'launch' (through
     ``megatron_offload.launch``) or 'direct' (the plain script); default: 'launch' with
-    offloading, 'direct' (a stock run, no megatron_offload hooks at all) without."""
+    offloading, 'direct' (a stock run, no megatron_offload hooks at all) without.
+    ``script``: the pretrain script (default examples/pretrain_gpt.py; a Megatron-LM tree's
+    own pretrain_gpt.py runs the same way, with the tree as ``pythonpath_prefix``)."""
     case = CASES[case] if isinstance(case, str) else case
     route = route or ('launch' if offload else 'direct')
-    key = (case.name, offload, device, route, pythonpath_prefix)
+    key = (case.name, offload, device, route, pythonpath_prefix, str(script))
     if key in _CACHE:
         return _CACHE[key]
     workdir = tempfile.mkdtemp(prefix=f'mo_functional_{case.name}_')
@@ -153,8 +156,8 @@ def run(case: Case | str, *, offload: bool, device: str = 'cpu', route: str | No
         os.makedirs(record_dir)
         save_dir = os.path.join(workdir, 'checkpoints')
         command = [
-            str(TORCHRUN), '--standalone', f'--nproc-per-node={case.world_size}',
-            str(RECORDER), route, str(EXAMPLE),
+            *TORCHRUN, '--standalone', f'--nproc-per-node={case.world_size}',
+            str(RECORDER), route, str(script),
             *flags(case, offload=offload, device=device, save_dir=save_dir),
         ]
         env = environment(device, pythonpath_prefix)

@@ -218,12 +218,29 @@ def test_golden_files_one_per_case_with_their_platform():
     names = sorted(path.name for path in golden_values.GOLDEN_DIR.glob('*.json'))
     cpu_files = [f'{case}.cpu.json' for case in sorted(runner.CASES)]
     assert set(cpu_files) <= set(names), names
-    # Nothing but <case>.<device>.json: no per-platform file names next to them.
-    allowed = {f'{case}.{device}.json' for case in runner.CASES for device in ('cpu', 'cuda')}
+    # Nothing but <case>.<device>[.mcore-<line>].json: no per-platform file names.
+    allowed = {golden_values.golden_path(case, device, line).name
+               for case in runner.CASES for device in ('cpu', 'cuda')
+               for line in (golden_values.MAIN_LINE, '0.17', '0.18')}
     assert set(names) <= allowed, sorted(set(names) - allowed)
     for name in names:
         data = json.loads((golden_values.GOLDEN_DIR / name).read_text())
         case, device = name.split('.')[:2]
         assert data['case'] == case and data['device'] == device
+        # The file's line is the one its platform names.
+        line = golden_values.megatron_line(data['platform']['megatron-core'])
+        assert golden_values.golden_path(case, device, line).name == name, name
         assert sorted(data['platform']) == sorted(golden_values.PLATFORM_KEYS), name
         assert all(isinstance(v, str) and v for v in data['platform'].values()), name
+
+
+@pytest.mark.parametrize('version, line, name', [
+    ('0.19.2', '0.19', 'dp2.cpu.json'),
+    ('0.19.0rc1', '0.19', 'dp2.cpu.json'),
+    ('0.18.2', '0.18', 'dp2.cpu.mcore-0.18.json'),
+    ('0.17.1', '0.17', 'dp2.cpu.mcore-0.17.json'),
+    ('0.20.0.dev0', '0.20', 'dp2.cpu.mcore-0.20.json'),
+])
+def test_each_megatron_line_has_its_own_golden_file(version, line, name):
+    assert golden_values.megatron_line(version) == line
+    assert golden_values.golden_path('dp2', 'cpu', line).name == name

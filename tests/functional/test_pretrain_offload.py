@@ -46,6 +46,9 @@ DEVICES = [
     pytest.param('cuda', id='cuda', marks=pytest.mark.gpu),
 ]
 CASES = sorted(runner.CASES, key=['dp2', 'tp2', 'pp2'].index)
+# dp2 also runs in the other megatron-core lines' environments (marker ``line``).
+CASE_PARAMS = [pytest.param(name, marks=[pytest.mark.line] if name == 'dp2' else [])
+               for name in CASES]
 GIB = float(1 << 30)
 
 
@@ -71,7 +74,7 @@ def _values(run, rank):
 
 
 @pytest.mark.parametrize('device', DEVICES)
-@pytest.mark.parametrize('case_name', CASES)
+@pytest.mark.parametrize('case_name', CASE_PARAMS)
 def test_loss_curve_identical_and_golden(case_name, device):
     case, on, off = _runs(case_name, device)
     for rank in range(case.world_size):
@@ -97,7 +100,7 @@ def test_loss_curve_identical_and_golden(case_name, device):
 
 
 @pytest.mark.parametrize('device', DEVICES)
-@pytest.mark.parametrize('case_name', CASES)
+@pytest.mark.parametrize('case_name', CASE_PARAMS)
 def test_memory_figures(case_name, device):
     case, on, off = _runs(case_name, device)
     expected_bytes = []
@@ -158,6 +161,7 @@ def test_chunked_update_flag_trains_like_the_plain_script():
                         sections=('iterations',), required=False)
 
 
+@pytest.mark.line
 def test_refused_combination_fails_before_initialization():
     """The launcher refuses a bad command line in argument validation: one clear message,
     before torch.distributed, models or optimizer memory exist."""
