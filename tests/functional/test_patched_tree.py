@@ -9,7 +9,12 @@ import dataclasses
 import pytest
 
 from tests.functional import golden_values, runner
-from tests.unit.patches.tree import patched_tree
+from tests.unit.patches.tree import (
+    if_installed_line_has_a_set,
+    installed_version,
+    matching_set,
+    patched_tree,
+)
 
 DEVICES = [
     pytest.param('cpu', id='cpu'),
@@ -17,8 +22,13 @@ DEVICES = [
 ]
 
 
+# Also in the environment of each other megatron-core line with a set in patches/ (marker
+# ``line``; patched_tree() applies the installed line's set).
+@if_installed_line_has_a_set(pytest.mark.line)
 @pytest.mark.parametrize('device', DEVICES)
 def test_patched_tree_trains_like_the_runtime_route(device, tmp_path):
+    if matching_set() is None:
+        pytest.skip(f'no patch set in patches/ for megatron-core {installed_version()}')
     case = runner.CASES['dp2']
     if device == 'cuda' and runner.gpu_count() < case.world_size:
         pytest.fail(f'this test needs {case.world_size} GPUs, found {runner.gpu_count()}')

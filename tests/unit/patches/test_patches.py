@@ -3,6 +3,7 @@ megatron-core wheel, and the patched tree imports and has the flag, validation a
 
 from __future__ import annotations
 
+import collections
 import os
 import shutil
 import subprocess
@@ -14,36 +15,71 @@ import pytest
 from tests.unit.patches.tree import (
     REPO,
     apply,
+    if_installed_line_has_a_set,
     installed_megatron,
     installed_version,
+    installed_version_or_none,
     matching_set,
     patch_sets,
     patched_tree,
+    targets_version,
 )
 
+_INSTALLED = installed_version_or_none()
+# The set of the installed megatron-core line also runs in that line's environment (marker
+# ``line``); the other sets' cases are skipped wherever they run, so they carry no marker.
 ALL_PATCHES = [
-    pytest.param(patch_set, patch, id=f'{patch_set.name}/{patch.path.name}')
+    pytest.param(patch_set, patch, id=f'{patch_set.name}/{patch.path.name}',
+                 marks=[pytest.mark.line]
+                 if _INSTALLED and targets_version(patch_set, _INSTALLED) else [])
     for patch_set in patch_sets()
     for patch in patch_set.patches
 ]
+# Each megatron-core line with a patch set (core_r0.18.x and core_r0.19.x), and what each
+# patch of every set must change.
+LINES = ('0.18', '0.19')
+TARGETS = {
+    'megatron-training.patch': ('megatron/training/arguments.py', 'megatron/training/training.py'),
+    'megatron-core-optimizer.patch': ('megatron/core/optimizer/optimizer_config.py',
+                                      'megatron/core/optimizer/__init__.py'),
+}
 
 
+def _added_lines(patch) -> list:
+    return [line[1:] for line in patch.path.read_text().splitlines()
+            if line.startswith('+') and not line.startswith('+++')]
+
+
+@pytest.mark.line
 def test_patches_exist_for_training_and_core_optimizer():
     sets = {patch_set.name: patch_set for patch_set in patch_sets()}
-    assert 'megatron-core-0.19' in sets
-    targets = {t for patch in sets['megatron-core-0.19'].patches for t in patch.targets}
-    assert {
-        'megatron/training/arguments.py',
-        'megatron/training/training.py',
-        'megatron/core/optimizer/__init__.py',
-        'megatron/core/optimizer/optimizer_config.py',
-    } <= targets
+    for line in LINES:
+        name = f'megatron-core-{line}'
+        assert name in sets, sorted(sets)
+        patches = {patch.path.name: patch.targets for patch in sets[name].patches}
+        assert patches == TARGETS, (name, patches)
+
+
+@pytest.mark.line
+def test_patch_sets_add_the_same_hooks():
+    """Every set adds the same offload lines (flags, fields, helpers, calls into
+    megatron_offload.integration), as often: only where they go differs between the lines."""
+    def offload_lines(patch) -> collections.Counter:
+        return collections.Counter(text.strip() for text in _added_lines(patch)
+                                   if 'offload' in text.lower())
+
+    sets = {patch_set.version: patch_set for patch_set in patch_sets()}
+    reference = {patch.path.name: offload_lines(patch) for patch in sets[LINES[-1]].patches}
+    assert reference['megatron-training.patch'][
+        'from megatron_offload.integration.training import attach_for_training'] == 1
+    for line in LINES[:-1]:
+        assert {patch.path.name: offload_lines(patch) for patch in sets[line].patches} == reference
 
 
 @pytest.mark.parametrize('patch_set, patch', ALL_PATCHES)
 def test_patch_applies_cleanly_to_the_wheel_files(patch_set, patch, tmp_path):
     version = installed_version()
-    if not (version == patch_set.version or version.startswith(patch_set.version + '.')):
+    if not targets_version(patch_set, version):
         pytest.skip(f'{patch_set.name} targets megatron-core {patch_set.version}.x; '
                     f'megatron-core {version} is installed')
     site = installed_megatron()
@@ -100,10 +136,27 @@ _IMPORT_CHECK = textwrap.dedent('''
     before = training.train
     offload_training.patch_megatron()
     assert training.train is before and not offload_training.is_patched()
+
+    # 4. Each hook sits in its function, after what it must follow.
+    import inspect
+    def after(function, hook, anchor):
+        source = inspect.getsource(function)
+        assert hook in source, (function.__name__, hook)
+        assert source.index(hook) > source.rindex(anchor), (function.__name__, hook, anchor)
+    after(training.setup_model_and_optimizer, 'attach_for_training(optimizer, args)',
+          'get_megatron_optimizer(')
+    # train() must not set the finalize hook again after the prefetch wraps it.
+    after(training.train, 'install_prefetch(config, optimizer, args)',
+          'config.finalize_model_grads_func = ')
+    after(training.save_checkpoint_and_time,
+          'with _optimizer_state_offload_residency(optimizer, read_only=True):', '# Save checkpoint.')
+    after(training.training_log, 'log_for_megatron(iteration)', 'timers.log(timers_to_log')
+    after(training.train, 'with _optimizer_state_offload_residency():', 'if args.log_params_norm:')
     print('PATCHED TREE OK')
 ''')
 
 
+@if_installed_line_has_a_set(pytest.mark.line)
 def test_patched_tree_imports(tmp_path):
     if matching_set() is None:
         pytest.skip(f'no patch set for megatron-core {installed_version()}')

@@ -64,12 +64,35 @@ def installed_version() -> str:
     return f"{values['MAJOR']}.{values['MINOR']}.{values['PATCH']}"
 
 
+def targets_version(patch_set: PatchSet, version: str) -> bool:
+    """Whether ``patch_set`` is the one for megatron-core ``version`` ('0.18' for 0.18.2)."""
+    return version == patch_set.version or version.startswith(patch_set.version + '.')
+
+
+def installed_version_or_none() -> str | None:
+    """``installed_version()``, or None where no megatron-core is installed."""
+    try:
+        return installed_version()
+    except (ImportError, AttributeError, OSError):
+        return None
+
+
 def matching_set() -> PatchSet | None:
     version = installed_version()
     for patch_set in patch_sets():
-        if version == patch_set.version or version.startswith(patch_set.version + '.'):
+        if targets_version(patch_set, version):
             return patch_set
     return None
+
+
+def if_installed_line_has_a_set(mark):
+    """``mark`` (a decorator) where the installed megatron-core line has a set in patches/,
+    no-op elsewhere: ``@if_installed_line_has_a_set(pytest.mark.line)`` runs a test in the
+    environment of each line with a set, and leaves it out of 0.17's (which has none)."""
+    version = installed_version_or_none()
+    if version and any(targets_version(patch_set, version) for patch_set in patch_sets()):
+        return mark
+    return lambda function: function
 
 
 def apply(patch: Path, root: Path, *, check: bool) -> subprocess.CompletedProcess:
