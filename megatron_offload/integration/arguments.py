@@ -7,6 +7,10 @@ raises ``OffloadArgumentError`` (a ``ValueError``) for every combination that ca
 naming both flags and what to do instead. It reads only ``args``, so it runs (and fails)
 before any process group, model or optimizer exists, and it accepts the namespace both before
 and after Megatron's own ``validate_args`` (which derives some flags from others).
+
+A Megatron that defines ``--offload-optimizer-states`` itself (Megatron-LM ``dev``: an alias of
+its own chunked offloader) is handled in ``coexistence``: the flag selects megatron-offload's
+offloader and Megatron's stays off.
 """
 
 from __future__ import annotations
@@ -43,87 +47,88 @@ class OffloadArgumentError(ValueError):
     """A command line that optimizer-state offloading cannot run with."""
 
 
+def _flags() -> list:
+    """``(option, add_argument kwargs)`` of every flag this project adds."""
+    return [
+        (OFFLOAD_FLAG, dict(
+            action='store_true',
+            help='Keep the distributed optimizer\'s states (Adam\'s exp_avg and exp_avg_sq) and '
+            'fp32 master weights in host memory between optimizer steps: they are copied to the '
+            'host after each step, their device memory is freed, and they are copied back while '
+            'the gradients are reduced. The update itself still runs on the accelerator and '
+            'gives bitwise the same results. Requires --use-distributed-optimizer and '
+            '--optimizer adam; not with --optimizer-cpu-offload, which runs Adam on the CPU.',
+        )),
+        ('--no-offload-moments', dict(
+            action='store_false',
+            dest='offload_moments',
+            help='With --offload-optimizer-states: keep Adam\'s moments (exp_avg, exp_avg_sq) '
+            'on the accelerator and offload only the fp32 master weights (needs --bf16 or '
+            '--fp16, without which there are no separate master weights).',
+        )),
+        ('--no-offload-master-weights', dict(
+            action='store_false',
+            dest='offload_master_weights',
+            help='With --offload-optimizer-states: keep the fp32 master weights on the '
+            'accelerator and offload only the optimizer states.',
+        )),
+        ('--no-offload-release-master-grads', dict(
+            action='store_false',
+            dest='offload_release_master_grads',
+            help='With --offload-optimizer-states: keep the .grad of the fp32 master-weight '
+            'shards between steps instead of dropping it after the step (zero_grad drops it '
+            'before the next backward anyway).',
+        )),
+        ('--no-offload-prefetch', dict(
+            action='store_false',
+            dest='offload_prefetch',
+            help='With --offload-optimizer-states: do not start copying the states back in '
+            'finalize_model_grads (overlapping the gradient reduction); copy them back when '
+            'the optimizer step starts instead.',
+        )),
+        (CHUNKED_FLAG, dict(
+            type=int,
+            default=None,
+            dest='offload_chunked_update_bytes',
+            metavar='BYTES',
+            help='With --offload-optimizer-states: keep Adam\'s moments in host memory during the '
+            'optimizer step too, and stream them through device slots taking at most BYTES in all '
+            '(for example 1073741824 for 1 GiB), a few parameters at a time, so that the update '
+            'needs BYTES of device memory for them instead of their whole size. Bitwise the same '
+            'results. Each parameter shard\'s moments must fit in half of BYTES.',
+        )),
+        (PIECE_FLAG, dict(
+            type=int,
+            default=None,
+            dest='offload_max_piece_mb',
+            metavar='MIB',
+            help='With --offload-optimizer-states: the largest device storage the offloader frees '
+            'and regrows as one, in MiB (default 256). Each piece\'s memory becomes reusable by '
+            'the caching allocator as soon as its own copy to the host is done; smaller pieces '
+            'free memory sooner and fragment less, at a few microseconds of copy launch each.',
+        )),
+        ('--no-log-offload-stats', dict(
+            action='store_false',
+            dest='log_offload_stats',
+            help='With --offload-optimizer-states: do not print the offloaded/host GiB and '
+            'copy milliseconds at each --log-interval (nor write them to TensorBoard/W&B).',
+        )),
+    ]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``--offload-optimizer-states`` and its tuning flags to ``parser``; returns it.
 
     Usable as Megatron's ``extra_args_provider``. Adding them twice to the same parser is a
-    no-op (so a script's own provider and ``patch_megatron()`` do not collide).
+    no-op (so a script's own provider and ``patch_megatron()`` do not collide). A Megatron that
+    defines ``--offload-optimizer-states`` itself (an alias of its own offloader) keeps its
+    action, which megatron-offload takes over; the tuning flags are added all the same. Any
+    other flag or dest Megatron already defines is an ``OffloadArgumentError`` (see
+    ``coexistence``), never argparse's conflict.
     """
-    if OFFLOAD_FLAG in parser._option_string_actions:
-        return parser
-    group = parser.add_argument_group(title='optimizer state offloading (megatron-offload)')
-    group.add_argument(
-        OFFLOAD_FLAG,
-        action='store_true',
-        help='Keep the distributed optimizer\'s states (Adam\'s exp_avg and exp_avg_sq) and '
-        'fp32 master weights in host memory between optimizer steps: they are copied to the '
-        'host after each step, their device memory is freed, and they are copied back while '
-        'the gradients are reduced. The update itself still runs on the accelerator and '
-        'gives bitwise the same results. Requires --use-distributed-optimizer and '
-        '--optimizer adam; not with --optimizer-cpu-offload, which runs Adam on the CPU.',
-    )
-    group.add_argument(
-        '--no-offload-moments',
-        action='store_false',
-        dest='offload_moments',
-        help='With --offload-optimizer-states: keep Adam\'s moments (exp_avg, exp_avg_sq) '
-        'on the accelerator and offload only the fp32 master weights (needs --bf16 or '
-        '--fp16, without which there are no separate master weights).',
-    )
-    group.add_argument(
-        '--no-offload-master-weights',
-        action='store_false',
-        dest='offload_master_weights',
-        help='With --offload-optimizer-states: keep the fp32 master weights on the '
-        'accelerator and offload only the optimizer states.',
-    )
-    group.add_argument(
-        '--no-offload-release-master-grads',
-        action='store_false',
-        dest='offload_release_master_grads',
-        help='With --offload-optimizer-states: keep the .grad of the fp32 master-weight '
-        'shards between steps instead of dropping it after the step (zero_grad drops it '
-        'before the next backward anyway).',
-    )
-    group.add_argument(
-        '--no-offload-prefetch',
-        action='store_false',
-        dest='offload_prefetch',
-        help='With --offload-optimizer-states: do not start copying the states back in '
-        'finalize_model_grads (overlapping the gradient reduction); copy them back when '
-        'the optimizer step starts instead.',
-    )
-    group.add_argument(
-        CHUNKED_FLAG,
-        type=int,
-        default=None,
-        dest='offload_chunked_update_bytes',
-        metavar='BYTES',
-        help='With --offload-optimizer-states: keep Adam\'s moments in host memory during the '
-        'optimizer step too, and stream them through device slots taking at most BYTES in all '
-        '(for example 1073741824 for 1 GiB), a few parameters at a time, so that the update '
-        'needs BYTES of device memory for them instead of their whole size. Bitwise the same '
-        'results. Each parameter shard\'s moments must fit in half of BYTES.',
-    )
-    group.add_argument(
-        PIECE_FLAG,
-        type=int,
-        default=None,
-        dest='offload_max_piece_mb',
-        metavar='MIB',
-        help='With --offload-optimizer-states: the largest device storage the offloader frees '
-        'and regrows as one, in MiB (default 256). Each piece\'s memory becomes reusable by '
-        'the caching allocator as soon as its own copy to the host is done; smaller pieces '
-        'free memory sooner and fragment less, at a few microseconds of copy launch each.',
-    )
-    group.add_argument(
-        '--no-log-offload-stats',
-        action='store_false',
-        dest='log_offload_stats',
-        help='With --offload-optimizer-states: do not print the offloaded/host GiB and '
-        'copy milliseconds at each --log-interval (nor write them to TensorBoard/W&B).',
-    )
-    return parser
+    from .coexistence import add_flags
+
+    return add_flags(parser, _flags(), 'optimizer state offloading (megatron-offload)')
 
 
 def offload_enabled(args) -> bool:
@@ -156,6 +161,8 @@ def validate_args(args) -> None:
 
     A no-op without ``--offload-optimizer-states``, except that the tuning flags are refused
     without it. Reads attributes with defaults, so namespaces from other parsers work too.
+    With it, Megatron's own offloader (``--chunked-optimizer-state-offload``) and its tuning
+    flags are refused first.
     """
     enabled = offload_enabled(args)
     if not enabled:
@@ -171,6 +178,10 @@ def validate_args(args) -> None:
             )
         return
 
+    # A Megatron with an offloader of its own: never both (before anything else is judged).
+    from .coexistence import refuse_conflicts
+
+    refuse_conflicts(args)
     if getattr(args, 'optimizer_cpu_offload', False):
         _refuse(
             f'{OFFLOAD_FLAG} and --optimizer-cpu-offload are mutually exclusive: '

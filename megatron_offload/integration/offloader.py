@@ -71,6 +71,18 @@ def refuse_unsupported(distrib_optimizer) -> None:
             "(optimizer._state_offloader), or call its detach() before attaching again."
         )
     config = getattr(distrib_optimizer, "config", None)
+    if getattr(distrib_optimizer, "_optimizer_state_offloader", None) is not None or (
+        getattr(config, "chunked_optimizer_state_offload", False)
+        and getattr(config, "optimizer_state_offload_fraction", 1.0) > 0.0
+    ):
+        # Megatron-LM's development line has an offloader of its own; two would each move and
+        # free the same states.
+        raise ValueError(
+            "Megatron's own chunked optimizer-state offloader manages this optimizer "
+            "(OptimizerConfig.chunked_optimizer_state_offload, --chunked-optimizer-state-offload, "
+            "or the deprecated OptimizerConfig.offload_optimizer_states); only one offloader may "
+            "manage the optimizer states. Build the optimizer without it to use this one."
+        )
     if getattr(config, "optimizer_cpu_offload", False):
         raise ValueError(
             "optimizer-state offloading cannot be combined with optimizer_cpu_offload "
