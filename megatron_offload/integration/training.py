@@ -14,6 +14,8 @@ It replaces a few module globals that megatron.training looks up at call time:
 ``arguments.add_megatron_arguments``                 also adds this project's flags
 ``arguments.validate_args``                          refuses impossible combinations, before
                                                      and after Megatron's own checks
+``training.get_megatron_optimizer_config``           never enables Megatron's own offloader
+                                                     (``coexistence``: only one offloader runs)
 ``training.setup_model_and_optimizer``               ``attach`` to the optimizer it returns
 ``training.train``                                   wraps ``config.finalize_model_grads_func``
                                                      (keeping one a builder set) so the reload
@@ -47,6 +49,7 @@ import functools
 import inspect
 import weakref
 
+from . import coexistence
 from .arguments import add_arguments, config_from_args, offload_enabled, validate_args
 from .attach import attach
 
@@ -112,19 +115,24 @@ def attach_for_training(optimizer, args):
 
     Returns None without ``--offload-optimizer-states`` or without an optimizer
     (``--skip-train``). An offloader already attached (for example by a patched
-    ``get_megatron_optimizer``) is reused.
+    ``get_megatron_optimizer``) is reused. Refuses (``OffloadArgumentError``) an optimizer that
+    Megatron's own offloader manages: never two offloaders.
     """
     if optimizer is None or not offload_enabled(args):
         return None
+    coexistence.refuse_enabled_optimizer(optimizer)
     offloader = find_offloader(optimizer)
     if offloader is None:
         offloader = attach(optimizer, config_from_args(args))
-        _print_rank_0(
+        line = (
             '> optimizer-state offloading: '
             f'{len(offloader.engines)} distributed optimizer(s); states are kept in host '
             'memory between optimizer steps'
             + ('' if getattr(args, 'offload_prefetch', True) else ' (no prefetch)')
         )
+        if coexistence.megatron_has_own_offloader(args, optimizer=optimizer):
+            line += '. ' + coexistence.KEPT_OFF_NOTE
+        _print_rank_0(line)
     if not any(o is offloader for o in _active_offloaders()):
         _ATTACHED.append(weakref.ref(offloader))
     return offloader
@@ -352,11 +360,26 @@ def _wrap_validate_args(original):
     @functools.wraps(original)
     def megatron_validate_args(args, *rest, **kwargs):
         validate_args(args)  # clear messages before Megatron's own assertions
-        result = original(args, *rest, **kwargs)
+        # A Megatron that reads the flag as its own offloader's alias does not see it.
+        with coexistence.alias_hidden(args):
+            result = original(args, *rest, **kwargs)
         validate_args(args)  # and for what Megatron derived (FSDP, --freeze-all-layers, ...)
         return result
 
     return megatron_validate_args
+
+
+def _wrap_optimizer_config(original, module):
+    @functools.wraps(original)
+    def get_megatron_optimizer_config(args, *rest, **kwargs):
+        # OptimizerConfig(offload_optimizer_states=True) would turn Megatron's offloader on.
+        with coexistence.alias_hidden(args, getattr(module, 'OptimizerConfig', None)):
+            result = original(args, *rest, **kwargs)
+        config = result[0] if isinstance(result, tuple) else result
+        coexistence.refuse_enabled_config(args, config)
+        return result
+
+    return get_megatron_optimizer_config
 
 
 def _wrap_setup_model_and_optimizer(original):
@@ -366,6 +389,8 @@ def _wrap_setup_model_and_optimizer(original):
         megatron_args = _get_args()
         if offload_enabled(megatron_args):
             attach_for_training(result[1], megatron_args)
+        elif coexistence.megatron_offloader_enabled(result[1]):
+            _print_rank_0(coexistence.MEGATRON_ACTIVE_LINE)
         return result
 
     return setup_model_and_optimizer
@@ -385,10 +410,17 @@ def _wrap_train(original, module):
         if not install_prefetch(config, optimizer, _get_args()):
             config.finalize_model_grads_func = previous
             return original(*args, **kwargs)
+        # megatron.training 0.17 and 0.18 assign the module's finalize_model_grads to the config
+        # in train() unconditionally (the only use of that name): wrap the name for the call.
+        default = getattr(module, 'finalize_model_grads', None)
+        if default is not None:
+            module.finalize_model_grads = prefetching_finalize(default, find_offloader(optimizer))
         try:
             return original(*args, **kwargs)
         finally:
             config.finalize_model_grads_func = previous
+            if default is not None:
+                module.finalize_model_grads = default
 
     return train
 
@@ -451,6 +483,9 @@ def patch_megatron() -> None:
         return  # a source tree with patches/ applied already has every hook
     _replace(arguments_module, 'add_megatron_arguments', _wrap_add_megatron_arguments)
     _replace(arguments_module, 'validate_args', _wrap_validate_args)
+    if hasattr(training_module, 'get_megatron_optimizer_config'):
+        _replace(training_module, 'get_megatron_optimizer_config',
+                 lambda f: _wrap_optimizer_config(f, training_module))
     _replace(training_module, 'setup_model_and_optimizer', _wrap_setup_model_and_optimizer)
     _replace(training_module, 'train', lambda f: _wrap_train(f, training_module))
     _replace(training_module, 'save_checkpoint',

@@ -181,6 +181,33 @@ def test_prefetch_wraps_finalize_and_restores_it(megatron_args, builder_hook):
     assert config.finalize_model_grads_func is before  # restored after train()
 
 
+def test_prefetch_survives_a_train_that_assigns_the_default(megatron_args):
+    """megatron.training 0.17 and 0.18: train() assigns the module's finalize_model_grads to
+    the config whatever was there; the prefetch must still run, and the name is restored."""
+    events = []
+    optimizer = FakeOptimizer(FakeOffloader(events))
+
+    def finalize_model_grads(*args, **kwargs):
+        events.append('default finalize')
+
+    module = argparse.Namespace(finalize_model_grads=finalize_model_grads)
+
+    def train_018(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator,
+                  valid_data_iterator, process_non_loss_data_func, config, checkpointing_context,
+                  non_loss_data_func, inference_model=None, p2p_communicator=None,
+                  pg_collection=None):
+        config.finalize_model_grads_func = module.finalize_model_grads  # unconditionally
+        for _ in range(2):
+            config.finalize_model_grads_func()
+        return 'trained'
+
+    config = argparse.Namespace(finalize_model_grads_func=None)
+    assert _call_train(hooks._wrap_train(train_018, module), optimizer, config) == 'trained'
+    assert events == ['reload', 'default finalize', 'default finalize']
+    assert module.finalize_model_grads is finalize_model_grads
+    assert config.finalize_model_grads_func is None
+
+
 def test_no_prefetch_flag_and_idempotent_install(megatron_args):
     events = []
     optimizer = FakeOptimizer(FakeOffloader(events))
