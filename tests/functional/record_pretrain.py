@@ -112,6 +112,11 @@ class Recorder:
                 'skipped': int(skipped_iter),
                 'expected_offload_bytes': _expected_offload_bytes(optimizer),
                 'offloader': None,
+                # Megatron's own offloader (Megatron-LM dev's chunked one), where the line has it.
+                'megatron_own_offloader': any(
+                    getattr(dopt, '_optimizer_state_offloader', None) is not None
+                    for dopt in _distributed_optimizers(optimizer)
+                ),
             }
             if offloader is not None:
                 stats = offloader.stats()

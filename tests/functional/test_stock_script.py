@@ -61,6 +61,13 @@ def test_stock_pretrain_gpt_trains_bitwise_like_without_offloading(case_name):
             assert stats is not None and stats['is_offloaded'], entry
             assert stats['offloaded_bytes'] == entry['expected_offload_bytes'] > 0, entry
         assert all(e['offloader'] is None for e in off.ranks[rank]['iterations'])
+        # Exactly one offloader: never Megatron's own beside ours (Megatron-LM dev reads
+        # --offload-optimizer-states as an alias of its chunked offloader).
+        assert not any(e['megatron_own_offloader'] for e in on.ranks[rank]['iterations'])
+    arguments = (tree / 'megatron' / 'training' / 'arguments.py').read_text()
+    if '--chunked-optimizer-state-offload' in arguments:
+        said = "megatron-offload's offloader is active and Megatron's own chunked"
+        assert on.log.count(said) == 1, on.log[-3000:]
     last = on.ranks[-1]['iterations']
     print(f'{tree}: lm loss per iteration '
           + ', '.join(repr(float.fromhex(e['lm_loss'])) for e in last))
