@@ -12,9 +12,11 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron_offload", "megatron_offload.*"]),
+    # The oldest versions that ran (README, "Tested with"): Python 3.10 with torch 2.6.0 and
+    # megatron-core 0.16.1 (the smoke set); torch 2.6.0 is also the oldest megatron-core allows.
     python_requires=">=3.10",
     # torch and megatron-core are the user's: any megatron-core from 0.16.1 on is supported.
-    install_requires=["torch>=2.5", "megatron-core>=0.16.1"],
+    install_requires=["torch>=2.6", "megatron-core>=0.16.1"],
     extras_require={"test": ["pytest", "pytest-timeout", "psutil", "coverage"]},
     license="Apache-2.0",
 )

@@ -51,6 +51,17 @@ WRITE_GOLDEN_ENV = 'MEGATRON_OFFLOAD_WRITE_GOLDEN'
 # 1e-3 is 4x the largest drift seen, and every iteration the subtlest of those bugs touches
 # is outside it in both figures (by 2.7x at least, 11x at most).
 RTOL = 1e-3
+# Another torch release is another set of kernels (initialization, reductions): with torch
+# 2.8.0 the dp2 run differs from the torch 2.13.0 file by 3.6e-3 relative in the lm loss of
+# iteration 1 and by 4.7e-2 in the grad norm of iteration 5 (measured; on-vs-off stays
+# bitwise). No tolerance covers that and still catches the bugs above, so a file written with
+# another torch release (major.minor) has its per-iteration values left out, with the reason
+# printed; skipped flags, byte counts and save iterations are still compared exactly.
+
+
+def torch_release(version: str) -> str:
+    """'2.13' for '2.13.0+cu130'."""
+    return '.'.join(version.split('+')[0].split('.')[:2])
 
 SECTIONS = ('iterations', 'optimizer_state_bytes_per_rank', 'saves_per_rank')
 PLATFORM_KEYS = ('vendor', 'model', 'capability', 'torch', 'megatron-core')
@@ -258,7 +269,16 @@ def compare(actual: dict, golden: dict, current: dict, *, sections=SECTIONS,
     exact = written_on == current
     problems: list = []
     left_out = None
+    values_left_out = None
     if 'iterations' in sections:
+        theirs = (written_on or {}).get('torch', '?')
+        if not exact and torch_release(theirs) != torch_release(current.get('torch', '?')):
+            values_left_out = (
+                f'lm loss and grad norm not compared: the golden file was written with torch '
+                f'{theirs}, this run uses torch {current.get("torch")} (another release computes '
+                f'other values; see golden_values.torch_release)'
+            )
+            rtol = float('inf')  # skipped flags and the iteration count are still compared
         problems += _compare_iterations(actual['iterations'], golden['iterations'], exact, rtol)
     if 'optimizer_state_bytes_per_rank' in sections:
         # Sizes, not values: the same on every platform.
@@ -281,7 +301,9 @@ def compare(actual: dict, golden: dict, current: dict, *, sections=SECTIONS,
                                 f'golden {want_iterations}')
             if any(want_iterations):
                 compared = ['save iterations exactly']
-                if 'iterations' in sections:
+                if 'iterations' in sections and values_left_out:
+                    compared.insert(0, 'skipped flags exactly')
+                elif 'iterations' in sections:
                     compared.insert(0, f'lm loss and grad norm with rtol {rtol:g}, skipped '
                                        f'flags exactly')
                 if 'optimizer_state_bytes_per_rank' in sections:
@@ -292,6 +314,8 @@ def compare(actual: dict, golden: dict, current: dict, *, sections=SECTIONS,
                     f'where the optimizer state differs in the last bits; compared instead: '
                     + '; '.join(compared)
                 )
+    if values_left_out:
+        left_out = values_left_out + ('; ' + left_out if left_out else '')
     return Comparison(exact=exact, mismatches=problems, digests_left_out=left_out)
 
 

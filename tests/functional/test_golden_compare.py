@@ -244,3 +244,22 @@ def test_golden_files_one_per_case_with_their_platform():
 def test_each_megatron_line_has_its_own_golden_file(version, line, name):
     assert golden_values.megatron_line(version) == line
     assert golden_values.golden_path('dp2', 'cpu', line).name == name
+
+
+def test_another_torch_release_leaves_the_values_out_and_says_why():
+    golden = _golden()
+    actual = _scale(_actual(golden), 1, 'lm_loss', 1 + 3.6e-3)  # torch 2.8.0 vs 2.13.0
+    _scale(actual, 3, 'grad_norm', 1 + 4.7e-2)
+    other_torch = dict(HERE, torch='2.8.0+cu128')
+    result = golden_values.compare(actual, golden, other_torch)
+    assert result.ok, result.mismatches
+    assert 'lm loss and grad norm not compared' in result.digests_left_out
+    assert '2.8.0+cu128' in result.digests_left_out and '2.13.0+cu130' in result.digests_left_out
+    # What does not depend on the kernels is still compared exactly.
+    flipped = _actual(golden)
+    flipped['iterations'][1]['skipped'] = 1 - flipped['iterations'][1]['skipped']
+    assert not golden_values.compare(flipped, golden, other_torch).ok
+    # The same torch release with another build or patch number: the tolerance applies.
+    patch_release = dict(ELSEWHERE, torch='2.13.1')
+    assert not golden_values.compare(actual, golden, patch_release).ok
+    assert golden_values.torch_release('2.13.0+cu130') == '2.13'
