@@ -7,9 +7,10 @@ tensor with its own storage as the optimizer creates them, yielded in the adapte
 (masters first, then the states parameter by parameter). Sizes vary from parameter to
 parameter (a fixed-seed draw) so that nothing depends on uniform tensors.
 
-The engine is given the same kind of state fingerprint the offloader gives it (the number of
-state entries), when the engine accepts one; ``fingerprint=False`` makes it walk every
-tensor at every offload, which is what the first offload after a checkpoint load costs.
+The engine is given the state fingerprint the offloader gives it (``StateWatch``, which
+looks at the containers and at the state dicts that may still grow, in O(groups)), when the
+engine accepts one; ``fingerprint=False`` makes it walk every tensor at every offload, which
+is what the first offload after a checkpoint load costs.
 
 ``EngineBench`` drives one ``OffloadEngine`` through the cycle the attached offloader runs
 around each step, minus the update itself:
@@ -23,11 +24,13 @@ from __future__ import annotations
 
 import inspect
 import statistics
+import types
 from dataclasses import dataclass, field
 
 import torch
 
 from megatron_offload.adapters import OPTIMIZER_STATES, PRIMARY_WEIGHTS
+from megatron_offload.adapters.state_watch import StateWatch
 from megatron_offload.device import device_for
 from megatron_offload.engine import OffloadEngine
 
@@ -89,6 +92,11 @@ class SyntheticAdamState:
             }
         self.nbytes = sum(numels) * per_element
         self.n_params = n_params
+        # Shaped like a DistributedOptimizer for the offloader's fingerprint: an inner
+        # optimizer with param groups and a state mapping, and the masters beside it.
+        self.optimizer = types.SimpleNamespace(state=self.state, param_groups=[{"params": list(self.state)}])
+        self.shard_fp32_from_float16_groups = [self.masters]
+        self.fingerprint = StateWatch(self)
 
     @property
     def n_tensors(self) -> int:
@@ -107,11 +115,6 @@ class SyntheticAdamState:
         for entries in self.state.values():
             yield OPTIMIZER_STATES, entries["exp_avg"]
             yield OPTIMIZER_STATES, entries["exp_avg_sq"]
-
-    def fingerprint(self):
-        """Changes when state entries are created, as the offloader's fingerprint does."""
-        state = self.state
-        return len(state), sum(map(len, state.values()))
 
 
 def engine_accepts_fingerprint() -> bool:

@@ -27,6 +27,7 @@ from .timing import machine
 TARGET_HOST_RATIO = 1.01
 TARGET_FLOOR_RATIO = 1.25
 TARGET_BOOKKEEPING_S = 1e-3
+TARGET_BOOKKEEPING_GROWTH = 3.0  # bookkeeping at --scale x the parameters, against --bookkeeping-params
 MiB = 1 << 20
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -272,17 +273,34 @@ def targets(results: dict, args) -> list[tuple[str, str, bool | None]]:
                          f"{cvf['ratio_of_medians']:.3f}x (cycle {_ms(cvf['cycle']['median'])}, floor "
                          f"{_ms(cvf['floor']['median'])}, {cvf['repeats']} pairs)",
                          cvf["ratio_of_medians"] <= TARGET_FLOOR_RATIO))
-        book = []
+        book, growth, shown = [], [], []
         if eng:
-            b = eng["bookkeeping"][f"steady/{args.bookkeeping_params}"]
-            book.append((f"engine {b['n_params']} params ({b['n_tensors']} tensors)", b["bookkeeping"]["median"]))
+            steady = [eng["bookkeeping"][f"steady/{n}"]
+                      for n in (args.bookkeeping_params, args.bookkeeping_params * args.scale)]
+            for b in steady:
+                book.append((f"engine {b['n_params']} params ({b['n_tensors']} tensors)", b["bookkeeping"]["median"]))
+            growth.append((f"engine {steady[0]['n_params']} -> {steady[1]['n_params']} params",
+                           steady[0]["bookkeeping"]["median"], steady[1]["bookkeeping"]["median"]))
         if meg:
             for rank, runs in enumerate(meg["scaling"]):
                 r = runs[-1]
                 book.append((f"offloader rank {rank} {r['model_param_tensors']} param tensors "
                              f"({r['layout']['tensors']} tensors)", r["bookkeeping"]["no_function_mode"]["median"]))
+                if len(runs) > 1:
+                    shown.append((f"offloader rank {rank} {runs[0]['model_param_tensors']} -> "
+                                  f"{r['model_param_tensors']} param tensors",
+                                  runs[0]["bookkeeping"]["no_function_mode"]["median"],
+                                  r["bookkeeping"]["no_function_mode"]["median"]))
         rows.append((f"{prefix}bookkeeping < 1 ms per cycle", "; ".join(f"{k} {_ms(v)}" for k, v in book),
                      all(v < TARGET_BOOKKEEPING_S for _, v in book)))
+        if growth:
+            # Judged on the engine's one-element tensors: the tiny MLPs' state at 20,000
+            # parameters is 15 MB, whose copies evict the interpreter's data from the caches
+            # (see the README's caveats); their figures are shown, not judged.
+            rows.append((f"{prefix}bookkeeping per cycle independent of the parameter count (engine: <= "
+                         f"{TARGET_BOOKKEEPING_GROWTH}x for {args.scale}x the parameters)",
+                         "; ".join(f"{k}: {_ms(a)} -> {_ms(b)} ({b / a:.1f}x)" for k, a, b in growth + shown),
+                         all(b <= TARGET_BOOKKEEPING_GROWTH * a for _, a, b in growth)))
     for row in results.get("modelled") or []:
         if row["layout"] != "pieces":
             continue

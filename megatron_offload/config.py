@@ -67,6 +67,16 @@ class OffloadConfig:
     pieces mean finer reuse but more copies per cycle (bytes / piece + groups per direction,
     a few microseconds of launch each); see the README's "Memory on a real GPU"."""
 
+    stream_priority: int = 0
+    """Priority of the offloader's side streams (the D2H and H2D copies), in CUDA's
+    convention: 0, the default, is the lowest priority and that of torch's compute stream
+    and NCCL's collectives (unless NCCL is asked for high-priority streams); negative numbers
+    are higher, and the device clamps them to its range (``torch.cuda.Stream.priority_range()``).
+    A scheduling hint: the device prefers pending work of higher-priority streams, it never
+    preempts running work. The streams are the offloader's own whatever the priority (created
+    with cuda-python, never taken from torch's stream pool that ProcessGroupNCCL shares; see
+    ``megatron_offload/device/accelerator.py``)."""
+
     per_optimizer: dict[int, dict[str, bool]] | None = None
     """Overrides of ``offload_optimizer_states`` / ``offload_primary_weights`` for single
     optimizers of a ChainedOptimizer, by index in ``chained_optimizers`` (for example
@@ -114,6 +124,12 @@ class OffloadConfig:
             raise ValueError(
                 f"OffloadConfig.max_piece_bytes must be a positive number of bytes (int > 0), got "
                 f"{piece!r}; the default is {256 << 20} (256 MiB)."
+            )
+        priority = self.stream_priority
+        if isinstance(priority, bool) or not isinstance(priority, int) or priority > 0:
+            raise ValueError(
+                f"OffloadConfig.stream_priority must be an int <= 0, got {priority!r}: 0 (the "
+                "default) is the lowest CUDA stream priority, negative numbers are higher."
             )
         slots = self.chunked_update_slots
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:

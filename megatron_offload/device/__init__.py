@@ -8,13 +8,14 @@ from .base import Device
 from .cpu import CPUDevice
 
 
-def device_for(tensor_device: torch.device) -> Device:
-    """The ``Device`` that offloads tensors living on ``tensor_device``."""
+def device_for(tensor_device: torch.device, *, stream_priority: int = 0) -> Device:
+    """The ``Device`` that offloads tensors living on ``tensor_device``; ``stream_priority``
+    is that of its side streams (``OffloadConfig.stream_priority``; a CPU has none)."""
     if tensor_device.type == "cpu":
         return CPUDevice()
     from .accelerator import AcceleratorDevice
 
-    return AcceleratorDevice(tensor_device)
+    return AcceleratorDevice(tensor_device, stream_priority=stream_priority)
 
 
 __all__ = ["Device", "CPUDevice", "device_for"]

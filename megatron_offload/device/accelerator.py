@@ -2,14 +2,16 @@
 
 This is the only module that issues asynchronous work. It is written against the
 generic torch device module (``torch.get_device_module``), so the same code serves
-CUDA and other stream-based accelerators; the single CUDA-specific call is the exact-size
-pinning of host buffers (see ``host_buffer``).
+CUDA and other stream-based accelerators; the CUDA-specific parts are the exact-size
+pinning of host buffers (see ``host_buffer``) and the private side streams (see
+``private_cuda_stream``).
 
 Nothing here runs in CI (there is no accelerator there): keep it small and obvious.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -22,12 +24,14 @@ class AcceleratorDevice(Device):
 
     is_accelerator = True
 
-    def __init__(self, torch_device: torch.device) -> None:
+    def __init__(self, torch_device: torch.device, *, stream_priority: int = 0) -> None:
         if torch_device.index is None:
             module = torch.get_device_module(torch_device.type)
             torch_device = torch.device(torch_device.type, module.current_device())
         self.torch_device = torch_device
         self._module = torch.get_device_module(torch_device.type)
+        #: Priority of the side streams (``OffloadConfig.stream_priority``).
+        self.stream_priority = stream_priority
 
     # ----------------------------------------------------------------- memory
     def host_buffer(self, nbytes: int) -> torch.Tensor:
@@ -54,7 +58,13 @@ class AcceleratorDevice(Device):
         return self._module.current_stream(self.torch_device)
 
     def new_stream(self):
-        return self._module.Stream(device=self.torch_device)
+        """A side stream of this offloader's own, on its device (see ``private_cuda_stream``);
+        where none can be made, one from torch's shared pool, with a one-time warning."""
+        stream, reason = private_cuda_stream(self._module, self.torch_device, self.stream_priority)
+        if stream is not None:
+            return stream
+        _warn_shared_pool(reason)
+        return self._module.Stream(device=self.torch_device, priority=self.stream_priority)
 
     def use_stream(self, stream):
         return self._module.stream(stream)
@@ -84,3 +94,99 @@ class AcceleratorDevice(Device):
 
     def memory_allocated(self):
         return self._module.memory_allocated(self.torch_device)
+
+
+# ------------------------------------------------------------------ private side streams
+# Why the side streams are created here and not with ``torch.cuda.Stream()``: that constructor
+# (torch/csrc/cuda/Stream.cpp, THCPStream_pynew) returns ``c10::cuda::getStreamFromPool``,
+# a round-robin pick among 32 streams per device and priority that torch creates once
+# (c10/cuda/CUDAStream.cpp), and ProcessGroupNCCL takes its collective streams from the same
+# pool (``getStreamFromPool(is_high_priority_stream)``). An offloader copy and a parameter
+# all-gather or gradient reduce-scatter can therefore land on one CUDA stream, where the
+# collective queues behind a D2H of gigabytes. torch (2.13) has no constructor for a stream
+# outside the pool; it wraps a stream someone else made with ``torch.cuda.ExternalStream``
+# (``getStreamFromExternal``), which does not own it. ``torch.cuda.cudart()`` does bind
+# ``cudaStreamCreate``, but that makes a *blocking* stream, which synchronizes with the legacy
+# default stream that Megatron computes on, so the copies would no longer overlap anything.
+#
+# So: cuda-python's ``cudaStreamCreateWithPriority(cudaStreamNonBlocking, priority)`` (the
+# call and flags torch uses for its pool), with the optimizer's device current, wrapped in
+# ``torch.cuda.ExternalStream``. torch never hands that stream to anyone else, so it is
+# private to the offloader. Without cuda-python, on ROCm or other accelerators, or if the call
+# fails, ``AcceleratorDevice.new_stream`` falls back to a pooled stream (with the same
+# priority) and warns once per process: correct, just shareable.
+#
+# Lifetime: the stream belongs to its ExternalStream wrapper, which the engine keeps for its
+# whole life. When the last reference goes (the offloader was detached and dropped), a
+# finalizer first waits until everything queued on the stream has run, then destroys it.
+# The caching allocator may still record an event on a stream a block was announced to with
+# ``record_stream`` when that block is freed; the engine frees every block right after
+# announcing it (rule 2), so no announced block outlives the stream. At interpreter exit the
+# stream is not destroyed (as torch leaks its pool): the CUDA runtime may already be gone,
+# and the driver reclaims it with the process.
+
+_shared_pool_warned = False
+
+
+def _cuda_runtime():
+    """cuda-python's runtime bindings (``cuda.bindings.runtime``; ``cuda.cudart`` before
+    cuda-python 12.6), or None when cuda-python is not installed."""
+    try:
+        from cuda.bindings import runtime
+
+        return runtime
+    except ImportError:
+        pass
+    try:
+        from cuda import cudart
+
+        return cudart
+    except ImportError:
+        return None
+
+
+def private_cuda_stream(module, torch_device: torch.device, priority: int):
+    """``(stream, None)``: a new non-blocking CUDA stream of ``priority`` on ``torch_device``
+    that no one else uses, as a ``torch.cuda.ExternalStream``; or ``(None, reason)``."""
+    if torch_device.type != "cuda":
+        return None, f"private streams are made for CUDA devices only, not {torch_device.type!r}"
+    if getattr(torch.version, "hip", None):
+        return None, "cuda-python cannot create HIP streams (ROCm build of torch)"
+    runtime = _cuda_runtime()
+    if runtime is None:
+        return None, "cuda-python is not installed (pip install cuda-bindings)"
+    try:
+        with module.device(torch_device):  # the stream belongs to the current device
+            err, handle = runtime.cudaStreamCreateWithPriority(runtime.cudaStreamNonBlocking, priority)
+    except Exception as error:  # e.g. cuda-python built for a newer CUDA than the driver's
+        return None, f"cudaStreamCreateWithPriority raised {error!r}"
+    if int(err) != 0:
+        return None, f"cudaStreamCreateWithPriority failed with {err!r}"
+    try:
+        stream = module.ExternalStream(int(handle), device=torch_device)
+    except Exception as error:
+        runtime.cudaStreamDestroy(handle)  # nothing was queued on it yet
+        return None, f"torch.cuda.ExternalStream refused the stream: {error!r}"
+    weakref.finalize(stream, _destroy_stream, runtime, handle).atexit = False
+    return stream, None
+
+
+def _destroy_stream(runtime, handle) -> None:
+    """Finalizer of a private stream's wrapper: never destroy it while work is queued."""
+    runtime.cudaStreamSynchronize(handle)
+    runtime.cudaStreamDestroy(handle)
+
+
+def _warn_shared_pool(reason: str) -> None:
+    global _shared_pool_warned
+    if _shared_pool_warned:
+        return
+    _shared_pool_warned = True
+    warnings.warn(
+        f"megatron-offload: no private side streams ({reason}); using streams from torch's "
+        "shared stream pool, which ProcessGroupNCCL also draws from, so a collective may queue "
+        "behind an optimizer-state copy. Install cuda-python (pip install cuda-bindings) for "
+        "streams of the offloader's own.",
+        RuntimeWarning,
+        stacklevel=3,
+    )

@@ -69,7 +69,8 @@ class Device(abc.ABC):
 
     @abc.abstractmethod
     def new_stream(self) -> Stream:
-        """A side stream for copies."""
+        """A new side stream for copies, used by nothing but the caller (each call makes
+        another): a collective must never queue behind an offload copy on a shared stream."""
 
     @abc.abstractmethod
     def use_stream(self, stream: Stream) -> contextlib.AbstractContextManager:

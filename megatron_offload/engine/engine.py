@@ -77,7 +77,8 @@ class OffloadEngine(LayoutMixin):
             step) or replaced (``load_state_dict``) are picked up.
         name: used in error messages.
         fingerprint: a cheap callable whose value changes when ``collect`` may return other
-            tensors (None: walk ``collect`` at every offload).
+            tensors (None: walk ``collect`` at every offload). Dropped at ``close``, after
+            calling its ``forget()`` if it has one (it may hold the caller's containers).
         budget: the ``HostBudget`` this engine's host arena counts against.
         fraction: offload only the largest tensors making up this fraction of the bytes.
         streamed: returns the tensors the caller streams through device slots during its
@@ -141,6 +142,11 @@ class OffloadEngine(LayoutMixin):
     @property
     def groups(self) -> Sequence[FlatGroup]:
         return tuple(self._groups)
+
+    @property
+    def fingerprint(self) -> Callable[[], object] | None:
+        """The fingerprint callable given at construction (None once closed)."""
+        return self._fingerprint
 
     def is_released(self, kinds: Iterable[str] | None = None, *, streamed: bool = True) -> bool:
         """True if any selected group has no device memory (reload needed before use).
@@ -354,6 +360,10 @@ class OffloadEngine(LayoutMixin):
         self._groups = []
         self._tracked = []
         self._where = {}
+        forget = getattr(self._fingerprint, "forget", None)
+        if forget is not None:
+            forget()
+        self._fingerprint = None
         self._closed = True
 
     # ----------------------------------------------------------------- helpers
@@ -413,21 +423,29 @@ class OffloadEngine(LayoutMixin):
     def _release_unconsolidated(self, group: FlatGroup) -> None:
         """First release of tensors that still have the storages the optimizer made."""
         shared = {}
+        others = []
         for tensor in group.tensors:
             if owns_storage(tensor) and tensor.untyped_storage().resizable():
                 self.device.release(tensor)
-                continue
-            # Something else shares this storage (a view taken before we attached, or a
-            # group that was re-laid out). Freeing it would leave the other tensors
-            # dangling, so point ours at fresh memory (its contents are on the host
-            # already) and release that; the old storage lives on with its other owners.
-            old = tensor.untyped_storage()
-            shared.setdefault(old.data_ptr(), old)
-            fresh = self.device.empty(tensor.numel(), tensor.dtype)
+            else:
+                others.append(tensor)
+        if others:
+            # Something else shares these storages (views taken before we attached, or a
+            # group that was re-laid out). Freeing them would leave the other tensors
+            # dangling, so ours are pointed at one scratch storage (their contents are on
+            # the host already), which is then released: one allocation, as large as the
+            # largest of them (``set_`` needs the memory to exist), not one per tensor. The
+            # old storages live on with their other owners; the next reload re-points every
+            # tensor at its slice of the group's own storage (``consolidate``).
+            scratch = self.device.empty(max(t.numel() * t.element_size() for t in others), torch.uint8)
+            storage = scratch.untyped_storage()
             with torch.no_grad():
-                tensor.set_(fresh.untyped_storage(), 0, tensor.shape, tensor.stride())
-            del fresh
-            self.device.release(tensor)
+                for tensor in others:
+                    old = tensor.untyped_storage()
+                    shared.setdefault(old.data_ptr(), old)
+                    tensor.set_(storage, 0, tensor.shape, tensor.stride())
+            del scratch, storage
+            self.device.release(others[0])  # the scratch, for all of them
         for old in shared.values():
             # Still referenced by something other than the ``old`` object held here: that
             # memory is not ours to free, and it is reported rather than silently lost.

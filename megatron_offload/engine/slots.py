@@ -193,8 +193,10 @@ class SlotStream:
         h2d_events: dict[int, object] = {}
         d2h_events: list[object] = [None] * count
         fetched = 0
+        h2d_issued = False  # some H2D was queued (the host arena must not go before it ran)
 
         def fetch(index: int) -> None:
+            nonlocal h2d_issued
             slot = slots[index % count]
             # Rule 7: the slot was allocated on the current stream, and the update of the
             # chunk that used it before ran there: the H2D comes after both.
@@ -209,11 +211,17 @@ class SlotStream:
                 # The D2H of the slot's previous chunk still reads it: refill after it.
                 device.wait_event(h2d, previous, label=SLOT_REUSE_AFTER_D2H)
             with device.use_stream(h2d):
-                for segment in chunks[index].segments:
-                    device.copy(_slot_view(slot, segment), segment.group.host[segment.start : segment.end])
-                    stats.update_copies += 1
-                    stats.update_bytes += segment.nbytes
-                h2d_events[index] = device.record_event(h2d)
+                h2d_issued = True
+                try:
+                    for segment in chunks[index].segments:
+                        device.copy(_slot_view(slot, segment), segment.group.host[segment.start : segment.end])
+                        stats.update_copies += 1
+                        stats.update_bytes += segment.nbytes
+                finally:
+                    # Even when a copy raised: those queued before it still write the slot,
+                    # and the slot is freed (run's finally) only once this event is ordered
+                    # before the current stream.
+                    h2d_events[index] = device.record_event(h2d)
 
         last_d2h = None
         try:
@@ -236,11 +244,15 @@ class SlotStream:
                 # Rule 1: the D2H copies what the update wrote.
                 device.wait_stream(d2h, current, label=D2H_AFTER_WRITERS)
                 with device.use_stream(d2h):
-                    for segment in chunk.segments:
-                        device.copy(segment.group.host[segment.start : segment.end], _slot_view(slot, segment))
-                        stats.update_copies += 1
-                        stats.update_bytes += segment.nbytes
-                    last_d2h = d2h_events[index % count] = device.record_event(d2h)
+                    try:
+                        for segment in chunk.segments:
+                            device.copy(segment.group.host[segment.start : segment.end], _slot_view(slot, segment))
+                            stats.update_copies += 1
+                            stats.update_bytes += segment.nbytes
+                    finally:
+                        # Even when a copy raised: the next reader of the host copies (and
+                        # of the slot) must wait for the copies queued before it.
+                        last_d2h = d2h_events[index % count] = device.record_event(d2h)
         finally:
             # Prefetched chunks that were never updated (the update raised): order their
             # H2D before the current stream, which frees the slots.
@@ -255,7 +267,7 @@ class SlotStream:
                     # The next reader of these host copies (an H2D, the host) waits for it.
                     group.d2h_event = last_d2h
                     group.host_valid = True
-            if fetched:
+            if h2d_issued:
                 engine._host.last_h2d = device.record_event(h2d)
             del slots
 

@@ -35,7 +35,7 @@ import torch
 from ..adapters import OPTIMIZER_STATES, PRIMARY_WEIGHTS
 from ..adapters import inner_optimizers
 from ..engine import OffloadEngine, OffloadStateError, SlotSizeError, SlotStream
-from ..engine.engine import D2H_AFTER_WRITERS, D2H_RECORD_STREAM, _typed
+from ..engine.engine import D2H_AFTER_WRITERS, D2H_RECORD_STREAM, HOST_FREE_AFTER_COPIES, _typed
 from ..engine.groups import owns_storage
 from ..engine.slots import aligned_bytes, round_up
 
@@ -149,10 +149,12 @@ class ChunkedUpdate:
         """(streamed (param, places) pairs, parameters without state, the other parameters,
         chunks), worked out again only when the states or the engine's groups changed."""
         inner, engine = self.inner, self.engine
+        # The engine's state fingerprint (O(groups), see adapters/state_watch.py) says when
+        # the states may have changed; without one, count every parameter's entries.
+        watch = engine.fingerprint
         key = (
             engine.generation,
-            len(inner.state),
-            sum(map(len, inner.state.values())),
+            watch() if watch is not None else (len(inner.state), sum(map(len, inner.state.values()))),
             tuple(group.place for group in engine.groups),
             tuple((id(group["params"]), len(group["params"])) for group in inner.param_groups),
         )
@@ -262,12 +264,25 @@ class ChunkedUpdate:
         # Rule 1: the D2H copies what the step just wrote.
         device.wait_stream(side, current, label=D2H_AFTER_WRITERS)
         buffers = []
-        with device.use_stream(side):
-            for tensor in moving:
-                buffer = device.host_buffer(tensor.numel() * tensor.element_size())
-                device.copy(_typed(buffer, tensor), tensor)
-                buffers.append(buffer)
-            event = device.record_event(side)
+        event = None
+        try:
+            with device.use_stream(side):
+                try:
+                    for tensor in moving:
+                        buffers.append(device.host_buffer(tensor.numel() * tensor.element_size()))
+                        device.copy(_typed(buffers[-1], tensor), tensor)
+                finally:
+                    # Even when a copy raised: the copies queued before it still run.
+                    event = device.record_event(side)
+        except BaseException:
+            # The states stay on the device, in the optimizer. The buffers go back only once
+            # the copies into them ran (rule 5), which also orders those reads of the states
+            # before whatever writes them next.
+            if event is not None:
+                device.synchronize_event(event, label=HOST_FREE_AFTER_COPIES)
+            for buffer in buffers:
+                device.free_host_buffer(buffer)
+            raise
         for tensor in moving:
             # Rule 2: the D2H still reads this memory; the allocator must know before it goes.
             device.record_stream(tensor, side, label=D2H_RECORD_STREAM)

@@ -26,10 +26,12 @@ on top.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import functools
+from typing import Iterable, Iterator, Sequence
 
-from ..adapters import OPTIMIZER_STATES, PRIMARY_WEIGHTS
+from ..adapters import KINDS, OPTIMIZER_STATES, PRIMARY_WEIGHTS
 from ..adapters import distributed_optimizer as dopt_adapter
+from ..adapters.state_watch import StateWatch
 from ..config import OffloadConfig
 from ..device import device_for
 from ..engine import HostBudget, OffloadEngine, OffloadStateError, Place
@@ -123,7 +125,9 @@ class OptimizerStateOffloader:
         budget = HostBudget(self.config.host_memory_budget)
         for index, distrib_optimizer in enumerate(distributed):
             torch_device = dopt_adapter.device_of(distrib_optimizer)
-            factory = self.config.device_factory or device_for
+            factory = self.config.device_factory or functools.partial(
+                device_for, stream_priority=self.config.stream_priority
+            )
             self._engines.append(
                 OffloadEngine(
                     factory(torch_device),
@@ -286,27 +290,54 @@ class OptimizerStateOffloader:
                 self._sync_state_guard()
 
     @contextlib.contextmanager
-    def resident(self, *, read_only: bool = False) -> Iterator["OptimizerStateOffloader"]:
+    def resident(
+        self,
+        *,
+        read_only: bool = False,
+        kinds: Iterable[str] | Sequence[Iterable[str]] | None = None,
+    ) -> Iterator["OptimizerStateOffloader"]:
         """States on the device for the duration of the block (checkpointing, inspection).
 
         If they were offloaded on entry they are offloaded again on exit. With
         ``read_only=True`` the block promises not to change them, so the still-valid host
         copy is kept and nothing is copied back out (a checkpoint save); otherwise the
         states are copied out again (a checkpoint load, or any in-place change).
+
+        ``kinds`` selects what comes back, in the terms of ``offload()``'s selection:
+        ``"optimizer_states"`` (the moments) and ``"primary_weights"`` (the master weights),
+        either for every optimizer or as one selection per optimizer of a ChainedOptimizer
+        (a list as long as ``engines``). None: every kind. What is not selected stays on the
+        host (reading it still brings it back, through the state-access guard).
         """
         self._check_attached()
-        was_offloaded = self.is_offloaded
-        if was_offloaded:
-            self.reload()
-            self.wait()
-            if not read_only:
-                for engine in self._engines:
-                    engine.mark_dirty()
+        selection = self._resident_selection(kinds)
+        taken = [
+            tuple(kind for kind in chosen if engine.is_released((kind,)))
+            for engine, chosen in zip(self._engines, selection)
+        ]
+        for engine, kinds_taken in zip(self._engines, taken):
+            if kinds is None and any(taken):
+                engine.reload()  # as before: everything, in every engine
+            elif kinds_taken:  # an engine with nothing to bring back keeps its copy figures
+                engine.reload(kinds_taken)
+        for engine, chosen in zip(self._engines, selection):
+            engine.wait(chosen)  # also a copy-back started before (a prefetch)
+            if any(taken) and not read_only:
+                for group in engine.groups:  # engine.mark_dirty(), for the chosen kinds
+                    if group.kind in chosen:
+                        group.host_valid = False
+        self._sync_state_guard()
         try:
             yield self
         finally:
-            if was_offloaded and not self._detached:
-                self._offload(self._selection(None, None), skip_unchanged=True)
+            if any(taken) and not self._detached:
+                again = taken
+                if kinds is None:  # as before: the configured selection, and what came back
+                    again = [
+                        tuple(dict.fromkeys(configured + kinds_taken))
+                        for configured, kinds_taken in zip(self._selection(None, None), taken)
+                    ]
+                self._offload(again, skip_unchanged=True)
                 self._sync_state_guard()
 
     def detach(self) -> None:
@@ -351,16 +382,40 @@ class OptimizerStateOffloader:
             selection.append(tuple(kind for kind, on in wanted if on))
         return selection
 
+    def _resident_selection(self, kinds) -> list[tuple[str, ...]]:
+        """``resident()``'s ``kinds`` as one tuple of kinds per optimizer (None: all)."""
+        count = len(self._engines)
+        if kinds is None:
+            return [KINDS] * count
+        if isinstance(kinds, str):
+            kinds = (kinds,)
+        kinds = list(kinds)
+        per_optimizer = kinds if not all(isinstance(k, str) for k in kinds) else [kinds] * count
+        if len(per_optimizer) != count:
+            raise ValueError(
+                f"resident(kinds=...) has {len(per_optimizer)} selections for {count} optimizers; "
+                "pass one selection for all, or one per optimizer of the ChainedOptimizer."
+            )
+        selection = []
+        for chosen in per_optimizer:
+            chosen = (chosen,) if isinstance(chosen, str) else tuple(chosen)
+            unknown = [k for k in chosen if k not in KINDS]
+            if unknown:
+                raise ValueError(
+                    f"resident(kinds=...) got unknown kind(s) {unknown}; the kinds are {list(KINDS)}."
+                )
+            selection.append(chosen)
+        return selection
+
     def _offload(self, selection: list[tuple[str, ...]], *, skip_unchanged: bool = False) -> None:
         """Copy out (unless ``skip_unchanged`` and still valid) and release, per optimizer."""
         for engine, kinds in zip(self._engines, selection):
             # Released piece by piece as the copies are queued (progressive reuse).
             engine.offload(kinds, skip_unchanged=skip_unchanged, release=True)
         if self.config.release_master_grads:
-            for distrib_optimizer, kinds in zip(self._distributed, selection):
+            for engine, distrib_optimizer, kinds in zip(self._engines, self._distributed, selection):
                 if PRIMARY_WEIGHTS in kinds:
-                    for master in dopt_adapter.master_weights(distrib_optimizer):
-                        master.grad = None
+                    _release_master_grads(engine, distrib_optimizer)
         self._ever_offloaded = True
 
     def _make_resident(self, *, changes: bool, replaced: bool = False) -> None:
@@ -396,17 +451,23 @@ class OptimizerStateOffloader:
         return f"OptimizerStateOffloader({', '.join(map(repr, self._engines))})"
 
 
-def _fingerprinter(distrib_optimizer):
-    """Cheap: changes when states are created (lazily, per parameter) or entries added."""
+def _fingerprinter(distrib_optimizer) -> StateWatch:
+    """Changes when states are created (lazily, per parameter), a container (the state
+    mapping, param groups, masters) is replaced or resized: in O(groups), not O(parameters)
+    (see ``adapters/state_watch.py``). Loads and replacements the guard sees invalidate the
+    engine besides."""
+    return StateWatch(distrib_optimizer)
 
-    def fingerprint():
-        # Looked up at every call: a load, and the state guard, put a new mapping in place.
-        # dict's own methods read it without the guard (no reload for looking).
-        state = distrib_optimizer.optimizer.state
-        entries = dict.values(state) if isinstance(state, dict) else state.values()
-        return len(state), sum(map(len, entries))
 
-    return fingerprint
+def _release_master_grads(engine: OffloadEngine, distrib_optimizer) -> None:
+    """Free the fp32 gradients megatron-core gave the masters for the step (as large as the
+    masters themselves): they are not needed until the next step makes new ones."""
+    watch = engine.fingerprint
+    if isinstance(watch, StateWatch):
+        watch.release_master_grads()  # O(groups) unless some master holds a gradient
+    else:  # pragma: no cover - every engine of the offloader has its watch until closed
+        for master in dopt_adapter.master_weights(distrib_optimizer):
+            master.grad = None
 
 
 # The adapter's walks read the state mapping with dict's own lookup (no reload for looking).

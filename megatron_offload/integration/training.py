@@ -49,6 +49,7 @@ import functools
 import inspect
 import weakref
 
+from ..adapters.distributed_optimizer import PRIMARY_WEIGHTS, master_weights
 from . import coexistence
 from .arguments import add_arguments, config_from_args, offload_enabled, validate_args
 from .attach import attach
@@ -240,12 +241,13 @@ def checkpoint_residency(optimizer, *, read_only: bool, args=None):
 
 @contextlib.contextmanager
 def master_weights_residency():
-    """Offloaded states (the master weights among them) on the device for code that reads the
-    master weights directly (the params norm), offloaded again after it without a copy."""
+    """Only what ``calc_params_l2_norm`` reads (``main_param``: the fp32 masters kept beside the
+    optimizer), never the moments, on the device for the block; offloaded after it, no copy."""
     with contextlib.ExitStack() as stack:
-        for offloader in _active_offloaders():
-            if offloader.is_offloaded:
-                stack.enter_context(offloader.resident(read_only=True))
+        for offloader in _active_offloaders():  # no masters beside a precision-aware optimizer
+            kinds = [(PRIMARY_WEIGHTS,) if any(True for _ in master_weights(d)) else ()
+                     for d in offloader._distributed]
+            stack.enter_context(offloader.resident(read_only=True, kinds=kinds))
         yield
 
 
@@ -483,6 +485,10 @@ def patch_megatron() -> None:
         return  # a source tree with patches/ applied already has every hook
     _replace(arguments_module, 'add_megatron_arguments', _wrap_add_megatron_arguments)
     _replace(arguments_module, 'validate_args', _wrap_validate_args)
+    import megatron.training.initialize as initialize_module
+
+    if hasattr(initialize_module, 'validate_args'):  # 0.17 validates in initialize_megatron
+        _replace(initialize_module, 'validate_args', _wrap_validate_args)
     if hasattr(training_module, 'get_megatron_optimizer_config'):
         _replace(training_module, 'get_megatron_optimizer_config',
                  lambda f: _wrap_optimizer_config(f, training_module))

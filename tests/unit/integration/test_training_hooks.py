@@ -97,6 +97,26 @@ def test_patch_is_idempotent_and_reversible(megatron_training):
     assert not hooks.is_patched()
 
 
+def test_patch_reaches_the_validation_initialize_runs(megatron_training, monkeypatch):
+    """megatron.training 0.17: pretrain() -> initialize_megatron() calls the validate_args it
+    imported into megatron.training.initialize; that name must be wrapped too, so a refused
+    combination stops before torch.distributed is initialized."""
+    arguments, _ = megatron_training
+    import megatron.training.initialize as initialize
+
+    monkeypatch.setattr(initialize, 'validate_args', arguments.validate_args, raising=False)
+    original = initialize.validate_args
+    hooks.patch_megatron()
+    assert initialize.validate_args is not original
+    assert initialize.validate_args.__wrapped__ is original
+    with pytest.raises(OffloadArgumentError, match='--optimizer-cpu-offload'):
+        initialize.validate_args(argparse.Namespace(
+            offload_optimizer_states=True, use_distributed_optimizer=True,
+            optimizer_cpu_offload=True))
+    hooks.unpatch_megatron()
+    assert initialize.validate_args is original
+
+
 def test_patched_parser_has_the_flags(megatron_training):
     arguments, _ = megatron_training
     hooks.patch_megatron()
@@ -365,7 +385,16 @@ def hooks_job(offload: bool, steps: int = 3):
         report['offloaded_after'] = offloader.is_offloaded
         report['d2h_after_read_only'] = offloader.stats()['d2h_copies']
         with hooks.master_weights_residency():
-            report['masters_inside'] = not offloader.is_offloaded
+            # The params norm reads the fp32 masters only: they are back, the moments are not.
+            dopts = list(getattr(optimizer, 'chained_optimizers', None) or [optimizer])
+            masters = [m for d in dopts for g in d.shard_fp32_from_float16_groups for m in g
+                       if m is not None]
+            moments = [v for d in dopts for state in dict.values(d.optimizer.state)
+                       for k, v in state.items() if k in ('exp_avg', 'exp_avg_sq')]
+            report['masters_inside'] = bool(masters) and all(
+                m.untyped_storage().size() > 0 for m in masters)
+            report['moments_released_inside'] = bool(moments) and all(
+                v.untyped_storage().size() == 0 for v in moments)
         printed = []
         report['figures'] = hooks.log_offload_stats(steps, offloader, printer=printed.append)
         report['printed'] = printed
@@ -384,6 +413,7 @@ def test_hooks_on_a_real_distributed_optimizer(rank_pool):
         # The first step has nothing to reload; every later one reloads inside finalize.
         assert off['trace'] == ['in finalize', 'in finalize']
         assert off['resident_inside'] and off['offloaded_after'] and off['masters_inside']
+        assert off['moments_released_inside']
         assert off['d2h_after_read_only'] == 0  # the host copy stayed valid: nothing copied
         assert len(off['printed']) == 1 and '(max over 2 ranks)' in off['printed'][0]
     most = max(rank['own_offloaded_bytes'] for rank in offloaded)
