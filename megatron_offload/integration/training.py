@@ -53,6 +53,12 @@ from ..adapters.distributed_optimizer import PRIMARY_WEIGHTS, master_weights
 from . import coexistence
 from .arguments import add_arguments, config_from_args, offload_enabled, validate_args
 from .attach import attach
+from .stats_log import (  # noqa: F401  (re-exported: the patches and users call them here)
+    _print_rank_last,
+    format_offload_stats,
+    log_offload_stats,
+    offload_figures,
+)
 
 __all__ = [
     'attach_for_training',
@@ -78,13 +84,7 @@ _ORIGINALS: dict = {}
 # Offloaders attached by this module (for hooks that do not receive the optimizer).
 _ATTACHED: list = []
 
-GIB = float(1 << 30)
-SCALAR_NAMES = {
-    'offloaded_gib': 'optimizer-offload/offloaded-GiB',
-    'host_gib': 'optimizer-offload/host-GiB',
-    'd2h_ms': 'optimizer-offload/d2h-ms',
-    'h2d_ms': 'optimizer-offload/h2d-ms',
-}
+
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -251,61 +251,6 @@ def master_weights_residency():
         yield
 
 
-def offload_figures(stats: dict) -> dict:
-    """The logged figures from ``OptimizerStateOffloader.stats()``."""
-    return {
-        'offloaded_gib': stats['offloaded_bytes'] / GIB,
-        'host_gib': stats['host_bytes'] / GIB,
-        'd2h_ms': stats['offload_seconds'] * 1e3,
-        'h2d_ms': stats['reload_seconds'] * 1e3,
-    }
-
-
-def format_offload_stats(iteration: int, figures: dict, *, ranks: int = 1) -> str:
-    """The log line (one per log interval)."""
-    scope = f' (max over {ranks} ranks)' if ranks > 1 else ''
-    return (
-        f' [optimizer-state offload] iteration {iteration:8d} |'
-        f' offloaded: {figures["offloaded_gib"]:.6f} GiB |'
-        f' host: {figures["host_gib"]:.6f} GiB |'
-        f' D2H: {figures["d2h_ms"]:.3f} ms |'
-        f' H2D: {figures["h2d_ms"]:.3f} ms |{scope}'
-    )
-
-
-def _max_over_ranks(values: list) -> tuple[list, int]:
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return values, 1
-    # NCCL reduces device tensors only; gloo host tensors.
-    nccl = dist.get_backend() == 'nccl'
-    device = torch.device('cuda', torch.cuda.current_device()) if nccl else torch.device('cpu')
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.tolist(), dist.get_world_size()
-
-
-def log_offload_stats(iteration: int, offloader, *, writer=None, wandb_writer=None, printer=None):
-    """Print the figures of ``offloader`` (max over ranks) and write them as scalars.
-
-    Collective when torch.distributed is initialized: every rank must call it at the same
-    iterations (megatron.training calls ``training_log`` on every rank).
-    """
-    figures = offload_figures(offloader.stats())
-    keys = list(figures)
-    values, ranks = _max_over_ranks([figures[k] for k in keys])
-    figures = dict(zip(keys, values))
-    (printer or _print_rank_last)(format_offload_stats(iteration, figures, ranks=ranks))
-    if writer is not None:
-        for key, value in figures.items():
-            writer.add_scalar(SCALAR_NAMES[key], value, iteration)
-    if wandb_writer is not None:
-        wandb_writer.log({SCALAR_NAMES[key]: value for key, value in figures.items()}, iteration)
-    return figures
-
-
 def _print_rank_0(message: str) -> None:
     try:
         from megatron.training.utils import print_rank_0
@@ -313,15 +258,6 @@ def _print_rank_0(message: str) -> None:
         print(message, flush=True)
         return
     print_rank_0(message)
-
-
-def _print_rank_last(message: str) -> None:
-    try:
-        from megatron.training.utils import print_rank_last
-    except ImportError:
-        print(message, flush=True)
-        return
-    print_rank_last(message)
 
 
 def _get_args():
