@@ -64,6 +64,7 @@ from typing import Iterable
 import torch
 
 from ..device.base import Device
+from .checked_access import AccessRules
 from .checked_records import (  # noqa: F401 - re-exported: named from here by tests and devices
     UNORDERED_DEVICE_ACCESS,
     RELEASE_IN_USE,
@@ -90,7 +91,7 @@ from .checked_records import (  # noqa: F401 - re-exported: named from here by t
 )
 
 
-class CheckedDevice(Device):
+class CheckedDevice(AccessRules, Device):
     """A ``Device`` on the CPU whose side streams are deferred and checked (see module doc).
 
     Args:
@@ -482,80 +483,6 @@ class CheckedDevice(Device):
 
     def _ref(self, tensor: torch.Tensor) -> _Ref:
         return _Ref(self._memory(tensor), tensor)
-
-    def _check_access(self, stream: _Stream, seq: int, ref: _Ref, *, write: bool) -> bool:
-        """Check one access of an issued copy; False if the copy must not be issued."""
-        mem = ref.mem
-        verb = "writes" if write else "reads"
-        what = mem.describe()
-        if ref.end > ref.start and ref.resolve() is None:
-            self._violation(3, RELEASED_ACCESS, f"a copy on {stream.name} {verb} released {what}")
-            return False
-        if mem.host and mem.freed:
-            self._violation(
-                5,
-                HOST_FREED_IN_USE,
-                f"a copy on {stream.name} {verb} a host buffer already given back",
-            )
-        if not mem.host and stream is not self._compute:
-            seen = stream.after.get(self._compute, -1)
-            if seen < self._compute.pos:
-                if write and mem.allocated_at is not None and mem.allocated_at > seen:
-                    self._violation(
-                        7,
-                        WRITE_BEFORE_ALLOCATION,
-                        f"a copy on {stream.name} writes device memory allocated on the compute "
-                        f"stream after {stream.name} last waited for the compute stream: the "
-                        "block's earlier users may still run",
-                    )
-                else:
-                    self._violation(
-                        1,
-                        UNORDERED_DEVICE_ACCESS,
-                        f"a copy on {stream.name} {verb} device memory without waiting for the "
-                        "compute stream's latest work, which may still be writing it",
-                    )
-                return True
-        for acc in mem.accesses:
-            if acc.stream is stream or not (write or acc.write):
-                continue
-            if acc.end <= ref.start or ref.end <= acc.start:
-                continue
-            if self._ordered(stream, acc.stream, acc.seq):
-                continue
-            rule, kind = self._classify(mem, stream, write, acc.write)
-            self._violation(
-                rule,
-                kind,
-                f"a copy on {stream.name} {verb} {what} that a copy on {acc.stream.name} "
-                f"{'writes' if acc.write else 'reads'}, and the two are not ordered",
-            )
-            break
-        return True
-
-    def _classify(self, mem: _Memory, stream: _Stream, write: bool, other_writes: bool):
-        if mem.host:
-            return (5, HOST_OVERWRITE) if write else (5, UNORDERED_HOST_READ)
-        if stream is self._compute and not write:
-            return 4, USE_BEFORE_COPY
-        if stream is self._compute and not other_writes:
-            return 2, OVERWRITE_WHILE_READ
-        return 3, DEVICE_RACE
-
-    def _note_access(self, stream: _Stream, seq: int, ref: _Ref, *, write: bool) -> None:
-        mem = ref.mem
-        if ref.end <= ref.start:
-            return
-        kept = []
-        for acc in mem.accesses:
-            if self._host.get(acc.stream, 0) >= acc.seq:
-                continue  # complete as far as the host knows: nothing issued later can race it
-            covered = ref.start <= acc.start and acc.end <= ref.end
-            if acc.stream is stream and covered and (write or not acc.write):
-                continue  # anything ordered after the new access is ordered after this one
-            kept.append(acc)
-        kept.append(_Access(stream, seq, ref.start, ref.end, write))
-        mem.accesses = kept
 
     def _violation(
         self, rule: int, kind: str, message: str, label: str = "", *, record_only: bool = False
