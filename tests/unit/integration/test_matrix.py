@@ -76,42 +76,46 @@ def matrix_job(layout, dtype, model, ogr, opg, bucket, micro, *, offload, plant=
     from tests.harness import models
     from tests.support.checked import check_devices, checked_device_options
 
-    if plant:
-        _plant(plant)
-    devices = []
-    if checked:
-        options, devices = checked_device_options(options)
-    chunks, optimizer, config = models.build(model, dtype, **_build_options(layout, dtype, model, ogr, opg, bucket))
-    offloader = megatron_offload.attach(optimizer, **(options or {})) if offload else None
-    distributed = models.distributed_optimizers(optimizer)
-    results, figures = [], []
-    for step in range(STEPS):
-        skip = step == SKIP_AT
-        if skip:  # a step skipped by the grad-norm threshold, as ChainedOptimizer does
-            for distrib in distributed:
-                distrib.config.grad_norm_skip_threshold = 0.0
-        results.append(models.train_step(chunks, optimizer, config, step, micro))
-        if skip:
-            for distrib in distributed:
-                distrib.config.grad_norm_skip_threshold = float("inf")
+    # A plant is undone when the job ends, so the rank processes stay clean for the next test.
+    undo = _plant(plant) if plant else None
+    try:
+        devices = []
+        if checked:
+            options, devices = checked_device_options(options)
+        chunks, optimizer, config = models.build(model, dtype, **_build_options(layout, dtype, model, ogr, opg, bucket))
+        offloader = megatron_offload.attach(optimizer, **(options or {})) if offload else None
+        distributed = models.distributed_optimizers(optimizer)
+        results, figures = [], []
+        for step in range(STEPS):
+            skip = step == SKIP_AT
+            if skip:  # a step skipped by the grad-norm threshold, as ChainedOptimizer does
+                for distrib in distributed:
+                    distrib.config.grad_norm_skip_threshold = 0.0
+            results.append(models.train_step(chunks, optimizer, config, step, micro))
+            if skip:
+                for distrib in distributed:
+                    distrib.config.grad_norm_skip_threshold = float("inf")
+            if offloader:
+                stats = offloader.stats()
+                sizes = [t.untyped_storage().nbytes() for index, d in enumerate(distributed)
+                         for kind, t in adapter.collect(d) if kind in offloader.config.kinds(index)]
+                figures.append({"offloaded": stats["offloaded_bytes"], "d2h": stats["d2h_copies"],
+                                "held": sum(sizes), "host": stats["host_bytes"], "tracked": stats["tracked_bytes"],
+                                "pieces": stats["pieces"], "largest_piece": stats["largest_piece_bytes"],
+                                "groups": _groups_per_kind(offloader),
+                                "largest_tensor": max(t.numel() * t.element_size() for e in offloader.engines
+                                                      for g in e.groups for t in g.tensors)})
         if offloader:
-            stats = offloader.stats()
-            sizes = [t.untyped_storage().nbytes() for index, d in enumerate(distributed)
-                     for kind, t in adapter.collect(d) if kind in offloader.config.kinds(index)]
-            figures.append({"offloaded": stats["offloaded_bytes"], "d2h": stats["d2h_copies"],
-                            "held": sum(sizes), "host": stats["host_bytes"], "tracked": stats["tracked_bytes"],
-                            "pieces": stats["pieces"], "largest_piece": stats["largest_piece_bytes"],
-                            "groups": _groups_per_kind(offloader),
-                            "largest_tensor": max(t.numel() * t.element_size() for e in offloader.engines
-                                                  for g in e.groups for t in g.tensors)})
-    if offloader:
-        offloader.reload()
-        offloader.wait()
-    models.flush_param_gather(chunks)
-    snapshot = models.snapshot(chunks, optimizer)
-    check_devices(devices)
-    return {"results": results, "figures": figures, "snapshot": snapshot,
-            "optimizers": len(distributed), "checked": len(devices)}
+            offloader.reload()
+            offloader.wait()
+        models.flush_param_gather(chunks)
+        snapshot = models.snapshot(chunks, optimizer)
+        check_devices(devices)
+        return {"results": results, "figures": figures, "snapshot": snapshot,
+                "optimizers": len(distributed), "checked": len(devices)}
+    finally:
+        if undo is not None:
+            undo()
 
 
 def _groups_per_kind(offloader):
@@ -124,8 +128,19 @@ def _groups_per_kind(offloader):
 
 
 def _plant(bug):
-    """Test-only sabotage of the offloader in this rank process (negative controls)."""
+    """Test-only sabotage of the offloader in this rank process (negative controls); returns
+    the function that undoes it."""
     from megatron_offload.engine import engine as engine_module
+
+    cls = engine_module.OffloadEngine
+    saved = {name: cls.__dict__.get(name) for name in ("mark_dirty", "_copy")}
+
+    def undo():
+        for name, value in saved.items():
+            if value is None:  # inherited (from the layout mixin): drop the override
+                delattr(cls, name)
+            else:
+                setattr(cls, name, value)
 
     if bug == "stale-host-copy":
         # The step no longer marks the host copy stale: later cycles keep the first copy.
@@ -141,6 +156,7 @@ def _plant(bug):
         engine_module.OffloadEngine._copy = copy
     else:
         raise ValueError(bug)
+    return undo
 
 
 def _run_ranks(pool, pool4, case, **kw):
@@ -195,8 +211,8 @@ def test_planted_bug_makes_the_matrix_fail(rank_pool, plant):
     reference = rank_pool.run(matrix_job, *case, offload=False)
     sabotaged = rank_pool.run(matrix_job, *case, offload=True, plant=plant)
     assert _compare(reference, sabotaged) != []
-    # The plant lives in the rank processes: make sure the next test gets clean ones.
-    rank_pool.restart()
+    # The job undid its plant: the same rank processes train correctly again.
+    assert _compare(reference, rank_pool.run(matrix_job, *case, offload=True)) == []
 
 
 def test_per_optimizer_selection_in_a_moe_model(rank_pool):
