@@ -248,8 +248,11 @@ class OptimizerStateOffloader:
     def mark_optimizer_states_initialized(self) -> None:
         """Look for new or replaced state tensors at the next offload.
 
-        New states (Adam's moments after the first step) are noticed without this; call it
-        after replacing state tensors by hand (loads through the optimizer are noticed too).
+        New states (Adam's moments after the first step, created all at once per parameter)
+        are noticed without this, and so are loads through the optimizer and replaced state
+        mappings, parameter groups or masters. Call it after changing a parameter's state by
+        hand: replacing one of its tensors, or adding a key to a state dict that already
+        has states (the per-cycle check does not walk full state dicts).
         """
         for engine in self._engines:
             engine.invalidate()
