@@ -20,7 +20,10 @@ import os
 
 import pytest
 
-RATIO = 3.0  # 20x the parameters; an O(parameters) cycle is ~10x slower or more
+# 20x the parameters: an O(parameters) cycle was 9.3x slower; an O(groups) one measured 2.2x
+# here, from cache effects of the larger copies that depend on the CPU's caches. The exact
+# check is the torch-call count below; this one only has to tell the two apart on any CPU.
+RATIO = 5.0
 
 
 def _bookkeeping_pair(small: int, large: int, rounds: int) -> dict:
