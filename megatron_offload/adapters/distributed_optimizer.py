@@ -87,3 +87,54 @@ def device_of(distrib_optimizer) -> torch.device:
     for param in inner_params(distrib_optimizer):
         return param.device
     return torch.device("cpu")
+
+
+def expected(distrib_optimizer) -> list[tuple[str, torch.Tensor, bool, torch.device]] | None:
+    """What ``collect`` will return once every parameter has its state, for reserving the
+    host arena ahead of the first offload (``OffloadEngine.reserve_host``).
+
+    ``(kind, tensor, in_state, device)`` in ``collect``'s order: the masters and existing
+    states as they are; the states Adam makes at its first step as meta tensors of their
+    shape and dtype, ``device`` the parameter's. Exact for torch's Adam/AdamW and apex's
+    FusedAdam, which give every parameter with a gradient moments like the parameter (an
+    upper bound when some parameter never gets a gradient), and for Transformer Engine's
+    FusedAdam with plain (fp32, bf16, fp16) moments; None where the states cannot be
+    foreseen (FP8 moments, other optimizers): nothing is reserved then.
+    """
+    inner = distrib_optimizer.optimizer
+    found = [(PRIMARY_WEIGHTS, master, False, master.device) for master in master_weights(distrib_optimizer)]
+    state = inner.state
+    for group in inner.param_groups:
+        for param in group["params"]:
+            entries = _entries(state, param)
+            if entries:
+                for key, tensor in inner_optimizers.state_tensors(param, entries):
+                    kind = PRIMARY_WEIGHTS if inner_optimizers.is_master_key(key) else OPTIMIZER_STATES
+                    found.append((kind, tensor, True, tensor.device))
+                continue
+            future = _future_states(inner, group, param)
+            if future is None:
+                return None
+            for key, dtype in future:  # sorted by key, as state_tensors visits them
+                kind = PRIMARY_WEIGHTS if inner_optimizers.is_master_key(key) else OPTIMIZER_STATES
+                found.append((kind, torch.empty(param.shape, dtype=dtype, device="meta"), True, param.device))
+    return found
+
+
+def _future_states(inner, group, param) -> list[tuple[str, torch.dtype]] | None:
+    """``[(key, dtype), ...]`` of the per-element states ``inner`` will make for ``param``."""
+    kind = inner_optimizers.kind_of(inner)
+    if kind in (inner_optimizers.TORCH_ADAM, inner_optimizers.APEX_FUSED_ADAM):
+        keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad") else [])
+        return [(key, param.dtype) for key in keys]
+    if kind == inner_optimizers.TE_FUSED_ADAM:
+        dtypes = getattr(inner, "name_to_dtype_map", {})
+        plain = (torch.float32, torch.bfloat16, torch.float16)
+        states = [(key, dtypes.get(key)) for key in ("exp_avg", "exp_avg_sq")]
+        if getattr(inner, "master_weights", False):
+            remainders = getattr(inner, "store_param_remainders", False) and param.dtype == torch.bfloat16
+            states.append(("master_param", torch.int16 if remainders else dtypes.get("master_param")))
+        if any(dtype not in plain + (torch.int16,) for _, dtype in states):
+            return None
+        return sorted(states)
+    return None

@@ -3,8 +3,9 @@
 This is the only module that issues asynchronous work. It is written against the
 generic torch device module (``torch.get_device_module``), so the same code serves
 CUDA and other stream-based accelerators; the CUDA-specific parts are the exact-size
-pinning of host buffers (see ``host_buffer``) and the private side streams (see
-``private_cuda_stream``).
+pinning of host buffers (see ``host_buffer``: pages faulted in by several threads, one
+registration, explicit unregistration in ``free_host_buffer``; the CUDA-free logic is in
+``pinned.py``) and the private side streams (see ``private_cuda_stream``).
 
 Nothing here runs in CI (there is no accelerator there): keep it small and obvious.
 """
@@ -16,6 +17,7 @@ import weakref
 
 import torch
 
+from . import pinned
 from .base import Device
 
 
@@ -32,26 +34,90 @@ class AcceleratorDevice(Device):
         self._module = torch.get_device_module(torch_device.type)
         #: Priority of the side streams (``OffloadConfig.stream_priority``).
         self.stream_priority = stream_priority
+        # Buffers this device pinned, by address: (buffer, registered ranges). Holding the
+        # buffer here keeps its memory alive until ``free_host_buffer`` unregisters it, so
+        # pinned memory is never handed back to the allocator by the garbage collector.
+        self._pinned: dict[int, tuple[torch.Tensor, tuple[tuple[int, int], ...]]] = {}
 
     # ----------------------------------------------------------------- memory
+    #: What a failed pin does: False (the default) raises a clear error; True warns and
+    #: returns pageable memory, whose copies are then synchronous with the host.
+    pageable_fallback = False
+    #: Threads that fault in the pages of a new host buffer (``pinned.pin``).
+    pin_threads = pinned.DEFAULT_THREADS
+
     def host_buffer(self, nbytes: int) -> torch.Tensor:
-        if self.torch_device.type == "cuda":
-            # torch's pinned-memory allocator rounds every request up to a power of two
-            # (up to 2x the host RAM for one large arena). Registering an exactly sized
-            # pageable buffer pins exactly what is asked for.
-            buffer = torch.empty(nbytes, dtype=torch.uint8)
-            if nbytes:
-                cudart = torch.cuda.cudart()
-                err = cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)
-                if int(err) != 0:
-                    raise RuntimeError(
-                        f"cudaHostRegister of {nbytes} bytes failed with error {int(err)}: "
-                        "the host may be out of lockable memory (check `ulimit -l`), or lower "
-                        "the host-memory need by offloading fewer states."
-                    )
-                weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
+        if self.torch_device.type != "cuda":
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        # torch's pinned-memory allocator rounds every request up to a power of two (up to
+        # 2x the host RAM for one large arena). Registering an exactly sized pageable buffer
+        # pins what is asked for, rounded to whole pages: the buffer starts on a page of its
+        # own, so no page is shared with another allocation (or another registration).
+        page = pinned.page_size()
+        span = -(-nbytes // page) * page
+        raw = torch.empty(span + page, dtype=torch.uint8)
+        offset = (-raw.data_ptr()) % page
+        whole = raw[offset : offset + span]
+        buffer = whole[:nbytes]
+        if not nbytes:
             return buffer
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        register, unregister = _host_register_calls()
+        module, torch_device = self._module, self.torch_device
+
+        def register_here(address: int, size: int) -> int:
+            # The current device is per thread: each pinning thread makes the arena's
+            # device current, so the memory is registered with that device's context.
+            with module.device(torch_device):
+                return register(address, size)
+
+        def unregister_here(address: int) -> int:
+            with module.device(torch_device):
+                return unregister(address)
+
+        try:
+            ranges = pinned.pin(whole, register=register_here, unregister=unregister_here, threads=self.pin_threads)
+        except pinned.PinError as error:
+            # A failed cudaHostRegister leaves the error as CUDA's last error, where the next
+            # unrelated error check (torch's, after any kernel) would report it.
+            _clear_cuda_error()
+            message = (
+                f"pinning {nbytes:,} bytes of host memory for {self.torch_device} failed "
+                f"(cudaHostRegister error {error.code}): the host may be out of lockable memory "
+                "(check `ulimit -l` and the container's memlock limit) or of memory; lower the "
+                "host-memory need (offload_fraction, per_optimizer, offload_primary_weights=False)"
+            )
+            if not self.pageable_fallback:
+                raise RuntimeError(message + ", or set AcceleratorDevice.pageable_fallback = True.") from error
+            warnings.warn(
+                message + ". Falling back to pageable memory: every copy to or from it is "
+                "synchronous with the host, so offloading no longer overlaps computation.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return buffer
+        self._pinned[buffer.data_ptr()] = (raw, ranges)
+        return buffer
+
+    def free_host_buffer(self, buffer: torch.Tensor) -> None:
+        """Unregister a buffer from ``host_buffer``; safe to call again, or on a buffer that
+        fell back to pageable memory (nothing is registered then)."""
+        entry = self._pinned.pop(buffer.data_ptr(), None) if buffer.numel() else None
+        if entry is None:
+            return
+        _, ranges = entry
+        _, unregister = _host_register_calls()
+        # cudaHostUnregister must run with the device current that registered the memory,
+        # whatever device the caller (a finalizer, another rank's thread) has current.
+        with self._module.device(self.torch_device):
+            codes = pinned.unpin(ranges, unregister)
+        if any(codes):
+            _clear_cuda_error()
+            warnings.warn(
+                f"cudaHostUnregister of a host buffer of {buffer.numel():,} bytes failed "
+                f"(error {next(c for c in codes if c)}); the memory stays locked until the process exits.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     # ---------------------------------------------------------------- streams
     def current_stream(self):
@@ -72,10 +138,16 @@ class AcceleratorDevice(Device):
     def wait_stream(self, waiter, waitee, *, label="") -> None:
         waiter.wait_stream(waitee)
 
-    def record_event(self, stream):
-        event = self._module.Event()
+    def record_event(self, stream, *, timing=False):
+        event = self._module.Event(enable_timing=timing)
         event.record(stream)
         return event
+
+    def elapsed_ms(self, start, end):
+        # query() never blocks: a measurement whose copies are still running is read later.
+        if not end.query():
+            return None
+        return start.elapsed_time(end)
 
     def wait_event(self, stream, event, *, label="") -> None:
         stream.wait_event(event)
@@ -94,6 +166,16 @@ class AcceleratorDevice(Device):
 
     def memory_allocated(self):
         return self._module.memory_allocated(self.torch_device)
+
+
+def current_device(device_type: str | None = None) -> torch.device:
+    """The current device of the accelerator (``torch.accelerator``'s type by default)."""
+    if device_type is None:
+        accelerator = getattr(torch, "accelerator", None)
+        found = accelerator.current_accelerator() if accelerator is not None else None
+        device_type = found.type if found is not None else "cuda"
+    module = torch.get_device_module(device_type)
+    return torch.device(device_type, module.current_device())
 
 
 # ------------------------------------------------------------------ private side streams
@@ -143,6 +225,29 @@ def _cuda_runtime():
         return cudart
     except ImportError:
         return None
+
+
+def _host_register_calls():
+    """``(register(address, nbytes) -> error code, unregister(address) -> error code)``:
+    the CUDA runtime's cudaHostRegister (default flags) and cudaHostUnregister, through
+    torch's bindings."""
+    cudart = torch.cuda.cudart()
+    return (
+        lambda address, nbytes: int(cudart.cudaHostRegister(address, nbytes, 0)),
+        lambda address: int(cudart.cudaHostUnregister(address)),
+    )
+
+
+def _clear_cuda_error() -> None:
+    """Reset CUDA's last error after a failed call whose failure was handled here. torch's
+    bindings have no cudaGetLastError; cuda-python's runtime does (nothing to do without it:
+    the error then stays set, as it would have)."""
+    runtime = _cuda_runtime()
+    if runtime is not None:
+        try:
+            runtime.cudaGetLastError()
+        except Exception:  # e.g. cuda-python built for another CUDA than the driver's
+            pass
 
 
 def private_cuda_stream(module, torch_device: torch.device, priority: int):

@@ -4,7 +4,12 @@ The arena is the only host memory an engine holds for its groups (each group has
 it). It remembers the newest copy into or out of it on each side stream, so that it is
 never given back (or replaced) while a copy still uses it (protocol rule 5). The budget
 limits what several engines (one offloader's optimizers) hold together, checked before
-anything is allocated.
+anything is allocated, against the peak of a change: while a layout is rebuilt the old and
+the new arena (or the bytes moved aside to rewrite one in place) are held together.
+
+The arena may be allocated (and pinned, which is slow) ahead of the first offload
+(``reserve``, from ``LayoutMixin.reserve_host``); a later layout reuses it when it fits
+(``fits``) instead of allocating again.
 """
 
 from __future__ import annotations
@@ -14,6 +19,10 @@ import torch
 from ..device import Device
 
 from .labels import HOST_FREE_AFTER_COPIES
+
+
+#: A layout reuses the arena if the arena is at most 1/REUSE_SLACK larger than it needs.
+REUSE_SLACK = 8
 
 
 class HostMemoryBudgetError(MemoryError):
@@ -27,10 +36,28 @@ class HostBudget:
         self.limit = limit
         self._held: dict[int, int] = {}
 
-    def check(self, owner, nbytes: int, name: str) -> None:
+    def fits(self, owner, nbytes: int) -> bool:
+        """True if ``owner`` may hold ``nbytes`` (at once) besides what the others hold."""
+        return self.limit is None or self._others(owner) + nbytes <= self.limit
+
+    def _others(self, owner) -> int:
+        return sum(n for key, n in self._held.items() if key != id(owner))
+
+    def check(self, owner, nbytes: int, name: str, *, peak: int | None = None) -> None:
+        """Refuse if ``owner`` cannot hold ``nbytes``, or ``peak`` bytes for a moment (a
+        layout change holding old and new host copies together), besides the others."""
         if self.limit is None:
             return
-        others = sum(n for key, n in self._held.items() if key != id(owner))
+        others = self._others(owner)
+        if peak is not None and peak > nbytes and others + peak > self.limit:
+            raise HostMemoryBudgetError(
+                f"{name}: laying the states out again holds {peak:,} bytes of host memory at once "
+                f"(the new layout needs {nbytes:,}; the rest are the previous host copies while "
+                f"their bytes move), {others:,} already held by the other optimizers, over "
+                f"host_memory_budget={self.limit:,}. Nothing was freed or allocated. Raise "
+                "host_memory_budget, or offload less: offload_fraction, per_optimizer, or "
+                "offload_primary_weights=False."
+            )
         if others + nbytes > self.limit:
             raise HostMemoryBudgetError(
                 f"{name}: offloading needs {nbytes:,} bytes of host memory ({others:,} already "
@@ -62,9 +89,24 @@ class HostArena:
     def nbytes(self) -> int:
         return 0 if self.buffer is None else self.buffer.numel()
 
-    def check(self, nbytes: int, name: str) -> None:
+    def check(self, nbytes: int, name: str, *, peak: int | None = None) -> None:
         if self.budget is not None:
-            self.budget.check(self, nbytes, name)
+            self.budget.check(self, nbytes, name, peak=peak)
+
+    def fits(self, nbytes: int) -> bool:
+        """True if a layout of ``nbytes`` should reuse the current buffer: it is large
+        enough, and not so much larger that keeping it would hold memory for nothing."""
+        return self.buffer is not None and nbytes <= self.nbytes <= nbytes + nbytes // REUSE_SLACK
+
+    def reserve(self, nbytes: int, name: str) -> bool:
+        """Allocate a buffer of ``nbytes`` now, for a layout to come (only when the arena has
+        none and the budget holds it); True if one was allocated."""
+        if self.buffer is not None or nbytes <= 0:
+            return False
+        if self.budget is not None and not self.budget.fits(self, nbytes):
+            return False  # the first offload reports the budget, with what it really needs
+        self.replace(nbytes)
+        return True
 
     def replace(self, nbytes: int) -> torch.Tensor:
         """A new buffer of ``nbytes``; the old one stays readable until ``free_retired``."""
@@ -81,6 +123,10 @@ class HostArena:
         self._synchronize()
         self.device.free_host_buffer(self.retired)
         self.retired = None
+
+    def synchronize(self) -> None:
+        """Block until no copy into or out of the buffer is pending (before host writes)."""
+        self._synchronize()
 
     def _synchronize(self) -> None:
         # Rule 5: copies into or out of the arena may still be queued even when the device

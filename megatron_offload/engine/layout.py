@@ -4,9 +4,16 @@ The half of ``OffloadEngine`` that decides what the groups (pieces) are: ``_resc
 ``collect`` for the tensors (cheaply, when a fingerprint says nothing changed), keeps
 unmovable ones resident and, with a fraction, picks the largest; ``_rebuild`` splits them by
 kind, dtype and streaming into pieces of at most ``max_piece_bytes`` and gives each a range
-of a new host arena, carrying over the host copies of groups that stay released and of
+of the host arena, carrying over the host copies of groups that stay released and of
 tensors the caller handed over with ``adopt``. ``OffloadEngine`` (``engine.py``) moves the
 pieces; this mixin only lays them out.
+
+The arena is reused when the new layout fits it (``HostArena.fits``): the host copies that
+move are set aside first, so no new (pinned) arena is allocated. Otherwise a new arena is
+allocated while the old one still holds the copies to carry over. Either way the peak of
+host memory during the change is checked against the budget before anything is freed or
+allocated. ``reserve_host`` allocates the arena for the first layout ahead of time (at
+attach), from the tensors the caller expects, laid out exactly as ``_rebuild`` will.
 """
 
 from __future__ import annotations
@@ -48,9 +55,8 @@ class LayoutMixin:
                 kept.append((kind, tensor, reason))
             elif tensor.numel():
                 current.append((kind, tensor))
-        if self._fraction < 1.0:
-            current, partial = _largest_first(current, self._fraction)
-            kept += [(kind, tensor, "partial offload") for kind, tensor in partial]
+        current, partial = self._chosen(current)
+        kept += [(kind, tensor, "partial offload") for kind, tensor in partial]
         self._kept_resident = kept
         if len(current) == len(self._tracked) and all(
             a is b and k == j for (k, a), (j, b) in zip(current, self._tracked)
@@ -58,18 +64,68 @@ class LayoutMixin:
             return
         self._rebuild(current)
 
-    def adopt(self, items: Iterable[tuple[torch.Tensor, torch.Tensor, object]]) -> None:
+    def _chosen(self, pairs):
+        """``(offloaded, kept for partial offload)``: with a fraction, the largest tensors."""
+        if self._fraction < 1.0:
+            return _largest_first(pairs, self._fraction)
+        return pairs, []
+
+    def reserve_host(self, expected: Iterable[tuple[str, torch.Tensor, bool, torch.device]] | None) -> int:
+        """Allocate (and pin) the host arena now for the layout the first offload will make.
+
+        ``expected``: ``(kind, tensor, in_state, device)`` for every tensor ``collect`` will
+        return then, in its order; a tensor that does not exist yet (Adam's moments appear
+        at the first step) is a meta tensor of its shape and dtype, ``device`` where it will
+        live. ``in_state``: streamed by a chunked update (see ``streamed``). The arena is
+        sized exactly as ``_rebuild`` lays those tensors out (movability, fraction, pieces,
+        alignment); the first layout reuses it when it fits. None, an arena already there, or
+        a budget too small for it: nothing is reserved (the first offload allocates, and
+        reports the budget). Returns the bytes reserved.
+        """
+        if expected is None or self._closed or self._host.buffer is not None:
+            return 0
+        pairs, flags = [], {}
+        for kind, tensor, in_state, where in expected:
+            if tensor.device.type == "meta":
+                movable = where == self.device.torch_device  # new tensors are plain and contiguous
+            else:
+                movable = not _unmovable_reason(tensor, self.device)
+            if movable and tensor.numel():
+                pairs.append((kind, tensor))
+                flags[id(tensor)] = bool(in_state) and self._streamed is not None
+        chosen, _ = self._chosen(pairs)
+        pieces = self._pieces(chosen, {key for key, flag in flags.items() if flag})
+        need = sum(FlatGroup(kind, dtype, tensors).nbytes for kind, dtype, _, _, tensors in pieces)
+        return need if self._host.reserve(need, self.name) else 0
+
+    def adopt(self, items: Iterable[tuple]) -> None:
         """Take over tensors whose only copy the caller put on the host.
 
-        Each item is ``(tensor, host, event)``: ``host`` is a buffer from this engine's
-        device (``host_buffer``) holding the tensor's bytes once ``event`` (the D2H that
-        filled it, or None) completed, and the caller has released the tensor's device
-        memory. At the next rescan the tensors are tracked as released and their bytes move
-        into the host arena; the engine gives the buffers back.
+        Each item is ``(tensor, host, event)`` or ``(tensor, host, event, buffer)``:
+        ``host`` holds the tensor's bytes once ``event`` (the D2H that filled it, or None)
+        completed, and the caller has released the tensor's device memory. ``buffer`` is
+        the buffer from this engine's device (``host_buffer``) that ``host`` is a view of,
+        and may be shared by several items (one staging buffer); without it ``host`` is
+        that buffer. At the next rescan the tensors are tracked as released and their bytes
+        move into the host arena; the engine gives each buffer back once, when no adopted
+        tensor needs it any more.
         """
-        for tensor, host, event in items:
-            self._adopted[id(tensor)] = (tensor, host, event)
+        for item in items:
+            tensor, host, event = item[:3]
+            buffer = item[3] if len(item) > 3 else host
+            self._adopted[id(tensor)] = (tensor, host, event, buffer)
         self.invalidate()
+
+    def _pieces(self, current, streamed: set[int]):
+        """``(kind, dtype, streamed, index, tensors)`` of every piece of ``current``."""
+        by_key: dict[tuple[str, torch.dtype, bool], list[torch.Tensor]] = {}
+        for kind, tensor in current:
+            by_key.setdefault((kind, tensor.dtype, id(tensor) in streamed), []).append(tensor)
+        return [
+            (kind, dtype, is_streamed, index, piece)
+            for (kind, dtype, is_streamed), tensors in by_key.items()
+            for index, piece in enumerate(split_pieces(tensors, itemsize_of(dtype), self._max_piece_bytes))
+        ]
 
     def _rebuild(self, current: list[tuple[str, torch.Tensor]]) -> None:
         streamed = {id(t) for t in self._streamed()} if self._streamed is not None else set()
@@ -97,11 +153,7 @@ class LayoutMixin:
         _check_no_aliasing(current, self.name)
         old_flat = {id(t): g for g in self._groups if g.flat is not None for t in g.tensors}
         groups = []
-        pieces = [
-            (kind, dtype, is_streamed, index, piece)
-            for (kind, dtype, is_streamed), tensors in by_key.items()
-            for index, piece in enumerate(split_pieces(tensors, itemsize_of(dtype), self._max_piece_bytes))
-        ]
+        pieces = self._pieces(current, streamed)
         if len(pieces) > MANY_COPIES:
             warnings.warn(
                 f"{self.name}: max_piece_bytes={self._max_piece_bytes:,} splits the states into "
@@ -129,24 +181,47 @@ class LayoutMixin:
         # without padding, and host bytes equal tracked bytes exactly.
         groups.sort(key=lambda g: -g.itemsize)
         need = sum(g.nbytes for g in groups)
-        self._host.check(need, self.name)  # against the budget, before anything is freed or allocated
         carried = [g for g in groups if g.place is Place.RELEASED]
+        reuse = self._host.fits(need)
+        staged = {id(b): b.numel() for *_, b in self._adopted.values()}
+        # The peak of host memory while the layout changes: the arena kept and the carried
+        # bytes set aside from it, or the old and the new arena; plus the adopted buffers.
+        # Checked against the budget before anything is freed or allocated.
+        aside = sum(g.nbytes for g in carried) if reuse else need
+        self._host.check(need, self.name, peak=self._host.nbytes + aside + sum(staged.values()))
         # Rule 5: the host reads the old copies below, so the copies into them must be done.
         for _, event in on_host.values():
             if event is not None:
                 self.device.synchronize_event(event, label=HOST_READ_AFTER_D2H)
         for group in self._groups:
             group.d2h_event = None
-        arena = self._host.replace(need)
+        sources = {key: host for key, (host, _) in on_host.items()}
+        if reuse:
+            # Rule 5: the host rewrites the arena below, while an H2D of the old layout may
+            # still read it (the waits above only order it before the current stream).
+            self._host.synchronize()
+            arena = self._host.buffer
+            # Carried copies in the arena are set aside first: their new places may overlap
+            # their old ones (or another's).
+            base = arena.untyped_storage().data_ptr()
+            for group in carried:
+                for tensor in group.tensors:
+                    host = sources[id(tensor)]
+                    if host.untyped_storage().data_ptr() == base:
+                        sources[id(tensor)] = host.clone()
+        else:
+            arena = self._host.replace(need)
         offset = 0
         for group in groups:
             group.host = arena[offset : offset + group.nbytes].view(group.dtype)
             offset += group.nbytes
         for group in carried:
             for tensor, host in group.host_slices():
-                host.copy_(on_host[id(tensor)][0])
+                host.copy_(sources[id(tensor)])
+        del sources
         self._host.free_retired()
-        for _, buffer, _ in self._adopted.values():
+        # Every copy into an adopted buffer was waited for above (rule 5); each goes back once.
+        for buffer in {id(b): b for *_, b in self._adopted.values()}.values():
             self.device.free_host_buffer(buffer)
         self._adopted = {}
         self._groups = groups
@@ -161,14 +236,14 @@ class LayoutMixin:
             if group.place is Place.RELEASED:
                 for tensor, host in group.host_slices():
                     copies[id(tensor)] = (host, group.d2h_event)
-        for key, (tensor, host, event) in self._adopted.items():
+        for key, (tensor, host, event, _) in self._adopted.items():
             copies[key] = (_typed(host, tensor), event)
         return copies
 
     def _restore_adopted(self, ids: set[int]) -> None:
         """Copy adopted tensors among ``ids`` back into device memory of their own."""
         for key in [k for k in self._adopted if k in ids]:
-            tensor, host, event = self._adopted.pop(key)
+            tensor, host, event, buffer = self._adopted.pop(key)
             if event is not None:
                 self.device.synchronize_event(event, label=HOST_READ_AFTER_D2H)
             self.device.regrow(tensor, tensor.numel() * tensor.element_size())
@@ -176,9 +251,11 @@ class LayoutMixin:
             # On the current stream, the one that regrew the memory and will use it (rule 7).
             with self.device.use_stream(current):
                 self.device.copy(tensor, _typed(host, tensor))
-            # Rule 5: the buffer is given back only once the copy reading it is done.
+            # Rule 5: the buffer is given back only once the copy reading it is done (and
+            # only once no other adopted tensor still has its bytes in it).
             self.device.synchronize_event(self.device.record_event(current), label=HOST_FREE_AFTER_COPIES)
-            self.device.free_host_buffer(host)
+            if not any(other is buffer for *_, other in self._adopted.values()):
+                self.device.free_host_buffer(buffer)
 
 
 def _largest_first(pairs, fraction):

@@ -17,7 +17,10 @@ What the step contains, per parameter:
 - states on the host: streamed, packed into chunks of consecutive parameters;
 - no state yet (the first step, where Adam creates its states): updated one parameter
   per call, and the new states are copied to the host and freed right after, so even the
-  first step never holds more than one parameter's states beyond the slots;
+  first step never holds more than one parameter's states beyond the slots. They go into
+  one host staging buffer for the whole step (``_Staging``; a few more only where the
+  states' size is not known in advance), never a buffer per tensor: every host buffer is
+  pinned, and pinning costs a system call and page-table work per buffer;
 - everything else (states kept on the device): updated together in one call.
 
 Master weights that megatron-core keeps outside the optimizer state (the fp32 copies of
@@ -128,10 +131,14 @@ class ChunkedUpdate:
         self._final_steps = {}
         if self._owner is not None:
             self._owner._streaming += 1
+        staging = _Staging(
+            self.engine.device,
+            [_smallest_states(inner, param)[0] if OPTIMIZER_STATES in self.kinds else 0 for param in creating],
+        )
         try:
-            for param in creating:
+            for index, param in enumerate(creating):
                 self._call([param])
-                self._to_host(param)
+                self._to_host(param, staging, index)
             self.stream.run(chunks, functools.partial(self._update_chunk, streamed))
             self._call(rest, empty_groups=True)
         finally:
@@ -240,8 +247,9 @@ class ChunkedUpdate:
         for group, _ in chosen:
             self._final_steps[id(group)] = group.get("step", _ABSENT)
 
-    def _to_host(self, param: torch.Tensor) -> None:
-        """Copy the states just created for ``param`` to the host and free their device memory."""
+    def _to_host(self, param: torch.Tensor, staging: "_Staging", index: int) -> None:
+        """Copy the states just created for ``param`` (the ``index``-th parameter creating
+        states in this step) into ``staging`` on the host and free their device memory."""
         engine, device = self.engine, self.engine.device
         entries = self.inner.state.get(param) or {}
         moving = []
@@ -263,28 +271,81 @@ class ChunkedUpdate:
         side = engine._side_stream("d2h")
         # Rule 1: the D2H copies what the step just wrote.
         device.wait_stream(side, current, label=D2H_AFTER_WRITERS)
-        buffers = []
+        places = []
         event = None
         try:
             with device.use_stream(side):
                 try:
                     for tensor in moving:
-                        buffers.append(device.host_buffer(tensor.numel() * tensor.element_size()))
-                        device.copy(_typed(buffers[-1], tensor), tensor)
+                        places.append(staging.take(aligned_bytes(tensor), index))
+                        device.copy(_typed(places[-1][0], tensor), tensor)
                 finally:
                     # Even when a copy raised: the copies queued before it still run.
                     event = device.record_event(side)
         except BaseException:
-            # The states stay on the device, in the optimizer. The buffers go back only once
-            # the copies into them ran (rule 5), which also orders those reads of the states
-            # before whatever writes them next.
+            # The states stay on the device, in the optimizer. Staging memory goes back only
+            # once the copies into it ran (rule 5), which also orders those reads of the
+            # states before whatever writes them next; memory that earlier parameters' states
+            # use stays, the engine gives it back with them.
             if event is not None:
                 device.synchronize_event(event, label=HOST_FREE_AFTER_COPIES)
-            for buffer in buffers:
-                device.free_host_buffer(buffer)
+            staging.free_unused()
             raise
         for tensor in moving:
             # Rule 2: the D2H still reads this memory; the allocator must know before it goes.
             device.record_stream(tensor, side, label=D2H_RECORD_STREAM)
             device.release(tensor)
-        engine.adopt((tensor, buffer, event) for tensor, buffer in zip(moving, buffers))
+        staging.handed_over(buffer for _, buffer in places)
+        engine.adopt((tensor, view, event, buffer) for tensor, (view, buffer) in zip(moving, places))
+
+
+class _Staging:
+    """Host memory for the states the first step creates: few buffers, carved in order.
+
+    ``estimates[i]``: the bytes the ``i``-th creating parameter's states are expected to
+    take (exact for torch's and apex's Adam, a lower bound for Transformer Engine's). The
+    first buffer is sized for all of them, so where the estimate is exact one buffer holds
+    the step's new states; otherwise each further buffer is at least as large as all before
+    it together, so their number grows with the logarithm of the misestimate, not with the
+    number of tensors.
+    """
+
+    def __init__(self, device, estimates) -> None:
+        self.device = device
+        self._remaining = [0] * (len(estimates) + 1)
+        for i in range(len(estimates) - 1, -1, -1):  # bytes still expected from parameter i on
+            self._remaining[i] = self._remaining[i + 1] + estimates[i]
+        self._buffer: torch.Tensor | None = None  # the buffer being carved
+        self._used = 0
+        self._allocated = 0
+        self._kept: set[int] = set()  # ids of buffers the engine took over
+        self._open: list[torch.Tensor] = []  # buffers allocated and not taken over yet
+
+    def take(self, nbytes: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(view, buffer)``: ``nbytes`` of host memory (a 16-byte multiple, so every view
+        starts aligned for any dtype) and the buffer it is carved from."""
+        if self._buffer is None or self._used + nbytes > self._buffer.numel():
+            # The buffer left behind stays: earlier states live in it, or copies of the
+            # current parameter's states queued just now still write it.
+            size = max(nbytes, self._remaining[index], self._allocated)
+            self._buffer = self.device.host_buffer(size)
+            self._open.append(self._buffer)
+            self._allocated += size
+            self._used = 0
+        view = self._buffer[self._used : self._used + nbytes]
+        self._used += nbytes
+        return view, self._buffer
+
+    def handed_over(self, buffers) -> None:
+        """The engine adopted states living in ``buffers``: it gives them back."""
+        self._kept.update(id(buffer) for buffer in buffers)
+        self._open = [buffer for buffer in self._open if id(buffer) not in self._kept]
+
+    def free_unused(self) -> None:
+        """Give back the buffers no adopted state lives in (the caller has waited for
+        every copy into them)."""
+        for buffer in self._open:
+            self.device.free_host_buffer(buffer)
+            if buffer is self._buffer:
+                self._buffer = None
+        self._open = []

@@ -140,6 +140,9 @@ class OptimizerStateOffloader:
                     max_piece_bytes=self.config.max_piece_bytes,
                 )
             )
+        for engine, distrib_optimizer in zip(self._engines, distributed):
+            # Allocate and pin the host arena now, not inside the first offload (the step's path).
+            engine.reserve_host(dopt_adapter.expected(distrib_optimizer))
         for distrib_optimizer in distributed:
             distrib_optimizer._state_offloader = self
         self._guard = StateAccessGuard(self)

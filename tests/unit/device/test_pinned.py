@@ -1,0 +1,213 @@
+"""Pinning host buffers: the thread-pool logic (``device/pinned.py``) and the accelerator's use of it.
+
+There is no GPU here. ``pinned.pin`` takes its register/unregister calls as arguments, so
+fakes stand for cudaHostRegister/cudaHostUnregister; the accelerator device's CUDA calls
+(``_host_register_calls``, cuda-python's runtime, the torch device module) are replaced by
+fakes that record the device current at each call. Nothing here says anything about a GPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import warnings
+
+import pytest
+import torch
+
+from megatron_offload.device import accelerator, pinned
+from megatron_offload.device.accelerator import AcceleratorDevice
+
+PAGE = 4096
+
+
+class FakeRegistry:
+    """Registrations by address, as the CUDA runtime keeps them; fails where told to."""
+
+    def __init__(self, fail_at=(), raise_at=(), current=lambda: None):
+        self.fail_at, self.raise_at, self.current = set(fail_at), set(raise_at), current
+        self.live: dict[int, int] = {}
+        self.calls: list[tuple] = []
+        self.threads: set[str] = set()
+        self._lock = threading.Lock()
+        self._count = 0
+
+    def register(self, address, nbytes):
+        with self._lock:
+            index = self._count
+            self._count += 1
+            self.calls.append(("register", address, nbytes, self.current()))
+            self.threads.add(threading.current_thread().name)
+            if index in self.raise_at:
+                raise OSError("planted")
+            if index in self.fail_at:
+                return 2  # cudaErrorMemoryAllocation
+            assert all(address + nbytes <= a or a + n <= address for a, n in self.live.items())
+            self.live[address] = nbytes
+            return 0
+
+    def unregister(self, address):
+        with self._lock:
+            self.calls.append(("unregister", address, self.current()))
+            return 0 if self.live.pop(address, None) is not None else 4
+
+
+def test_ranges_cover_the_buffer_with_page_aligned_borders():
+    base = 10 * PAGE + 123  # an unaligned start, as malloc gives
+    nbytes = 37 * PAGE + 5
+    ranges = pinned.split_ranges(base, nbytes, 4, page=PAGE, min_bytes=PAGE)
+    assert 1 < len(ranges) <= 4
+    assert ranges[0][0] == base and sum(n for _, n in ranges) == nbytes
+    for (a, n), (b, _) in zip(ranges, ranges[1:]):
+        assert a + n == b and b % PAGE == 0  # no page in two ranges
+    # Small buffers are not split below min_bytes; empty ones give nothing.
+    assert pinned.split_ranges(base, 3 * PAGE, 8, page=PAGE, min_bytes=2 * PAGE) == [(base, 3 * PAGE)]
+    assert pinned.split_ranges(base, 0, 4, page=PAGE) == []
+
+
+def test_pages_are_faulted_in_by_several_threads_and_registered_once():
+    buffer = torch.full((64 * PAGE,), 0xAB, dtype=torch.uint8)
+    fake = FakeRegistry()
+    ranges = pinned.pin(buffer, register=fake.register, unregister=fake.unregister, threads=4,
+                        min_range_bytes=PAGE, page=PAGE)
+    base = buffer.data_ptr()
+    assert ranges == ((base, buffer.numel()),)
+    assert fake.calls == [("register", base, buffer.numel(), None)]
+    # One byte in every page was written (first touch), nothing else.
+    offsets = sorted({(a - base) + k for a, n in pinned.split_ranges(base, buffer.numel(), 4, page=PAGE,
+                                                                       min_bytes=PAGE)
+                      for k in range(0, n, PAGE)})
+    assert len(offsets) >= 64
+    assert bool((buffer[offsets] == 0).all())
+    assert int((buffer == 0).sum()) == len(offsets)
+    assert pinned.unpin(ranges, fake.unregister) == [0] and not fake.live
+
+
+def test_per_range_registration_runs_on_the_pool_and_unregisters_what_succeeded_on_failure():
+    buffer = torch.zeros(32 * PAGE, dtype=torch.uint8)
+    fake = FakeRegistry()
+    ranges = pinned.pin(buffer, register=fake.register, unregister=fake.unregister, threads=4,
+                        per_range=True, min_range_bytes=PAGE, page=PAGE)
+    assert len(ranges) == 4 and len(fake.live) == 4
+    assert all(name.startswith("pin-host") for name in fake.threads)
+    pinned.unpin(ranges, fake.unregister)
+    assert not fake.live
+
+    failing = FakeRegistry(fail_at={2})
+    with pytest.raises(pinned.PinError, match="failed with error 2") as info:
+        pinned.pin(buffer, register=failing.register, unregister=failing.unregister, threads=4,
+                   per_range=True, min_range_bytes=PAGE, page=PAGE)
+    assert info.value.code == 2
+    assert not failing.live  # the three ranges that were registered are unregistered again
+    assert sum(1 for c in failing.calls if c[0] == "unregister") == 3
+
+    raising = FakeRegistry(raise_at={1})
+    with pytest.raises(OSError, match="planted"):
+        pinned.pin(buffer, register=raising.register, unregister=raising.unregister, threads=4,
+                   per_range=True, min_range_bytes=PAGE, page=PAGE)
+    assert not raising.live
+
+
+def test_a_failed_whole_registration_raises_with_the_code():
+    fake = FakeRegistry(fail_at={0})
+    with pytest.raises(pinned.PinError) as info:
+        pinned.pin(torch.zeros(3 * PAGE, dtype=torch.uint8), register=fake.register,
+                   unregister=fake.unregister, page=PAGE)
+    assert info.value.code == 2 and not fake.live
+
+
+# ----------------------------------------------------------------- the accelerator device
+class FakeModule:
+    """The torch device module, as far as host pinning uses it: a per-thread current device."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    @property
+    def current(self):
+        return getattr(self._local, "device", None)
+
+    def device(self, torch_device):
+        module = self
+
+        class _Context:
+            def __enter__(self):
+                self.previous = module.current
+                module._local.device = torch_device
+
+            def __exit__(self, *exc):
+                module._local.device = self.previous
+
+        return _Context()
+
+
+class FakeRuntime:
+    def __init__(self):
+        self.last_error_calls = 0
+
+    def cudaGetLastError(self):
+        self.last_error_calls += 1
+        return (0,)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    module = FakeModule()
+    real = torch.get_device_module
+    monkeypatch.setattr(torch, "get_device_module", lambda t: module if str(t) == "cuda" else real(t))
+    runtime = FakeRuntime()
+    monkeypatch.setattr(accelerator, "_cuda_runtime", lambda: runtime)
+    state = {"registry": FakeRegistry(current=lambda: module.current)}
+    monkeypatch.setattr(accelerator, "_host_register_calls",
+                        lambda: (state["registry"].register, state["registry"].unregister))
+    return module, runtime, state
+
+
+def test_host_buffers_are_pinned_on_their_device_and_unpinned_explicitly(fake_cuda):
+    module, _, state = fake_cuda
+    registry = state["registry"]
+    device = AcceleratorDevice(torch.device("cuda", 1))
+    buffer = device.host_buffer(10_000)
+    assert buffer.numel() == 10_000 and buffer.dtype == torch.uint8
+    assert buffer.data_ptr() % pinned.page_size() == 0  # a page of its own
+    [(kind, address, nbytes, current)] = registry.calls
+    assert (kind, address, current) == ("register", buffer.data_ptr(), torch.device("cuda", 1))
+    assert nbytes % pinned.page_size() == 0 and nbytes >= 10_000
+    # Never left to the garbage collector: dropping the caller's reference unpins nothing.
+    view = buffer[:16]
+    del buffer
+    gc.collect()
+    assert len(registry.calls) == 1 and registry.live
+    assert module.current is None
+    device.free_host_buffer(view.as_strided((10_000,), (1,)))
+    assert registry.calls[-1] == ("unregister", address, torch.device("cuda", 1))
+    assert not registry.live
+    device.free_host_buffer(view.as_strided((10_000,), (1,)))  # again: nothing to do
+    assert len(registry.calls) == 2
+    assert device.host_buffer(0).numel() == 0 and len(registry.calls) == 2
+
+
+def test_a_failed_pin_raises_a_clear_error_and_clears_cudas_error(fake_cuda):
+    _, runtime, state = fake_cuda
+    state["registry"] = FakeRegistry(fail_at={0})
+    device = AcceleratorDevice(torch.device("cuda", 0))
+    with pytest.raises(RuntimeError, match=r"ulimit -l.*pageable_fallback"):
+        device.host_buffer(1 << 20)
+    assert runtime.last_error_calls == 1
+    assert not state["registry"].live
+
+
+def test_a_failed_pin_can_fall_back_to_pageable_memory_with_a_warning(fake_cuda):
+    _, runtime, state = fake_cuda
+    state["registry"] = FakeRegistry(fail_at={0})
+    device = AcceleratorDevice(torch.device("cuda", 0))
+    device.pageable_fallback = True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        buffer = device.host_buffer(5000)
+    assert buffer.numel() == 5000
+    assert runtime.last_error_calls == 1
+    assert any("synchronous" in str(w.message) for w in caught)
+    calls = len(state["registry"].calls)
+    device.free_host_buffer(buffer)  # pageable: nothing to unregister
+    assert len(state["registry"].calls) == calls

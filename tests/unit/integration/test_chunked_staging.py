@@ -1,0 +1,124 @@
+"""The chunked update's first step stages the new states in one host buffer, not one per tensor.
+
+Every host buffer is pinned on an accelerator (a system call and page-table work each), so
+the first step, where Adam creates the states of every parameter, must not ask the device
+for a buffer per state tensor. Driven as in ``test_chunked_errors.py``, on the checked
+device in the isolated process; results are compared bitwise with plain AdamW steps.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from megatron_offload.adapters import distributed_optimizer as adapter
+from megatron_offload.engine import OffloadEngine
+from megatron_offload.integration.chunked import ChunkedUpdate, _Staging
+from megatron_offload.testing import CheckedDevice
+
+STATES = "optimizer_states"
+SIZES = (40, 7, 33, 16, 5, 24)
+
+
+class CountingDevice(CheckedDevice):
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.buffers: list[int] = []
+        self.freed = 0
+
+    def host_buffer(self, nbytes):
+        self.buffers.append(nbytes)
+        return super().host_buffer(nbytes)
+
+    def free_host_buffer(self, buffer):
+        self.freed += 1
+        super().free_host_buffer(buffer)
+
+
+def _model(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    dtypes = (torch.float32, torch.float64)
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(dtypes[i % 2])) for i, n in enumerate(SIZES)]
+    return params, torch.optim.AdamW(params, lr=0.01)
+
+
+def _grads(params, step):
+    for j, p in enumerate(params):
+        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + j)).to(p.dtype)
+
+
+def run_first_steps(steps=3) -> dict:
+    params, opt = _model()
+    ref_params, ref_opt = _model()
+    distrib = types.SimpleNamespace(optimizer=opt)
+    device = CountingDevice()
+    engine = OffloadEngine(device, lambda: adapter.collect(distrib), streamed=lambda: adapter.in_state(distrib))
+    chunked = ChunkedUpdate(engine, distrib, total_bytes=2 * 512, slots=2, kinds=(STATES,))
+    per_step = []
+    for step in range(steps):
+        _grads(params, step)
+        _grads(ref_params, step)
+        before = len(device.buffers)
+        chunked.active = True
+        try:
+            opt.step()
+        finally:
+            chunked.active = False
+        per_step.append(device.buffers[before:])
+        ref_opt.step()
+        engine.offload(skip_unchanged=True)
+        engine.release()
+    engine.reload()
+    engine.wait()
+    equal = all(torch.equal(a.detach(), b.detach()) for a, b in zip(params, ref_params))
+    for p, r in zip(params, ref_params):
+        for key in ("exp_avg", "exp_avg_sq"):
+            equal = equal and torch.equal(opt.state[p][key], ref_opt.state[r][key])
+    tensors = sum(len([k for k in opt.state[p] if k != "step"]) for p in params)
+    engine.close()
+    chunked.remove()
+    device.check()
+    return {"per_step": per_step, "equal": equal, "tensors": tensors, "freed": device.freed,
+            "allocated": len(device.buffers)}
+
+
+def test_the_first_step_stages_every_new_state_in_one_host_buffer(isolated):
+    out = isolated.run(run_first_steps)
+    assert out["tensors"] == 2 * len(SIZES)
+    # One staging buffer of exactly the new states (16-byte aligned each), not 12 buffers.
+    itemsizes = [4 if i % 2 == 0 else 8 for i in range(len(SIZES))]
+    staged = sum(2 * (-(-n * s // 16) * 16) for n, s in zip(SIZES, itemsizes))
+    assert out["per_step"][0] == [staged]
+    assert out["per_step"][1:] == [[]] * (len(out["per_step"]) - 1)
+    assert out["equal"]
+    assert out["freed"] == out["allocated"]  # staging and arena given back, each once
+
+
+def test_staging_with_underestimated_sizes_needs_few_buffers():
+    class Recorder:
+        def __init__(self):
+            self.sizes, self.freed = [], []
+
+        def host_buffer(self, nbytes):
+            self.sizes.append(nbytes)
+            return torch.empty(nbytes, dtype=torch.uint8)
+
+        def free_host_buffer(self, buffer):
+            self.freed.append(buffer.numel())
+
+    device = Recorder()
+    staging = _Staging(device, [16] * 64)  # a lower bound: the states are 4x larger
+    views = []
+    for index in range(64):
+        view, buffer = staging.take(64, index)
+        views.append(view)
+        staging.handed_over([buffer])
+    assert len(device.sizes) <= 4 and sum(device.sizes) < 3 * 64 * 64
+    assert all(v.numel() == 64 for v in views)
+    starts = sorted(v.data_ptr() for v in views)
+    assert all(b - a >= 64 for a, b in zip(starts, starts[1:]))  # no two views overlap
+    # A failure before hand-over gives back only the buffer no adopted state lives in.
+    staging.take(10_000, 63)
+    staging.free_unused()
+    assert device.freed == [10_000]
