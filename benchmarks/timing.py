@@ -105,9 +105,12 @@ class TimingDevice(Device):
         self.calls["wait_stream"] += 1
         return self.inner.wait_stream(waiter, waitee, label=label)
 
-    def record_event(self, stream):
+    def record_event(self, stream, *, timing=False):
         self.calls["record_event"] += 1
-        return self.inner.record_event(stream)
+        return self.inner.record_event(stream, timing=timing)
+
+    def elapsed_ms(self, start, end):
+        return self.inner.elapsed_ms(start, end)
 
     def wait_event(self, stream, event, *, label=""):
         self.calls["wait_event"] += 1

@@ -18,4 +18,14 @@ def device_for(tensor_device: torch.device, *, stream_priority: int = 0) -> Devi
     return AcceleratorDevice(tensor_device, stream_priority=stream_priority)
 
 
-__all__ = ["Device", "CPUDevice", "device_for"]
+def collective_device(backend: str) -> torch.device:
+    """Where a tensor reduced by a ``backend`` process group lives: NCCL (and other
+    accelerator backends) reduce device tensors of the current device, gloo host tensors."""
+    if backend == "gloo":
+        return torch.device("cpu")
+    from .accelerator import current_device
+
+    return current_device()
+
+
+__all__ = ["Device", "CPUDevice", "collective_device", "device_for"]

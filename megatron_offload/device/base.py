@@ -81,8 +81,16 @@ class Device(abc.ABC):
         """Work queued on ``waiter`` from now on starts after all work queued on ``waitee``."""
 
     @abc.abstractmethod
-    def record_event(self, stream: Stream) -> Event:
-        """An event completing when the work queued on ``stream`` so far is done."""
+    def record_event(self, stream: Stream, *, timing: bool = False) -> Event:
+        """An event completing when the work queued on ``stream`` so far is done.
+
+        ``timing``: the event also records when that happened, for ``elapsed_ms``.
+        """
+
+    def elapsed_ms(self, start: Event, end: Event) -> float | None:
+        """Milliseconds between two timing events, or None while ``end`` has not completed
+        (or where the device measures no time). Never blocks."""
+        return None
 
     @abc.abstractmethod
     def wait_event(self, stream: Stream, event: Event, *, label: str = "") -> None:

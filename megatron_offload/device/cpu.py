@@ -7,6 +7,8 @@ without an accelerator).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .base import NULL_CONTEXT, Device
@@ -35,8 +37,12 @@ class CPUDevice(Device):
     def wait_stream(self, waiter, waitee, *, label="") -> None:
         pass
 
-    def record_event(self, stream):
-        return None
+    def record_event(self, stream, *, timing=False):
+        # Copies are complete when issued: a timing event is the host's clock now.
+        return time.perf_counter() if timing else None
+
+    def elapsed_ms(self, start, end):
+        return None if start is None or end is None else (end - start) * 1e3
 
     def wait_event(self, stream, event, *, label="") -> None:
         pass

@@ -32,6 +32,16 @@ The copy protocol (numbers refer to the rules in the project's design notes):
 6. A group whose host copy is still valid (nothing wrote the device copy since it was last
    copied) is released without copying again when ``skip_unchanged`` is set.
 7. Regrowth happens on the current stream, the one that will use the memory.
+
+Any stream (the rules above, when the caller's current stream changes between calls): the
+stream current at ``wait`` is the one the update runs on (a step pre-hook), which need not
+be the one current at ``reload`` (a prefetch from a backward hook runs on autograd's stream)
+or at ``offload`` (a user's ``torch.cuda.stream`` block around the step, an RL loop). So
+every stream ``wait`` ran on is a *user*: the D2H waits for every user as well as for the
+current stream (rule 1); memory regrown on one stream and made usable on another is
+announced to the allocator for that other stream with ``record_stream`` (rule 2), so that a
+release from any stream never hands it out under the user's work; and a user other than
+the reloading stream waits for a D2H still reading memory kept in place (rule 2).
 """
 
 from __future__ import annotations
@@ -43,8 +53,9 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from ..device import Device
-from .groups import FlatGroup, Place, owns_storage
+from .groups import FlatGroup, Place, release_separate_storages
 from .labels import (  # noqa: F401 - re-exported: the labels are named from here
+    D2H_AFTER_USERS,
     D2H_AFTER_WRITERS,
     D2H_RECORD_STREAM,
     H2D_AFTER_ALLOCATION,
@@ -52,8 +63,11 @@ from .labels import (  # noqa: F401 - re-exported: the labels are named from her
     HOST_FREE_AFTER_COPIES,
     HOST_READ_AFTER_D2H,
     USE_AFTER_H2D,
+    USE_RECORD_STREAM,
+    USER_AFTER_D2H,
     WRITE_AFTER_D2H,
 )
+from .figures import CopyTimes, CycleStats, count_by_kind
 from .host import HostArena, HostBudget, HostMemoryBudgetError  # noqa: F401 - HostMemoryBudgetError re-exported
 from .layout import _NEVER, MANY_COPIES, LayoutMixin, _typed, _unmovable_reason  # noqa: F401 - re-exported
 
@@ -134,9 +148,13 @@ class OffloadEngine(LayoutMixin):
         weakref.finalize(self, self._host.free)
         self._d2h_stream = None
         self._h2d_stream = None
+        # Streams ``wait`` made the states usable on since the last full offload: any of
+        # them may have written the states (the step), so the D2H waits for each.
+        self._users: list = []
         self._closed = False
         self.unreleasable_bytes = 0  # memory other references kept alive at consolidation
-        self.last = _CycleStats()
+        self.last = CycleStats()
+        self.times = CopyTimes(device)  # device-timed copies, read lazily by stats()
 
     # ----------------------------------------------------------------- queries
     @property
@@ -177,7 +195,7 @@ class OffloadEngine(LayoutMixin):
             "kept_resident_bytes": kept,
             "unreleasable_bytes": self.unreleasable_bytes,
             "groups": len(self._groups),
-            "pieces": _count_by_kind(self._groups),
+            "pieces": count_by_kind(self._groups),
             "largest_piece_bytes": max((g.nbytes for g in self._groups), default=0),
             "tensors": sum(len(g.tensors) for g in self._groups),
             "d2h_copies": self.last.d2h_copies,
@@ -189,6 +207,7 @@ class OffloadEngine(LayoutMixin):
             "update_chunks": self.last.update_chunks,
             "update_copies": self.last.update_copies,
             "update_bytes": self.last.update_bytes,
+            **self.times.read(),
         }
 
     # --------------------------------------------------------------- the cycle
@@ -217,21 +236,29 @@ class OffloadEngine(LayoutMixin):
         if to_copy:
             current = self.device.current_stream()
             side = self._side_stream("d2h")
+            users = [stream for stream in self._users if stream != current]
+            timed = None
             for group in to_copy:
                 # Rule 1: the D2H must see everything the current stream wrote (the step).
                 # Once per piece: the host calls between two pieces (record_stream, the
                 # release) are device calls too, and nothing may be assumed about what the
                 # current stream queued around them. It costs one event wait per piece.
                 self.device.wait_stream(side, current, label=D2H_AFTER_WRITERS)
+                for user in users:
+                    # ... and everything the streams the step may have run on wrote.
+                    self.device.wait_stream(side, user, label=D2H_AFTER_USERS)
                 with self.device.use_stream(side):
+                    if timed is None:  # after the waits: the transfers alone are timed
+                        timed = self.device.record_event(side, timing=True)
                     self._copy_group_to_host(group)
-                    event = self.device.record_event(side)
+                    event = self.device.record_event(side, timing=group is to_copy[-1])
                 # Rule 5: the arena is not given back before this copy is done, even if a
                 # later piece's release raises before the loop ends.
                 self._host.last_d2h = event
                 group.d2h_event = event
                 group.host_valid = True
                 group.place = Place.OFFLOADING
+                group.d2h_waiters = []  # a user must wait for this D2H before writing again
                 # Rule 2: the side stream reads this memory; tell the allocator before any
                 # release so it is not handed out again until the copy is done.
                 for tensor in self._device_tensors(group):
@@ -242,11 +269,14 @@ class OffloadEngine(LayoutMixin):
                     # work queued on the recorded stream AT THE FREE has run, i.e. once this
                     # piece's own copy is done, not the copies queued after it.
                     self._release_group(group)
+            self.times.add("d2h", timed, event, self.last.d2h_bytes)
         for group in selected:
             if group.place is not Place.RELEASED:
                 group.place = Place.OFFLOADING
                 if release:
                     self._release_group(group)
+        if all(g.place is Place.RELEASED for g in self._groups):
+            self._users = []  # nothing left on the device for them to have written
         self.last.offload_seconds = time.perf_counter() - start
 
     def release(self, kinds: Iterable[str] | None = None) -> None:
@@ -275,8 +305,9 @@ class OffloadEngine(LayoutMixin):
                 )
             self.device.release(group.flat)
         else:
-            self._release_unconsolidated(group)
+            self.unreleasable_bytes += release_separate_storages(self.device, group.tensors)
         group.place = Place.RELEASED
+        group.used_on = []
 
     def reload(self, kinds: Iterable[str] | None = None, *, streamed: bool = True) -> None:
         """Regrow the released groups and start copying them back (asynchronous on accelerators).
@@ -297,18 +328,22 @@ class OffloadEngine(LayoutMixin):
             if group.place is Place.OFFLOADING:
                 if group.d2h_event is not None:
                     self.device.wait_event(current, group.d2h_event, label=WRITE_AFTER_D2H)
+                    group.d2h_waiters.append(current)
                 group.place = Place.RESIDENT
         released = [g for g in selected if g.place is Place.RELEASED]
         self.last.h2d_copies = self.last.h2d_bytes = 0
         if not released:
             self.last.reload_seconds = time.perf_counter() - start
             return
-        # Rule 7: memory is regrown on the current stream, which will use it.
+        # Rule 7: memory is regrown on the current stream (the allocator's stream of the
+        # block); ``wait`` announces any other stream that uses it.
         for group in released:
             if group.flat is not None:
                 self.device.regrow(group.flat, group.nbytes)
             else:
                 group.consolidate(self.device.empty(group.numel, group.dtype))
+            group.alloc_stream = current
+            group.used_on = []
         side = self._side_stream("h2d")
         # The regrown blocks may have been used by work still queued on the current stream
         # (the allocator reuses memory in stream order): the H2D must come after it. The
@@ -318,11 +353,13 @@ class OffloadEngine(LayoutMixin):
             if group.d2h_event is not None:
                 self.device.wait_event(side, group.d2h_event, label=H2D_AFTER_D2H)
         with self.device.use_stream(side):
+            timed = self.device.record_event(side, timing=True)  # after the waits
             for group in released:
                 self._copy(group.flat, group.host, to_host=False)
                 # One event per piece: a reader waits for the pieces it uses.
-                group.h2d_event = self.device.record_event(side)
+                group.h2d_event = self.device.record_event(side, timing=group is released[-1])
         self._host.last_h2d = released[-1].h2d_event
+        self.times.add("h2d", timed, released[-1].h2d_event, self.last.h2d_bytes)
         for group in released:
             # No record_stream for the H2D's writes: nothing frees this memory before the
             # H2D is ordered before the current stream (offload, rebuild and close wait for
@@ -332,8 +369,28 @@ class OffloadEngine(LayoutMixin):
         self.last.reload_seconds = time.perf_counter() - start
 
     def wait(self, kinds: Iterable[str] | None = None) -> None:
-        """Order every pending H2D before the current stream (rule 4)."""
-        self._wait_groups(list(self._select(kinds)))
+        """Order every pending H2D before the current stream (rule 4), which may then use
+        the selected states (read and write them), whichever stream it is."""
+        groups = list(self._select(kinds))
+        current = self.device.current_stream()
+        if current not in self._users:
+            self._users.append(current)
+        for group in groups:
+            if group.place is Place.RELEASED:
+                continue
+            if current not in group.used_on:
+                group.used_on.append(current)
+                if group.alloc_stream is not None and group.alloc_stream != current:
+                    # Rule 2: regrown on another stream, the allocator knows only that one; a
+                    # release (from any stream) would hand the block out under this one's work.
+                    for tensor in self._device_tensors(group):
+                        self.device.record_stream(tensor, current, label=USE_RECORD_STREAM)
+            if group.place is Place.RESIDENT and group.d2h_event is not None and current not in group.d2h_waiters:
+                # Kept in place by a reload on another stream, which waited for this D2H:
+                # this stream writes the memory next, so it waits too.
+                self.device.wait_event(current, group.d2h_event, label=USER_AFTER_D2H)
+                group.d2h_waiters.append(current)
+        self._wait_groups(groups, current)
 
     def synchronize_host(self, kinds: Iterable[str] | None = None) -> None:
         """Block until every pending D2H completed, so the host copies may be read (rule 5)."""
@@ -387,18 +444,24 @@ class OffloadEngine(LayoutMixin):
             self._h2d_stream = self.device.new_stream()
         return self._h2d_stream
 
-    def _wait_groups(self, groups: list[FlatGroup]) -> None:
+    def _wait_groups(self, groups: list[FlatGroup], current=None) -> None:
         waited = set()
-        current = None
+        before = None
         for group in groups:
             if group.place is not Place.RELOADING:
                 continue
             if id(group.h2d_event) not in waited:
-                current = current or self.device.current_stream()
+                if before is None:
+                    current = current or self.device.current_stream()
+                    # Exposed time: from where the current stream reaches the waits to
+                    # where it may go on (timing events on the current stream).
+                    before = self.device.record_event(current, timing=True)
                 self.device.wait_event(current, group.h2d_event, label=USE_AFTER_H2D)
                 waited.add(id(group.h2d_event))
             group.h2d_event = None
             group.place = Place.RESIDENT
+        if before is not None:
+            self.times.add("exposed", before, self.device.record_event(current, timing=True))
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, *, to_host: bool) -> None:
         self.device.copy(dst, src)
@@ -420,39 +483,6 @@ class OffloadEngine(LayoutMixin):
     def _device_tensors(self, group: FlatGroup):
         return [group.flat] if group.flat is not None else group.tensors
 
-    def _release_unconsolidated(self, group: FlatGroup) -> None:
-        """First release of tensors that still have the storages the optimizer made."""
-        shared = {}
-        others = []
-        for tensor in group.tensors:
-            if owns_storage(tensor) and tensor.untyped_storage().resizable():
-                self.device.release(tensor)
-            else:
-                others.append(tensor)
-        if others:
-            # Something else shares these storages (views taken before we attached, or a
-            # group that was re-laid out). Freeing them would leave the other tensors
-            # dangling, so ours are pointed at one scratch storage (their contents are on
-            # the host already), which is then released: one allocation, as large as the
-            # largest of them (``set_`` needs the memory to exist), not one per tensor. The
-            # old storages live on with their other owners; the next reload re-points every
-            # tensor at its slice of the group's own storage (``consolidate``).
-            scratch = self.device.empty(max(t.numel() * t.element_size() for t in others), torch.uint8)
-            storage = scratch.untyped_storage()
-            with torch.no_grad():
-                for tensor in others:
-                    old = tensor.untyped_storage()
-                    shared.setdefault(old.data_ptr(), old)
-                    tensor.set_(storage, 0, tensor.shape, tensor.stride())
-            del scratch, storage
-            self.device.release(others[0])  # the scratch, for all of them
-        for old in shared.values():
-            # Still referenced by something other than the ``old`` object held here: that
-            # memory is not ours to free, and it is reported rather than silently lost.
-            users = torch._C._storage_Use_Count(old._cdata)
-            if users > 1:
-                self.unreleasable_bytes += old.nbytes()
-
     def _free_arena(self) -> None:
         for group in self._groups:
             group.d2h_event = None
@@ -463,30 +493,3 @@ class OffloadEngine(LayoutMixin):
         places = ", ".join(f"{g.kind}/{g.dtype}:{g.place.value}" for g in self._groups)
         return f"OffloadEngine({self.name}: {places or 'empty'})"
 
-
-class _CycleStats:
-    """Figures of the last offload and reload, and of the last chunked update (``slots.py``)."""
-
-    __slots__ = (
-        "d2h_copies",
-        "h2d_copies",
-        "d2h_bytes",
-        "h2d_bytes",
-        "offload_seconds",
-        "reload_seconds",
-        "update_chunks",
-        "update_copies",
-        "update_bytes",
-    )
-
-    def __init__(self) -> None:
-        self.d2h_copies = self.h2d_copies = self.d2h_bytes = self.h2d_bytes = 0
-        self.update_chunks = self.update_copies = self.update_bytes = 0
-        self.offload_seconds = self.reload_seconds = 0.0
-
-
-def _count_by_kind(groups: Sequence[FlatGroup]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for group in groups:
-        counts[group.kind] = counts.get(group.kind, 0) + 1
-    return counts

@@ -107,6 +107,9 @@ class FlatGroup:
     host_valid: bool = False  # host copy equals the device contents (as of the last copy)
     d2h_event: Any = None  # pending D2H (host copy not yet readable by the host)
     h2d_event: Any = None  # pending H2D (device copy not yet ordered before the caller)
+    alloc_stream: Any = None  # stream the device memory was regrown on (None: the optimizer's own)
+    used_on: list = field(default_factory=list)  # streams ``wait`` made it usable on since then
+    d2h_waiters: list = field(default_factory=list)  # streams ordered after ``d2h_event``
 
     def __post_init__(self) -> None:
         # Every tensor starts on a 16-byte boundary of the flat storage, as a tensor of its
@@ -148,3 +151,38 @@ class FlatGroup:
             for tensor, offset in zip(self.tensors, self.offsets):
                 tensor.set_(storage, flat.storage_offset() + offset, tensor.shape, tensor.stride())
         self.flat = flat
+
+
+def release_separate_storages(device, tensors: list[torch.Tensor]) -> int:
+    """First release of tensors that still have the storages the optimizer made (their
+    contents are on the host already); returns the bytes other owners keep alive."""
+    shared = {}
+    others = []
+    for tensor in tensors:
+        if owns_storage(tensor) and tensor.untyped_storage().resizable():
+            device.release(tensor)
+        else:
+            others.append(tensor)
+    if others:
+        # Something else shares these storages (views taken before we attached, or a group
+        # that was re-laid out). Freeing them would leave the other tensors dangling, so ours
+        # are pointed at one scratch storage, which is then released: one allocation, as
+        # large as the largest of them (``set_`` needs the memory to exist), not one per
+        # tensor. The old storages live on with their other owners; the next reload
+        # re-points every tensor at its slice of the group's own storage (``consolidate``).
+        scratch = device.empty(max(t.numel() * t.element_size() for t in others), torch.uint8)
+        storage = scratch.untyped_storage()
+        with torch.no_grad():
+            for tensor in others:
+                old = tensor.untyped_storage()
+                shared.setdefault(old.data_ptr(), old)
+                tensor.set_(storage, 0, tensor.shape, tensor.stride())
+        del scratch, storage
+        device.release(others[0])  # the scratch, for all of them
+    unreleasable = 0
+    for old in shared.values():
+        # Still referenced by something other than the ``old`` object held here: that memory
+        # is not ours to free, and it is reported rather than silently lost.
+        if torch._C._storage_Use_Count(old._cdata) > 1:
+            unreleasable += old.nbytes()
+    return unreleasable

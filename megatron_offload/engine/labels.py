@@ -7,10 +7,13 @@ protocol in ``engine.py``.
 """
 
 D2H_AFTER_WRITERS = "d2h-after-writers"  # rule 1
+D2H_AFTER_USERS = "d2h-after-users"  # rule 1 (the step ran on a stream other than the caller's)
 D2H_RECORD_STREAM = "d2h-record-stream"  # rule 2
+USE_RECORD_STREAM = "use-record-stream"  # rule 2 (memory used on a stream it was not regrown on)
 H2D_AFTER_ALLOCATION = "h2d-after-allocation"  # rule 7 (the regrown block's earlier users)
 H2D_AFTER_D2H = "h2d-after-d2h"  # rule 5 (the host copy is complete before it is read)
 USE_AFTER_H2D = "use-after-h2d"  # rules 3 and 4
 HOST_READ_AFTER_D2H = "host-read-after-d2h"  # rule 5
 WRITE_AFTER_D2H = "write-after-d2h"  # rule 2 (memory kept in place is not rewritten under its D2H)
+USER_AFTER_D2H = "user-after-d2h"  # the same, for a user stream other than the reloading one
 HOST_FREE_AFTER_COPIES = "host-free-after-copies"  # rule 5 (no copy uses a freed host arena)

@@ -9,29 +9,43 @@ SCALAR_NAMES = {
     'offloaded_gib': 'optimizer-offload/offloaded-GiB',
     'host_gib': 'optimizer-offload/host-GiB',
     'd2h_ms': 'optimizer-offload/d2h-ms',
+    'd2h_gbps': 'optimizer-offload/d2h-GBps',
     'h2d_ms': 'optimizer-offload/h2d-ms',
+    'h2d_gbps': 'optimizer-offload/h2d-GBps',
+    'exposed_ms': 'optimizer-offload/exposed-ms',
+    'issue_ms': 'optimizer-offload/issue-ms',
 }
+#: Figures reduced with the minimum over ranks (the slowest link), not the maximum.
+MIN_OVER_RANKS = ('d2h_gbps', 'h2d_gbps')
 
 
 def offload_figures(stats: dict) -> dict:
-    """The logged figures from ``OptimizerStateOffloader.stats()``."""
+    """The logged figures from ``OptimizerStateOffloader.stats()``: transfer milliseconds and
+    GB/s measured on the device, the milliseconds the compute stream waited for a copy
+    (exposed), and the host milliseconds spent issuing the offload and reload (issue)."""
     return {
         'offloaded_gib': stats['offloaded_bytes'] / GIB,
         'host_gib': stats['host_bytes'] / GIB,
-        'd2h_ms': stats['offload_seconds'] * 1e3,
-        'h2d_ms': stats['reload_seconds'] * 1e3,
+        'd2h_ms': stats['d2h_ms'],
+        'd2h_gbps': stats['d2h_gbps'],
+        'h2d_ms': stats['h2d_ms'],
+        'h2d_gbps': stats['h2d_gbps'],
+        'exposed_ms': stats['exposed_ms'],
+        'issue_ms': (stats['offload_seconds'] + stats['reload_seconds']) * 1e3,
     }
 
 
 def format_offload_stats(iteration: int, figures: dict, *, ranks: int = 1) -> str:
     """The log line (one per log interval)."""
-    scope = f' (max over {ranks} ranks)' if ranks > 1 else ''
+    scope = f' (max over {ranks} ranks; GB/s: min)' if ranks > 1 else ''
     return (
         f' [optimizer-state offload] iteration {iteration:8d} |'
         f' offloaded: {figures["offloaded_gib"]:.6f} GiB |'
         f' host: {figures["host_gib"]:.6f} GiB |'
-        f' D2H: {figures["d2h_ms"]:.3f} ms |'
-        f' H2D: {figures["h2d_ms"]:.3f} ms |{scope}'
+        f' D2H: {figures["d2h_ms"]:.3f} ms ({figures["d2h_gbps"]:.2f} GB/s) |'
+        f' H2D: {figures["h2d_ms"]:.3f} ms ({figures["h2d_gbps"]:.2f} GB/s) |'
+        f' exposed: {figures["exposed_ms"]:.3f} ms |'
+        f' issue: {figures["issue_ms"]:.3f} ms |{scope}'
     )
 
 
@@ -41,9 +55,9 @@ def _max_over_ranks(values: list) -> tuple[list, int]:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return values, 1
-    # NCCL reduces device tensors only; gloo host tensors.
-    nccl = dist.get_backend() == 'nccl'
-    device = torch.device('cuda', torch.cuda.current_device()) if nccl else torch.device('cpu')
+    from ..device import collective_device
+
+    device = collective_device(dist.get_backend())  # NCCL reduces device tensors only
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor.tolist(), dist.get_world_size()
@@ -57,8 +71,11 @@ def log_offload_stats(iteration: int, offloader, *, writer=None, wandb_writer=No
     """
     figures = offload_figures(offloader.stats())
     keys = list(figures)
-    values, ranks = _max_over_ranks([figures[k] for k in keys])
-    figures = dict(zip(keys, values))
+    # One MAX all-reduce for every figure: the minimum of a rate is minus the maximum of
+    # its negation.
+    signs = [-1.0 if k in MIN_OVER_RANKS else 1.0 for k in keys]
+    values, ranks = _max_over_ranks([sign * figures[k] for sign, k in zip(signs, keys)])
+    figures = {k: sign * v for sign, k, v in zip(signs, keys, values)}
     (printer or _print_rank_last)(format_offload_stats(iteration, figures, ranks=ranks))
     if writer is not None:
         for key, value in figures.items():

@@ -42,23 +42,29 @@ class AccessRules:
                 HOST_FREED_IN_USE,
                 f"a copy on {stream.name} {verb} a host buffer already given back",
             )
-        if not mem.host and stream is not self._compute:
-            seen = stream.after.get(self._compute, -1)
-            if seen < self._compute.pos:
-                if write and mem.allocated_at is not None and mem.allocated_at > seen:
+        if not mem.host and not stream.compute:
+            for compute in self._computes:
+                if compute is (mem.allocated_on or self._compute):
+                    needed = compute.pos  # its kernels are invisible: anything so far
+                else:  # another compute stream: its uses the test marked (``note_compute``)
+                    needed = mem.compute_uses.get(compute, -1)
+                seen = stream.after.get(compute, -1)
+                if seen >= needed:
+                    continue
+                if write and compute is mem.allocated_on and mem.allocated_at > seen:
                     self._violation(
                         7,
                         WRITE_BEFORE_ALLOCATION,
-                        f"a copy on {stream.name} writes device memory allocated on the compute "
-                        f"stream after {stream.name} last waited for the compute stream: the "
-                        "block's earlier users may still run",
+                        f"a copy on {stream.name} writes device memory allocated on {compute.name} "
+                        f"after {stream.name} last waited for {compute.name}: the block's earlier "
+                        "users may still run",
                     )
                 else:
                     self._violation(
                         1,
                         UNORDERED_DEVICE_ACCESS,
-                        f"a copy on {stream.name} {verb} device memory without waiting for the "
-                        "compute stream's latest work, which may still be writing it",
+                        f"a copy on {stream.name} {verb} device memory without waiting for "
+                        f"{compute.name}'s latest work, which may still be writing it",
                     )
                 return True
         for acc in mem.accesses:
@@ -81,9 +87,9 @@ class AccessRules:
     def _classify(self, mem: _Memory, stream: _Stream, write: bool, other_writes: bool):
         if mem.host:
             return (5, HOST_OVERWRITE) if write else (5, UNORDERED_HOST_READ)
-        if stream is self._compute and not write:
+        if stream.compute and not write:
             return 4, USE_BEFORE_COPY
-        if stream is self._compute and not other_writes:
+        if stream.compute and not other_writes:
             return 2, OVERWRITE_WHILE_READ
         return 3, DEVICE_RACE
 

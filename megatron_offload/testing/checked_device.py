@@ -47,6 +47,14 @@ The model, one rule per item ("->" names the accelerator rule it stands for):
 - ``note_compute`` marks the caller's kernels (an optimizer step): side-stream writes of
   device memory must be ordered before it (rule 4), and reads too, since the step
   overwrites that memory. -> The rule 2 hazard without a release.
+- ``compute_stream`` makes another eager stream (a user's ``torch.cuda.Stream``, autograd's
+  stream for a backward hook). Memory is allocated on the compute stream current at
+  ``regrow``/``empty``; the kernels of another compute stream are the ones ``note_compute``
+  marks on it. A side-stream copy must be ordered after the allocating (or default)
+  stream's latest point and after every other compute stream's marked kernels on that
+  memory (rule 1); releasing memory another compute stream used needs ``record_stream``
+  for it, or the allocating or a recorded stream ordered after its use. -> The caching
+  allocator knows only a block's allocation stream and the streams recorded on it.
 - ``check`` reports queued work nothing ever ordered, runs what is left, and raises if
   anything was violated. -> Work no stream or host waits for may never be seen complete.
 
@@ -65,6 +73,7 @@ import torch
 
 from ..device.base import Device
 from .checked_access import AccessRules
+from .checked_checks import DeviceChecks
 from .checked_records import (  # noqa: F401 - re-exported: named from here by tests and devices
     UNORDERED_DEVICE_ACCESS,
     RELEASE_IN_USE,
@@ -91,7 +100,7 @@ from .checked_records import (  # noqa: F401 - re-exported: named from here by t
 )
 
 
-class CheckedDevice(AccessRules, Device):
+class CheckedDevice(DeviceChecks, AccessRules, Device):
     """A ``Device`` on the CPU whose side streams are deferred and checked (see module doc).
 
     Args:
@@ -109,7 +118,8 @@ class CheckedDevice(AccessRules, Device):
         self.violations: list[Violation] = []
         self.calls: collections.Counter[str] = collections.Counter()  # labelled calls issued
         self.skipped: collections.Counter[str] = collections.Counter()  # ... and dropped
-        self._compute = _Stream("compute")
+        self._compute = _Stream("compute", compute=True)  # the default current stream
+        self._computes: list[_Stream] = [self._compute]
         self._sides: list[_Stream] = []
         self._active = [self._compute]
         self._host: dict[_Stream, int] = {}  # what the host knows to be complete
@@ -142,8 +152,13 @@ class CheckedDevice(AccessRules, Device):
     def release(self, tensor: torch.Tensor) -> None:
         self._tick()
         mem = self._memory(tensor)
+        # The block goes back to the stream that allocated it (the current one, for memory
+        # this device did not allocate); recorded streams hold it until their work at the
+        # release ran. A copy ordered before any of them cannot see the block reused.
+        protectors = (mem.allocated_on or self._current_compute(), *mem.recorded)
+        self._check_other_users(mem)
         for acc in mem.accesses:
-            if acc.stream is self._compute or self._ordered(self._compute, acc.stream, acc.seq):
+            if acc.stream in protectors or any(self._ordered(s, acc.stream, acc.seq) for s in protectors):
                 continue
             if acc.stream not in mem.recorded:
                 self._violation(
@@ -169,7 +184,8 @@ class CheckedDevice(AccessRules, Device):
         tensor.untyped_storage().resize_(0)
         mem.accesses = []
         mem.recorded = set()
-        mem.allocated_at = None
+        mem.allocated_at = mem.allocated_on = None
+        mem.compute_uses = {}
 
     def regrow(self, tensor: torch.Tensor, nbytes: int) -> None:
         self._tick()
@@ -180,14 +196,14 @@ class CheckedDevice(AccessRules, Device):
         if fresh:
             _poison_storage(storage, tensor.dtype)
         mem.accesses = []
-        mem.allocated_at = self._compute.pos
+        self._allocated(mem)
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         self._tick()
         tensor = torch.empty(numel, dtype=dtype)
         fill_poison(tensor)
         mem = self._memory(tensor)
-        mem.allocated_at = self._compute.pos
+        self._allocated(mem)
         mem.from_empty = True
         return tensor
 
@@ -200,6 +216,13 @@ class CheckedDevice(AccessRules, Device):
         self._sides.append(stream)
         return stream
 
+    def compute_stream(self) -> _Stream:
+        """Another eager stream the caller may compute on (``use_stream`` makes it current),
+        as a user's ``torch.cuda.Stream()`` or autograd's stream for a backward hook."""
+        stream = _Stream(f"compute-{len(self._computes) + 1}", compute=True)
+        self._computes.append(stream)
+        return stream
+
     @contextlib.contextmanager
     def use_stream(self, stream: _Stream):
         self._active.append(stream)
@@ -208,16 +231,16 @@ class CheckedDevice(AccessRules, Device):
         finally:
             self._active.pop()
 
-    def record_event(self, stream: _Stream) -> _Event:
+    def record_event(self, stream: _Stream, *, timing: bool = False) -> _Event:
         return _Event(stream, self._vector(stream))
 
     def wait_stream(self, waiter: _Stream, waitee: _Stream, *, label: str = "") -> None:
-        if self._labelled(label, tick=waiter is self._compute):
+        if self._labelled(label, tick=waiter.compute):
             with self._detecting(label):
                 self._wait(waiter, self._vector(waitee))
 
     def wait_event(self, stream: _Stream, event: _Event, *, label: str = "") -> None:
-        if self._labelled(label, tick=stream is self._compute):
+        if self._labelled(label, tick=stream.compute):
             with self._detecting(label):
                 self._wait(stream, event.vector)
 
@@ -249,7 +272,7 @@ class CheckedDevice(AccessRules, Device):
         self._tick()
         src_ref = self._ref(src)
         dst_ref = self._ref(dst)
-        seq = stream.pos if stream is self._compute else stream.pos + 1
+        seq = stream.pos if stream.compute else stream.pos + 1
         if not self._check_access(stream, seq, src_ref, write=False):
             return
         if not self._check_access(stream, seq, dst_ref, write=True):
@@ -257,119 +280,15 @@ class CheckedDevice(AccessRules, Device):
         self._note_access(stream, seq, src_ref, write=False)
         self._note_access(stream, seq, dst_ref, write=True)
         op = _Op(stream, seq, dst_ref, src_ref, dict(stream.after))
-        if stream is self._compute:
+        if stream.compute:
             self._execute(op)
         else:
             stream.pos = seq
             stream.queue.append(op)
 
-    # ------------------------------------------------------- checks for tests
-    def note_compute(self, *, reads: bool = True, writes: bool = True) -> None:
-        """The caller's kernels (an optimizer step) now read and/or write device memory."""
-        self._tick()
-        for mem in list(self._memories.values()):
-            if mem.host or not mem.alive():
-                continue
-            for acc in mem.accesses:
-                if acc.stream is self._compute or self._ordered(self._compute, acc.stream, acc.seq):
-                    continue
-                if acc.write and (reads or writes):
-                    self._violation(
-                        4,
-                        USE_BEFORE_COPY,
-                        f"the compute stream uses device memory that a copy on {acc.stream.name} "
-                        "writes, without waiting for that copy",
-                    )
-                    break
-                if not acc.write and writes:
-                    self._violation(
-                        2,
-                        OVERWRITE_WHILE_READ,
-                        f"the compute stream overwrites device memory that a copy on "
-                        f"{acc.stream.name} still reads, without waiting for that copy",
-                    )
-                    break
-
-    def check_readable(self, tensor: torch.Tensor, *, label: str = "") -> None:
-        """Report if ``tensor`` may not be read now: by the host for a host buffer (rule 5),
-        by the compute stream for device memory (rules 3 and 4)."""
-        mem = self._memory(tensor)
-        ref = _Ref(mem, tensor)
-        if ref.end > ref.start and ref.resolve() is None:
-            self._violation(3, RELEASED_ACCESS, "reading memory that has been released", label)
-            return
-        reader = None if mem.host else self._compute
-        for acc in mem.accesses:
-            if not acc.write or acc.end <= ref.start or ref.end <= acc.start:
-                continue
-            if acc.stream is reader or self._ordered(reader, acc.stream, acc.seq):
-                continue
-            if mem.host:
-                self._violation(
-                    5,
-                    UNORDERED_HOST_READ,
-                    f"the host reads a host buffer written by a copy on {acc.stream.name} "
-                    "that it has not synchronized with",
-                    label,
-                )
-            else:
-                self._violation(
-                    4,
-                    USE_BEFORE_COPY,
-                    f"the compute stream reads device memory written by a copy on "
-                    f"{acc.stream.name} that it has not waited for",
-                    label,
-                )
-            return
-
-    def check(self, *, raise_on_violation: bool = True) -> list[Violation]:
-        """Report queued work nothing ever ordered, run all remaining work, and raise
-        ``ProtocolViolation`` if any violation was recorded (or return them)."""
-        for op in list(self._pending()):
-            if any(s.after.get(op.stream, 0) >= op.seq for s in self._streams()) or self._ordered(
-                None, op.stream, op.seq
-            ):
-                continue
-            host = op.dst.mem.host
-            self._violation(
-                5 if host else 4,
-                NEVER_ORDERED,
-                f"a copy on {op.stream.name} into {op.dst.mem.describe()} was never waited for "
-                "by any stream or the host",
-                record_only=True,
-            )
-        for stream in self._sides:
-            self._run_to(stream, stream.pos)
-        if raise_on_violation and self.violations:
-            raise ProtocolViolation(self.violations[0], more=len(self.violations) - 1)
-        return list(self.violations)
-
-    def device_bytes(self) -> int:
-        """Bytes of live device memory this device has seen (allocated, regrown or copied)."""
-        seen = {}
-        for mem in self._memories.values():
-            storage = mem.storage()
-            if not mem.host and storage is not None:
-                seen[storage._cdata] = storage.nbytes()
-        return sum(seen.values())
-
-    def pending(self) -> int:
-        """Number of queued copies that have not run yet."""
-        return sum(len(s.queue) for s in self._sides)
-
-    @property
-    def held_bytes(self) -> int:
-        """Bytes of released memory kept for queued copies (the allocator's deferred frees)."""
-        return sum(
-            ref.ghost.numel() * ref.ghost.element_size()
-            for op in self._pending()
-            for ref in (op.dst, op.src)
-            if ref.ghost is not None
-        )
-
     # ----------------------------------------------------------------- helpers
     def _streams(self):
-        return [self._compute, *self._sides]
+        return [*self._computes, *self._sides]
 
     def _pending(self):
         for stream in self._sides:
@@ -377,8 +296,42 @@ class CheckedDevice(AccessRules, Device):
 
     def _tick(self) -> None:
         # The caller may have run kernels on the compute stream since its last device call.
-        if self._active[-1] is self._compute:
-            self._compute.pos += 1
+        if self._active[-1].compute:
+            self._active[-1].pos += 1
+
+    def _current_compute(self) -> _Stream:
+        """The compute stream the caller's work goes to (the innermost current one)."""
+        for stream in reversed(self._active):
+            if stream.compute:
+                return stream
+        return self._compute  # pragma: no cover - the default compute stream is always active
+
+    def _allocated(self, mem) -> None:
+        stream = self._current_compute()
+        mem.allocated_on, mem.allocated_at = stream, stream.pos
+        mem.compute_uses = {}
+
+    def _check_other_users(self, mem) -> None:
+        """Rule 2 across compute streams: memory allocated on one compute stream and used
+        (after its allocation) by another may be freed only if ``record_stream`` announced
+        that other stream, or the allocating stream or an announced one is ordered after its
+        work: otherwise the allocator hands the block to the allocating stream's next
+        allocation while the other stream may still use it."""
+        if mem.host or mem.allocated_on is None:
+            return  # memory this device did not allocate: its stream is not known
+        for user, seq in mem.compute_uses.items():
+            if user is mem.allocated_on or user in mem.recorded:
+                continue
+            if any(self._ordered(s, user, seq) for s in (mem.allocated_on, *mem.recorded)):
+                continue
+            self._violation(
+                2,
+                RELEASE_IN_USE,
+                f"device memory allocated on {mem.allocated_on.name} is released while work on "
+                f"{user.name}, which used it, is not ordered before the release, and "
+                f"record_stream did not announce {user.name} to the allocator",
+            )
+            return
 
     def _labelled(self, label: str, *, tick: bool) -> bool:
         """Count an ordering call; False if ``skip_labels`` drops it."""
@@ -420,13 +373,14 @@ class CheckedDevice(AccessRules, Device):
         for stream, seq in vector.items():
             if stream is not waiter and waiter.after.get(stream, -1) < seq:
                 waiter.after[stream] = seq
-        if waiter is self._compute:
+        if waiter.compute:
             for stream, seq in vector.items():
-                if stream is not self._compute:
+                if not stream.compute:
                     self._run_to(stream, seq)
 
     def _host_wait(self, vector: dict) -> None:
-        self._wait(self._compute, vector)
+        for compute in self._computes:  # whatever is issued next comes after what the host saw
+            self._wait(compute, vector)
         for stream, seq in vector.items():
             if self._host.get(stream, -1) < seq:
                 self._host[stream] = seq
@@ -435,7 +389,7 @@ class CheckedDevice(AccessRules, Device):
         while stream.queue and stream.queue[0].seq <= seq:
             op = stream.queue[0]
             for dep, dep_seq in op.deps.items():
-                if dep is not self._compute:
+                if not dep.compute:
                     self._run_to(dep, dep_seq)
             stream.queue.popleft()
             self._execute(op)

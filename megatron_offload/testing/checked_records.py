@@ -59,8 +59,10 @@ class ProtocolViolation(AssertionError):
 class _Stream:
     """A stream: a queue of copies plus what it is ordered after."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, compute: bool = False) -> None:
         self.name = name
+        #: A compute stream is eager: the caller's ops and copies issued on it run at once.
+        self.compute = compute
         self.pos = 0  # sequence number of the last operation issued (ticks for the compute stream)
         # stream -> the last of its sequence numbers ordered before this stream's next work
         self.after: dict[_Stream, int] = {}
@@ -86,7 +88,10 @@ class _Memory:
         self.host = host
         self.accesses: list[_Access] = []
         self.recorded: set[_Stream] = set()  # streams announced with record_stream
-        self.allocated_at: int | None = None  # compute tick of the last regrow/empty
+        self.allocated_at: int | None = None  # tick of the last regrow/empty on its stream
+        self.allocated_on: _Stream | None = None  # the compute stream that allocated it
+        # compute stream -> its tick at the last ``note_compute`` since the allocation
+        self.compute_uses: dict[_Stream, int] = {}
         self.freed = False  # host buffer given back with free_host_buffer
         self.from_empty = False  # allocated by ``empty`` (no tensor of the caller shares it)
 

@@ -135,9 +135,15 @@ class ModelledDevice(CheckedDevice):
         self._streams_of[stream] = self.model.new_stream(name=stream.name)
         return stream
 
-    def record_event(self, stream: _Stream) -> _ModelledEvent:
+    def record_event(self, stream: _Stream, *, timing: bool = False) -> _ModelledEvent:
         event = super().record_event(stream)
         return _ModelledEvent(event.stream, event.vector, self.model.record_event(self._streams_of[stream]))
+
+    def elapsed_ms(self, start: _ModelledEvent, end: _ModelledEvent) -> float | None:
+        """Modelled milliseconds, once the modelled clock has reached ``end``."""
+        if end.modelled is None or start.modelled is None or end.modelled.time > self.model.now:
+            return None
+        return (end.modelled.time - start.modelled.time) * 1e3
 
     def wait_stream(self, waiter: _Stream, waitee: _Stream, *, label: str = "") -> None:
         self._reap()

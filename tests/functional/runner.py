@@ -45,7 +45,8 @@ MODEL_FLAGS = [
 ]
 OFFLOAD_LINE = re.compile(
     r'\[optimizer-state offload\] iteration +(\d+) \| offloaded: ([0-9.]+) GiB \| '
-    r'host: ([0-9.]+) GiB \| D2H: ([0-9.]+) ms \| H2D: ([0-9.]+) ms \|'
+    r'host: ([0-9.]+) GiB \| D2H: ([0-9.]+) ms \(([0-9.]+) GB/s\) \| '
+    r'H2D: ([0-9.]+) ms \(([0-9.]+) GB/s\) \| exposed: ([0-9.]+) ms \| issue: ([0-9.]+) ms \|'
 )
 
 
@@ -97,7 +98,11 @@ class Run:
                 'offloaded_gib': float(match.group(2)),
                 'host_gib': float(match.group(3)),
                 'd2h_ms': float(match.group(4)),
-                'h2d_ms': float(match.group(5)),
+                'd2h_gbps': float(match.group(5)),
+                'h2d_ms': float(match.group(6)),
+                'h2d_gbps': float(match.group(7)),
+                'exposed_ms': float(match.group(8)),
+                'issue_ms': float(match.group(9)),
             })
         return lines
 

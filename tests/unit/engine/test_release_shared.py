@@ -1,4 +1,4 @@
-"""The first release of tensors whose storages something else shares (``_release_unconsolidated``).
+"""The first release of tensors whose storages something else shares (``groups.release_separate_storages``).
 
 Views of one buffer taken before offloading (or a storage another tensor still holds) cannot
 be freed: the other owners would dangle. The engine points its tensors away from them, at

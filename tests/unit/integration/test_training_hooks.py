@@ -47,7 +47,9 @@ class FakeOffloader:
 
     def stats(self):
         return {'offloaded_bytes': 3 << 29, 'host_bytes': 3 << 29,
-                'offload_seconds': 0.0125, 'reload_seconds': 0.0031}
+                'offload_seconds': 0.0005, 'reload_seconds': 0.00025,
+                'd2h_ms': 12.5, 'h2d_ms': 3.1, 'd2h_gbps': 128.85, 'h2d_gbps': 519.53,
+                'exposed_ms': 0.4}
 
 
 class FakeOptimizer:
@@ -326,14 +328,39 @@ def test_log_line_and_scalars():
     writer, wandb, printed = Writer(), Wandb(), []
     figures = hooks.log_offload_stats(10, FakeOffloader([]), writer=writer, wandb_writer=wandb,
                                       printer=printed.append)
-    assert figures == {'offloaded_gib': 1.5, 'host_gib': 1.5, 'd2h_ms': 12.5,
-                       'h2d_ms': pytest.approx(3.1)}
+    assert figures == {'offloaded_gib': 1.5, 'host_gib': 1.5, 'd2h_ms': 12.5, 'd2h_gbps': 128.85,
+                       'h2d_ms': 3.1, 'h2d_gbps': 519.53, 'exposed_ms': 0.4,
+                       'issue_ms': pytest.approx(0.75)}
     assert printed == [' [optimizer-state offload] iteration       10 | offloaded: 1.500000 GiB'
-                       ' | host: 1.500000 GiB | D2H: 12.500 ms | H2D: 3.100 ms |']
+                       ' | host: 1.500000 GiB | D2H: 12.500 ms (128.85 GB/s)'
+                       ' | H2D: 3.100 ms (519.53 GB/s) | exposed: 0.400 ms | issue: 0.750 ms |']
     assert [(name, iteration) for name, _, iteration in writer.scalars] == [
         ('optimizer-offload/offloaded-GiB', 10), ('optimizer-offload/host-GiB', 10),
-        ('optimizer-offload/d2h-ms', 10), ('optimizer-offload/h2d-ms', 10)]
+        ('optimizer-offload/d2h-ms', 10), ('optimizer-offload/d2h-GBps', 10),
+        ('optimizer-offload/h2d-ms', 10), ('optimizer-offload/h2d-GBps', 10),
+        ('optimizer-offload/exposed-ms', 10), ('optimizer-offload/issue-ms', 10)]
     assert wandb.logged == [({name: value for name, value, _ in writer.scalars}, 10)]
+
+
+def test_rates_are_the_minimum_over_ranks_and_times_the_maximum(monkeypatch):
+    from megatron_offload.integration import stats_log
+
+    other_rank = {'offloaded_bytes': 1 << 30, 'host_bytes': 1 << 30, 'offload_seconds': 0.002,
+                  'reload_seconds': 0.001, 'd2h_ms': 20.0, 'h2d_ms': 1.0, 'd2h_gbps': 50.0,
+                  'h2d_gbps': 900.0, 'exposed_ms': 0.1}
+    theirs = list(stats_log.offload_figures(other_rank).items())
+
+    def two_ranks(values):  # what a MAX all-reduce with the other rank returns
+        signs = [-1.0 if k in stats_log.MIN_OVER_RANKS else 1.0 for k, _ in theirs]
+        return [max(v, s * t) for v, s, (_, t) in zip(values, signs, theirs)], 2
+
+    monkeypatch.setattr(stats_log, '_max_over_ranks', two_ranks)
+    printed = []
+    figures = stats_log.log_offload_stats(4, FakeOffloader([]), printer=printed.append)
+    assert figures['d2h_gbps'] == 50.0 and figures['h2d_gbps'] == 519.53  # the slower rank
+    assert figures['d2h_ms'] == 20.0 and figures['h2d_ms'] == 3.1  # the longer one
+    assert figures['issue_ms'] == pytest.approx(3.0) and figures['exposed_ms'] == 0.4
+    assert printed[0].endswith('| (max over 2 ranks; GB/s: min)')
 
 
 def test_attach_for_training_needs_the_flag():
@@ -415,7 +442,7 @@ def test_hooks_on_a_real_distributed_optimizer(rank_pool):
         assert off['resident_inside'] and off['offloaded_after'] and off['masters_inside']
         assert off['moments_released_inside']
         assert off['d2h_after_read_only'] == 0  # the host copy stayed valid: nothing copied
-        assert len(off['printed']) == 1 and '(max over 2 ranks)' in off['printed'][0]
+        assert len(off['printed']) == 1 and '(max over 2 ranks; GB/s: min)' in off['printed'][0]
     most = max(rank['own_offloaded_bytes'] for rank in offloaded)
     assert all(rank['figures']['offloaded_gib'] == most / (1 << 30) for rank in offloaded)
     assert offloaded[0]['printed'] == offloaded[1]['printed']

@@ -567,3 +567,104 @@ def test_compute_stream_copies_racing_queued_side_copies_are_classified():
     device.copy(device.empty(0, torch.float32), device.empty(0, torch.float32))  # no bytes: no access
     kinds = [(v.rule, v.kind) for v in device.violations]
     assert (2, "overwrite-while-read") in kinds and (4, "use-before-copy") in kinds
+
+
+# ------------------------------------------------------- several compute streams
+def test_a_second_compute_stream_is_eager_and_current_inside_use_stream():
+    device = CheckedDevice()
+    default, other = device.current_stream(), device.compute_stream()
+    assert other is not default and other.compute and other.name == "compute-2"
+    src, dst = values(), torch.zeros(4)
+    with device.use_stream(other):
+        assert device.current_stream() is other
+        device.copy(dst, src)  # runs at once, like the default compute stream
+    assert device.current_stream() is default and torch.equal(dst, src)
+
+
+def _d2h_after_work_on_another_compute_stream(wait_for_other):
+    device = CheckedDevice()
+    other, side = device.compute_stream(), device.new_stream()
+    src = device.empty(4, torch.float32)  # allocated on the default stream
+    src.copy_(values())
+    with device.use_stream(other):
+        device.note_compute()  # a step on `other` writes it
+    host = host_like(device, src)
+    device.wait_stream(side, device.current_stream())
+    if wait_for_other:
+        device.wait_stream(side, other)
+    try:
+        with device.use_stream(side):
+            device.copy(host, src)
+    except ProtocolViolation as exc:
+        return exc.kind, exc.rule
+    return None
+
+
+def test_a_d2h_must_wait_for_the_other_compute_stream_that_wrote_the_memory():
+    assert _d2h_after_work_on_another_compute_stream(False) == (UNORDERED_DEVICE_ACCESS, 1)
+    assert _d2h_after_work_on_another_compute_stream(True) is None
+
+
+def test_work_on_another_stream_that_never_used_the_memory_does_not_order_a_d2h():
+    device = CheckedDevice()
+    other, side = device.compute_stream(), device.new_stream()
+    src = values()
+    host = host_like(device, src)
+    with device.use_stream(other):
+        device.copy(torch.zeros(2), torch.ones(2))  # unrelated work on `other`
+    d2h(device, side, host, src)  # waits for the default stream only: enough
+    device.synchronize()
+    device.check()
+    assert torch.equal(host, src)
+
+
+def _release_used_on_another_stream(record, order):
+    """Memory regrown on the default stream is read by kernels on `other`, then released."""
+    device = CheckedDevice()
+    other = device.compute_stream()
+    tensor = values()
+    device.release(tensor)
+    device.regrow(tensor, 16)
+    with device.use_stream(other):
+        device.note_compute(writes=False)
+    if record:
+        device.record_stream(tensor, other, label="use")
+    if order:
+        device.wait_stream(device.current_stream(), other)
+    try:
+        device.release(tensor)
+    except ProtocolViolation as exc:
+        return exc.kind, exc.rule
+    return None
+
+
+def test_release_of_memory_used_on_another_stream_needs_record_stream_or_an_order(isolated):
+    assert isolated.run(_release_used_on_another_stream, False, False) == (RELEASE_IN_USE, 2)
+    assert isolated.run(_release_used_on_another_stream, True, False) is None
+    assert isolated.run(_release_used_on_another_stream, False, True) is None
+
+
+def _h2d_on_another_stream_after_work_before_the_allocation():
+    device = CheckedDevice()
+    other, side = device.compute_stream(), device.new_stream()
+    tensor = values()
+    host = host_like(device, tensor)
+    device.copy(host, tensor)
+    device.synchronize()
+    with device.use_stream(other):
+        device.note_compute()  # before the allocation below: cannot touch the new block
+    device.release(tensor)
+    device.regrow(tensor, 16)
+    device.wait_stream(side, device.current_stream())
+    with device.use_stream(side):
+        device.copy(tensor, host)
+        event = device.record_event(side)
+    with device.use_stream(other):
+        device.wait_event(other, event)
+        device.check_readable(tensor)
+        return tensor.tolist(), device.violations
+
+
+def test_an_h2d_orders_after_the_allocating_stream_only(isolated):
+    data, violations = isolated.run(_h2d_on_another_stream_after_work_before_the_allocation)
+    assert data == values().tolist() and violations == []
