@@ -44,8 +44,16 @@ venv="$cache/venv-$name-$hash"
 if [ ! -f "$venv/.complete" ]; then
   rm -rf "$venv"
   mkdir -p "$cache"
-  # Overlays are small and cheap to rebuild: drop this line's stale ones.
-  [ -z "$base_venv" ] || rm -rf "$cache/venv-$name-"*
+  # Overlays are small and cheap to rebuild: drop this line's stale ones, those whose base
+  # environment is gone. One whose base still exists may be another checkout's, in use
+  # (the cache is shared by every checkout of the machine): it stays.
+  if [ -n "$base_venv" ]; then
+    for old in "$cache/venv-$name-"*; do
+      [ -d "$old" ] || continue
+      link=$(find "$old/shared" -maxdepth 1 -type l -print -quit 2>/dev/null || true)
+      if [ -z "$link" ] || [ ! -e "$link" ]; then rm -rf "$old"; fi
+    done
+  fi
   if [ -n "$base_venv" ]; then
     # A venv of the base interpreter whose site-packages sees the base environment's packages
     # through a directory of links that leaves out megatron (a namespace package: a second
