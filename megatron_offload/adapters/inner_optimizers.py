@@ -5,9 +5,9 @@ megatron-core's ``get_megatron_optimizer`` wraps one of three Adams (in order of
 ==========================  =================================================================
 Transformer Engine           ``state[p]``: ``exp_avg``, ``exp_avg_sq`` and, on the
 ``FusedAdam`` (TE 2.x;       precision-aware path (``--use-precision-aware-optimizer``, master
-read from TE 2.17,           weights in the optimizer), ``master_param``; each shaped like ``p``
-the release megatron-core    (the bf16 parameter shard), created for every parameter of a group
-0.19 pins)                   at the first ``step()``. Dtypes: fp32; fp16 (value/scale, the fp32
+read from TE 2.8 to          weights in the optimizer), ``master_param``; each shaped like ``p``
+2.17.1 and release_v2.19)    (the bf16 parameter shard), created for every parameter of a group
+                             at the first ``step()``. Dtypes: fp32; fp16 (value/scale, the fp32
                              ``[1]`` scale in ``optimizer._scales[p][name]``); bf16 (plain);
                              FP8 E4M3 (``exp_avg_dtype=torch.uint8``): a ``Float8Tensor``, a
                              wrapper subclass whose ``.dtype`` reads float32 and whose bytes are
@@ -53,6 +53,15 @@ MASTER_KEYS = frozenset({"master_param"})
 # Plain data buffers inside TE's quantized tensors (Float8Tensor: _data, _transpose; MXFP8 and
 # blockwise-FP8 tensors: _rowwise_data, _columnwise_data). Their scale tensors are not listed:
 # they are either [1] or a fraction of the parameter's size.
+# ``_transpose`` is copied out and back like the data, although FusedAdam never reads it (its
+# step only dequantizes ``_data`` and rewrites the transpose at every quantize): TE's own
+# Float8Tensor methods do read it outside the step (``clone()`` copies it, ``view()`` and
+# ``make_like`` pass it on, a Float8Tensor-to-Float8Tensor ``copy_`` copies the source's when
+# it is marked valid, ``copy_from_storage`` too), and ``clone`` hands it over as valid even
+# when the source was marked invalid. A transpose regrown without its bytes would therefore
+# spread stale data through any of them (a ``deepcopy`` of the state included), and nothing
+# lets the offloader prove none runs while the states are released. The cost is one extra
+# byte per FP8 moment element per copy, where TE allocates the transpose at all.
 QUANTIZED_DATA_ATTRS = ("_data", "_transpose", "_rowwise_data", "_columnwise_data")
 
 TE_FUSED_ADAM = "Transformer Engine FusedAdam"
@@ -139,6 +148,92 @@ def kind_of(optimizer) -> str:
     if type(optimizer).__name__ == "FusedAdam":
         return APEX_FUSED_ADAM
     return OTHER
+
+
+# ---------------------------------------------------------------- sizes before the states exist
+_ALIGN = 16  # bytes: every tensor starts 16-byte aligned in a slot and in a host group
+
+
+def _aligned(numel: int, itemsize: int) -> int:
+    return -(-numel * itemsize // _ALIGN) * _ALIGN
+
+
+def _te_state_dtypes(optimizer, param) -> dict[str, torch.dtype]:
+    """State name -> the dtype of the memory TE's FusedAdam will allocate for ``param``
+    (read from the optimizer's own configuration, as its ``_initialize_state`` does)."""
+    names = ["exp_avg", "exp_avg_sq"] + (["master_param"] if getattr(optimizer, "master_weights", False) else [])
+    dtypes = {}
+    for name in names:
+        dtype = optimizer.name_to_dtype_map[name]
+        if (
+            name == "master_param"
+            and getattr(optimizer, "store_param_remainders", False)
+            and param.dtype == torch.bfloat16
+        ):
+            dtype = torch.int16  # the low 16 bits; the high bits are the bf16 parameter
+        dtypes[name] = dtype
+    return dtypes
+
+
+def planned_state_bytes(optimizer, param, *, moments: bool, masters: bool) -> tuple[int, bool]:
+    """``(bytes, exact)``: what ``param``'s states will take in a slot, before they exist.
+
+    ``moments``/``masters``: whether moment states / master weights inside the state are
+    streamed (kinds not offloaded stay on the device and take no slot).
+
+    torch's Adam/AdamW and apex's FusedAdam: moments shaped and typed like the parameter (two,
+    three with amsgrad): exact. Transformer Engine's FusedAdam: from ``name_to_dtype_map``,
+    ``master_weights`` and ``store_param_remainders``; an FP8 (uint8) moment counts its
+    ``_data`` and its ``_transpose`` (one byte each per element; TE allocates the transpose
+    where FP8 GEMMs need it, so on hardware without it this is an upper bound, never too
+    small). Any other optimizer: one byte per element for each of two moments, a lower bound.
+    """
+    numel = param.numel()
+    kind = kind_of(optimizer)
+    if kind in (TORCH_ADAM, APEX_FUSED_ADAM):
+        if not moments:
+            return 0, True
+        count = 3 if any(g.get("amsgrad") for g in optimizer.param_groups) else 2
+        return count * _aligned(numel, param.element_size()), True
+    if kind == TE_FUSED_ADAM:
+        total = 0
+        for name, dtype in _te_state_dtypes(optimizer, param).items():
+            if not (masters if is_master_key(name) else moments):
+                continue
+            if dtype == torch.uint8:
+                total += 2 * _aligned(numel, 1)  # _data and _transpose
+            else:
+                total += _aligned(numel, torch.empty((), dtype=dtype).element_size())
+        return total, True
+    return (2 * _aligned(numel, 1) if moments else 0), False
+
+
+def te_fuses_bf16_moments(optimizer) -> bool:
+    """True where TE's kernel updates bf16 moments in place (TE >= 2.13: ``fuse_unscale``,
+    set when both moments are bf16), so no fp32 temporaries are made for them."""
+    return bool(getattr(optimizer, "fuse_unscale", False))
+
+
+def transient_bytes(optimizer, param) -> int:
+    """Device bytes TE's ``FusedAdam.step`` allocates for ``param`` for the length of one call.
+
+    Each state that is not fp32 (FP8 and fp16 moments, fp16 masters, bf16 moments where they
+    are not fused) is unscaled into a new fp32 tensor (``get_unscaled_state``) that the
+    kernel updates and ``_apply_scale`` writes back: 4 bytes per element each, alive together
+    for every parameter of the call. int16 remainders and fp32 states are used in place.
+    Other optimizers: 0 (their updates work on the states themselves).
+    """
+    if kind_of(optimizer) != TE_FUSED_ADAM:
+        return 0
+    fused = te_fuses_bf16_moments(optimizer)
+    total = 0
+    for name, dtype in _te_state_dtypes(optimizer, param).items():
+        if dtype in (torch.float32, torch.int16):
+            continue
+        if dtype == torch.bfloat16 and fused and not is_master_key(name):
+            continue
+        total += _aligned(param.numel(), 4)
+    return total
 
 
 @dataclass(frozen=True)

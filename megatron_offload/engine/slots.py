@@ -28,6 +28,7 @@ The ordering (labels as in ``engine.py``; a chunk ``i`` uses slot ``i % slots``)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -87,13 +88,22 @@ class SlotStream:
             next; 1: no overlap, half the memory).
     """
 
-    def __init__(self, engine: OffloadEngine, *, slot_bytes: int, slots: int = 2) -> None:
+    def __init__(
+        self, engine: OffloadEngine, *, slot_bytes: int, slots: int = 2, transient_ratio: float = 0.0
+    ) -> None:
         if slot_bytes <= 0 or slots < 1:
             raise ValueError(f"slot_bytes must be > 0 and slots >= 1, got {slot_bytes} and {slots}.")
         self.engine = engine
         self.slot_bytes = slot_bytes
         self.slots = slots
+        # Temporary bytes the caller's update makes per byte of the chunk it updates (kept
+        # beside the slots by whoever sized them): only used to say what budget a unit needs.
+        self.transient_ratio = transient_ratio
         self.peak_slot_bytes = 0  # device bytes of the slots of the largest run so far
+
+    def budget_for(self, nbytes: int) -> int:
+        """The total budget (slots and temporaries) in which a unit of ``nbytes`` fits a slot."""
+        return budget_for(nbytes, self.slots, self.transient_ratio)
 
     def clear_figures(self) -> None:
         """Zero the engine's chunked-update figures (a step that streams nothing reports 0)."""
@@ -122,7 +132,7 @@ class SlotStream:
                 raise SlotSizeError(
                     f"{self.engine.name}: the states of {name} take {size:,} bytes, more than one "
                     f"slot of the chunked update ({self.slot_bytes:,} bytes). Give the chunked "
-                    f"update at least {size * self.slots:,} bytes (chunked_update_bytes), or leave "
+                    f"update at least {self.budget_for(size):,} bytes (chunked_update_bytes), or leave "
                     "it unset to reload the states whole for the step."
                 )
             if current and used + size > self.slot_bytes:
@@ -283,3 +293,9 @@ def aligned_bytes(tensor: torch.Tensor) -> int:
 
 def round_up(nbytes: int) -> int:
     return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def budget_for(nbytes: int, slots: int, transient_ratio: float = 0.0) -> int:
+    """The smallest budget whose split (``slots`` slots and a reserve of ``transient_ratio``
+    slots for the update's temporaries) gives slots of at least ``nbytes``."""
+    return round_up(math.ceil(nbytes * (slots + transient_ratio)))

@@ -23,6 +23,14 @@ What the step contains, per parameter:
   pinned, and pinning costs a system call and page-table work per buffer;
 - everything else (states kept on the device): updated together in one call.
 
+Budget: every parameter's states are sized at construction from the optimizer's own
+configuration (``inner_optimizers.planned_state_bytes``: exact for torch's, apex's and TE's
+Adam), and a budget one of them cannot fit in is refused there. The budget also holds the
+fp32 temporaries TE's ``step`` makes per call for its FP8/fp16 (and, before TE 2.13, bf16)
+states (``inner_optimizers.transient_bytes``): it is split into the slots and a reserve that
+grows with them. At each step every parameter is checked before any is updated, so a refused
+step changes nothing (no parameter, group step or state), and can be retried.
+
 Master weights that megatron-core keeps outside the optimizer state (the fp32 copies of
 bf16/fp16 parameters) are not streamed: megatron copies them into the model parameters
 after the update, so they are reloaded whole as without the chunked update. Masters kept
@@ -40,23 +48,28 @@ from ..adapters import inner_optimizers
 from ..engine import OffloadEngine, OffloadStateError, SlotSizeError, SlotStream
 from ..engine.engine import D2H_AFTER_WRITERS, D2H_RECORD_STREAM, HOST_FREE_AFTER_COPIES, _typed
 from ..engine.groups import owns_storage
-from ..engine.slots import aligned_bytes, round_up
+from ..engine.slots import aligned_bytes, budget_for
 
 _ABSENT = object()
 
 
-def _smallest_states(inner, param) -> tuple[int, bool]:
-    """(bytes of ``param``'s moments, exact?) before the optimizer has made them.
+def _planned(inner, param, kinds) -> tuple[int, bool]:
+    """(slot bytes of ``param``'s states before they exist, exact?) for the offloaded kinds."""
+    return inner_optimizers.planned_state_bytes(
+        inner, param, moments=OPTIMIZER_STATES in kinds, masters=PRIMARY_WEIGHTS in kinds
+    )
 
-    torch's Adam/AdamW and apex's FusedAdam keep moments shaped and typed like the parameter
-    (two, three with amsgrad); Transformer Engine's may be bf16, fp16 or FP8, so only a lower
-    bound is known there: one byte per element for each of the two.
-    """
-    kind = inner_optimizers.kind_of(inner)
-    if kind in (inner_optimizers.TORCH_ADAM, inner_optimizers.APEX_FUSED_ADAM):
-        count = 3 if any(g.get("amsgrad") for g in inner.param_groups) else 2
-        return count * aligned_bytes(param), True
-    return 2 * round_up(param.numel()), False
+
+def _transient_ratio(inner, params, kinds) -> float:
+    """Largest ratio of an update call's temporary bytes to the slot bytes of the states it
+    updates (Transformer Engine's fp32 temporaries; 0 for other optimizers)."""
+    ratio = 0.0
+    for param in params:
+        planned, _ = _planned(inner, param, kinds)
+        extra = inner_optimizers.transient_bytes(inner, param)
+        if planned and extra:
+            ratio = max(ratio, extra / planned)
+    return ratio
 
 
 class ChunkedUpdate:
@@ -78,19 +91,30 @@ class ChunkedUpdate:
         self.engine = engine
         self._owner = owner  # the offloader, told while a chunked update runs
         self.inner = distrib_optimizer.optimizer
-        slot_bytes = total_bytes // slots
-        if OPTIMIZER_STATES in kinds:
-            # Refuse now, before any memory is touched, a budget no step could work with.
-            for param in (p for group in self.inner.param_groups for p in group["params"]):
-                need, exact = _smallest_states(self.inner, param)
-                if need > slot_bytes:
-                    raise ValueError(
-                        f"chunked_update_bytes={total_bytes} gives {slots} slot(s) of {slot_bytes:,} "
-                        f"bytes, but Adam's moments of the parameter shard {tuple(param.shape)} take "
-                        f"{'' if exact else 'at least '}{need:,} bytes: give at least "
-                        f"{need * slots:,} bytes, or leave chunked_update_bytes unset."
-                    )
-        self.stream = SlotStream(engine, slot_bytes=slot_bytes, slots=slots)
+        params = [p for group in self.inner.param_groups for p in group["params"]]
+        # Budget split: ``slots`` slots of ``slot_bytes`` plus a reserve for the temporaries
+        # the inner step makes per call (TE: fp32 copies of FP8/fp16 states, proportional to
+        # the states updated). With ``ratio`` = the largest temporaries/state-bytes ratio, a
+        # chunk that fits a slot makes at most ``ratio * slot_bytes`` of temporaries, so the
+        # update never holds more than ``slots * slot_bytes + reserve <= total_bytes``.
+        self.transient_ratio = _transient_ratio(self.inner, params, kinds)
+        slot_bytes = int(total_bytes // (slots + self.transient_ratio))
+        self.transient_reserve = total_bytes - slots * slot_bytes
+        # Refuse now, before any memory is touched, a budget some parameter cannot fit in:
+        # every parameter's states are sized from the optimizer's own configuration.
+        for param in params:
+            need, exact = _planned(self.inner, param, kinds)
+            if need > slot_bytes:
+                raise ValueError(
+                    f"chunked_update_bytes={total_bytes} gives {slots} slot(s) of {slot_bytes:,} bytes"
+                    + (f" (and {self.transient_reserve:,} bytes for the optimizer's temporary fp32 "
+                       "copies during each update call)" if self.transient_ratio else "")
+                    + f", but the states of the parameter shard {tuple(param.shape)} take "
+                    f"{'' if exact else 'at least '}{need:,} bytes: give at least "
+                    f"{budget_for(need, slots, self.transient_ratio):,} bytes, or leave "
+                    "chunked_update_bytes unset."
+                )
+        self.stream = SlotStream(engine, slot_bytes=slot_bytes, slots=slots, transient_ratio=self.transient_ratio)
         self.kinds = tuple(kinds)
         self.active = False  # True only inside the automatic cycle's optimizer.step()
         self._had_instance_step = "step" in vars(self.inner)
@@ -127,13 +151,29 @@ class ChunkedUpdate:
             (creating if self.kinds and has_grad and param.numel() else rest).append(param)
         if not streamed and not creating:
             return self._previous_step()
+        # Every parameter is checked before any is updated: a step refused here leaves the
+        # parameters, the group steps and the states exactly as they were, so the caller may
+        # attach again with a larger budget and retry the step. (Streamed states were sized
+        # from the tensors themselves by ``_layout`` above; new ones are sized from the
+        # optimizer's configuration, exactly for torch's, apex's and TE's Adam.)
+        for param in creating:
+            need, exact = _planned(inner, param, self.kinds)
+            if need > self.stream.slot_bytes:
+                raise SlotSizeError(
+                    f"{self.engine.name}: the states that parameter {tuple(param.shape)} creates at this "
+                    f"step take {'' if exact else 'at least '}{need:,} bytes, more than one slot of "
+                    f"the chunked update ({self.stream.slot_bytes:,} bytes); no parameter was "
+                    f"updated. Give the chunked update at least "
+                    f"{self.stream.budget_for(need):,} bytes "
+                    "(chunked_update_bytes), or leave it unset."
+                )
         self._base_steps = {id(g): g.get("step", _ABSENT) for g in inner.param_groups}
         self._final_steps = {}
         if self._owner is not None:
             self._owner._streaming += 1
         staging = _Staging(
             self.engine.device,
-            [_smallest_states(inner, param)[0] if OPTIMIZER_STATES in self.kinds else 0 for param in creating],
+            [_planned(inner, param, self.kinds)[0] for param in creating],
         )
         try:
             for index, param in enumerate(creating):
@@ -259,10 +299,15 @@ class ChunkedUpdate:
                 moving.append(tensor)
         size = sum(aligned_bytes(t) for t in moving)  # as the slots will hold them
         if size > self.stream.slot_bytes:
+            # Reached only with an optimizer whose state sizes cannot be known before its first
+            # step (not torch's, apex's or TE's Adam: those were checked before any update), so
+            # the parameters updated earlier in this step keep their update: say so.
             raise SlotSizeError(
                 f"{engine.name}: the states of parameter {tuple(param.shape)} take {size:,} bytes, "
-                f"more than one slot of the chunked update ({self.stream.slot_bytes:,} bytes). Give "
-                f"the chunked update at least {size * self.stream.slots:,} bytes "
+                f"more than one slot of the chunked update ({self.stream.slot_bytes:,} bytes), which "
+                f"this optimizer's configuration did not tell before its first step; parameters "
+                f"updated earlier in this step keep their update, so do not retry this step. Give "
+                f"the chunked update at least {self.stream.budget_for(size):,} bytes "
                 "(chunked_update_bytes), or leave it unset."
             )
         if not moving:

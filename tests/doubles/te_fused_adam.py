@@ -20,7 +20,19 @@ Transformer Engine 2.17 (megatron-core 0.19 pins TE 2.17.1; ``TE_VERSION`` is wh
   ``AdamFunctorMasterParamRemainder`` and their host wrappers (bias corrections).
 * ``transformer_engine/pytorch/tensor/float8_tensor.py``,
   ``transformer_engine/pytorch/tensor/storage/float8_tensor_storage.py`` and
-  ``transformer_engine/pytorch/quantized_tensor.py`` (the TE >= 2.8 storage layout).
+  ``transformer_engine/pytorch/quantized_tensor.py`` (the TE >= 2.8 storage layout); reproduced in
+  ``tests/doubles/te_float8.py``, whose names this module re-exports).
+
+Release lines (``te_line``; each checked by ``tests/unit/adapters/test_te_lines.py``)
+-------------------------------------------------------------------------------------
+Read from the v2.8 ... v2.17.1 tags and release_v2.19/main: three lines differ in what an
+offloader sees. "2.12" (2.8-2.12): every non-fp32 state is unscaled into an fp32 temporary.
+"2.17" (2.13-2.18; ``fuse_unscale`` first appears in the v2.13 tag, not 2.14): both moments
+bf16 are updated in place by the kernel, ``get_unscaled_state(..., skip_unscale=False)``
+returns a bf16 state LIVE when asked, capturable accepts bf16 moments. "2.19" (PR #3318):
+``group["step"]`` advances for empty groups too. The default is "2.17" (``TE_VERSION``).
+``transient_bytes_last_call`` reports the fp32 temporaries of the last ``step()`` (TE makes
+the same on the device, on top of the states: 4 bytes per element per unscaled state).
 
 Behaviours reproduced (each is checked by ``tests/unit/adapters/test_te_double.py``)
 ----------------------------------------------------------------------------------
@@ -32,7 +44,8 @@ Behaviours reproduced (each is checked by ``tests/unit/adapters/test_te_double.p
    ``dtype_to_range_map`` (fp16: max/2, uint8: 448) and the ``_scales`` dict.
 2. ``state[p]`` holds only ``exp_avg``, ``exp_avg_sq`` and (with master weights)
    ``master_param``, each shaped like ``p``; no per-parameter step: ``group["step"]`` is a Python
-   int, +1 per ``step()`` for every non-empty group (even when no parameter has a gradient).
+   int, +1 per ``step()`` for every non-empty group (even when no parameter has a gradient;
+   from 2.19 for empty groups too).
 3. State is created lazily in ``step()`` for every parameter of a group (gradient or not), by
    ``initialize_state(param, store_param_remainders)`` (both arguments required, as in TE), or by
    ``set_scaled_state`` on a missing name. Moments start at zero; ``master_param`` is a copy of
@@ -91,331 +104,56 @@ Deliberately not reproduced
 
 from __future__ import annotations
 
-import enum
-import math
+import contextlib
 import warnings
-from collections.abc import Iterable
 from copy import deepcopy
 from itertools import chain
 from typing import Optional
 
 import torch
-from torch.utils._pytree import tree_map
+
+# The FP8 tensors live in their own module; their names are part of this double's interface.
+from .te_float8 import DType, Float8Quantizer, Float8Tensor, _default_device  # noqa: F401
 
 TE_VERSION = "2.17.1"
 
-aten = torch.ops.aten
+# Release lines whose FusedAdam differs in what an offloader sees (read from the sources):
+# "2.12" (2.8-2.12): every non-fp32 state is unscaled into an fp32 temporary for the kernel;
+# "2.17" (2.13-2.18): with both moments bf16 (``fuse_unscale``) the kernel updates them in
+#   place, ``get_unscaled_state`` gains ``skip_unscale``, capturable accepts bf16 moments;
+# "2.19" (release_v2.19, main; PR #3318): as "2.17", and ``group["step"]`` advances for
+#   empty groups too.
+LINES = ("2.12", "2.17", "2.19")
+_line = "2.17"  # the line of TE_VERSION
 
 
-def _default_device() -> torch.device:
-    """Where TE allocates when no device is given (``torch.device('cuda')`` in TE)."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def line_of(version: str) -> str:
+    """The double's line for a TE version string ("2.14.0" -> "2.17")."""
+    major, minor = (int(part) for part in version.split(".")[:2])
+    if (major, minor) < (2, 13):
+        return "2.12"
+    return "2.17" if (major, minor) < (2, 19) else "2.19"
+
+
+@contextlib.contextmanager
+def te_line(line: str):
+    """FusedAdam objects made inside the block behave as TE's ``line`` (one of ``LINES``)."""
+    global _line
+    if line not in LINES:
+        raise ValueError(f"unknown TE line {line!r}: use one of {LINES}")
+    previous, _line = _line, line
+    try:
+        yield
+    finally:
+        _line = previous
+
+
+_UNSET = object()
 
 
 def _f32(value: float) -> float:
     """``value`` rounded to fp32 (the kernels receive their scalars as C ``float``)."""
     return float(torch.tensor(value, dtype=torch.float32))
-
-
-class DType(enum.Enum):
-    """Stand-in for ``transformer_engine_torch.DType`` (the FP8 formats only)."""
-
-    kFloat8E4M3 = "e4m3"
-    kFloat8E5M2 = "e5m2"
-
-
-_FP8_TORCH = {DType.kFloat8E4M3: torch.float8_e4m3fn, DType.kFloat8E5M2: torch.float8_e5m2}
-
-
-# ----------------------------------------------------------------------------- FP8 tensors
-class Float8Quantizer:
-    """Per-tensor delayed-scaling quantizer (``transformer_engine.pytorch.Float8Quantizer``)."""
-
-    def __init__(
-        self,
-        scale: torch.Tensor,
-        amax: torch.Tensor,
-        fp8_dtype: DType,
-        *,
-        rowwise: bool = True,
-        columnwise: bool = True,
-    ) -> None:
-        if fp8_dtype is not DType.kFloat8E4M3:
-            raise NotImplementedError("the FusedAdam double reproduces FP8 E4M3 moments only")
-        self.scale = scale
-        self.amax = amax
-        self.dtype = fp8_dtype
-        self.rowwise_usage = rowwise
-        self.columnwise_usage = columnwise
-        self.internal = False
-
-    def copy(self) -> "Float8Quantizer":
-        """A new quantizer sharing ``scale`` and ``amax`` (as TE's ``Quantizer.copy``)."""
-        return Float8Quantizer(
-            self.scale,
-            self.amax,
-            self.dtype,
-            rowwise=self.rowwise_usage,
-            columnwise=self.columnwise_usage,
-        )
-
-    def make_empty(
-        self,
-        shape: Iterable[int],
-        *,
-        dtype: torch.dtype = torch.float32,
-        device: Optional[torch.device] = None,
-        requires_grad: bool = False,
-        pin_memory: bool = False,
-    ) -> "Float8Tensor":
-        device = _default_device() if device is None else torch.device(device)
-        shape = torch.Size(shape)
-        data = torch.empty(shape, dtype=torch.uint8, device=device)
-        transpose = None
-        if self.columnwise_usage:
-            transpose = torch.empty(
-                [data.size(-1)] + list(data.shape[:-1]), dtype=torch.uint8, device=device
-            )
-        return Float8Tensor(
-            shape=shape,
-            dtype=dtype,
-            data=data,
-            fp8_scale_inv=torch.empty(1, dtype=torch.float32, device=device),
-            fp8_dtype=self.dtype,
-            data_transpose=transpose,
-            quantizer=self,
-            requires_grad=requires_grad,
-        )
-
-    def update_quantized(self, src: torch.Tensor, dst: "Float8Tensor", *, noop_flag=None):
-        """``tex.quantize(src, self, dst)``: cast into ``dst``'s existing buffers, in place."""
-        if not isinstance(dst, Float8Tensor):
-            raise ValueError("Float8Quantizer can only update Float8Tensor")
-        if noop_flag is not None:
-            raise NotImplementedError("noop_flag is not reproduced by the double")
-        src = src.to(device=dst._data.device).contiguous()
-        x = src.float()
-        with torch.no_grad():
-            dst._data.copy_(_cast_to_fp8(x * self.scale, self.dtype).view(dst._data.shape))
-            self.amax.copy_(torch.maximum(self.amax, x.abs().amax().reshape(self.amax.shape)))
-            dst._scale_inv.copy_(torch.reciprocal(self.scale).reshape(dst._scale_inv.shape))
-            if dst._transpose is not None and self.columnwise_usage:
-                _write_transpose(dst)
-        dst._fp8_dtype = self.dtype
-        return dst
-
-    def __repr__(self) -> str:
-        return f"Float8Quantizer(scale={self.scale.tolist()}, amax={self.amax.tolist()})"
-
-
-def _cast_to_fp8(x: torch.Tensor, fp8_dtype: DType) -> torch.Tensor:
-    """fp32 -> FP8 bits (uint8), saturating to the finite range like CUDA's satfinite cast."""
-    fp8 = _FP8_TORCH[fp8_dtype]
-    limit = torch.finfo(fp8).max
-    return x.clamp(-limit, limit).to(fp8).view(torch.uint8)
-
-
-def _write_transpose(tensor: "Float8Tensor") -> None:
-    last = tensor._data.shape[-1] if tensor._data.dim() else 1
-    rows = tensor._data.reshape(-1, last)
-    tensor._transpose.view(last, -1).copy_(rows.t())
-    tensor._transpose_invalid = False
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, running = [], 1
-    for size in reversed(shape):
-        strides.append(running)
-        running *= max(size, 1)
-    return tuple(reversed(strides))
-
-
-class Float8Tensor(torch.Tensor):
-    """FP8 data presented as a higher-precision tensor (``.dtype`` is the nominal dtype).
-
-    A wrapper subclass: the object itself owns no memory. Everything lives in ``_data``,
-    ``_transpose`` and ``_scale_inv``, as in TE's ``Float8TensorStorage``.
-    """
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @staticmethod
-    def __new__(
-        cls,
-        *,
-        shape,
-        dtype: torch.dtype,
-        data: torch.Tensor,
-        fp8_scale_inv: torch.Tensor,
-        fp8_dtype: DType,
-        data_transpose: Optional[torch.Tensor] = None,
-        quantizer: Optional[Float8Quantizer] = None,
-        requires_grad: bool = False,
-    ):
-        shape = torch.Size(shape)
-        instance = torch.Tensor._make_wrapper_subclass(
-            cls,
-            shape,
-            strides=_contiguous_strides(shape),
-            storage_offset=0,
-            dtype=dtype,
-            layout=torch.strided,
-            requires_grad=requires_grad,
-            device=data.device,
-        )
-        instance._data = data
-        instance._quantizer = quantizer.copy() if quantizer is not None else None
-        instance._fp8_dtype = fp8_dtype
-        instance._scale_inv = fp8_scale_inv
-        instance._transpose = data_transpose
-        instance._transpose_invalid = data_transpose is None
-        return instance
-
-    def __init__(self, *args, **kwargs) -> None:  # everything happens in __new__
-        super().__init__()
-
-    # -- TE's Python-level API --------------------------------------------------------------
-    def dequantize(self, *, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        dtype = self.dtype if dtype is None else dtype
-        if self._data is None:
-            raise NotImplementedError("Casting back from the transpose not implemented yet!")
-        values = self._data.view(_FP8_TORCH[self._fp8_dtype]).float() * self._scale_inv
-        return values.to(dtype)
-
-    def float(self) -> torch.Tensor:
-        return self.dequantize(dtype=torch.float32)
-
-    def bfloat16(self) -> torch.Tensor:
-        return self.dequantize(dtype=torch.bfloat16)
-
-    def half(self) -> torch.Tensor:
-        return self.dequantize(dtype=torch.float16)
-
-    def cpu(self, memory_format=torch.preserve_format) -> torch.Tensor:
-        return self.dequantize().cpu(memory_format=memory_format)
-
-    def quantize_(self, tensor: torch.Tensor, *, noop_flag=None) -> "Float8Tensor":
-        if isinstance(tensor, Float8Tensor):
-            return self.quantize_(tensor.dequantize(), noop_flag=noop_flag)
-        if self._quantizer is None:
-            raise ValueError("Float8Tensor's quantizer is None, cannot quantize into it")
-        self._quantizer.update_quantized(tensor, self, noop_flag=noop_flag)
-        return self
-
-    def get_metadata(self) -> dict:
-        return {
-            "data": self._data,
-            "fp8_scale_inv": self._scale_inv,
-            "fp8_dtype": self._fp8_dtype,
-            "data_transpose": self._transpose,
-            "quantizer": self._quantizer,
-        }
-
-    @classmethod
-    def make_like(cls, tensor: "Float8Tensor", *, shape=None, dtype=None, requires_grad=False, **overrides):
-        kwargs = tensor.get_metadata()
-        kwargs.update(overrides)
-        return cls(
-            shape=tensor.shape if shape is None else shape,
-            dtype=tensor.dtype if dtype is None else dtype,
-            requires_grad=requires_grad,
-            **kwargs,
-        )
-
-    def detach(self) -> "Float8Tensor":
-        return Float8Tensor.make_like(self)
-
-    def clone(self) -> "Float8Tensor":
-        # As TE: new data and transpose, the same scale-inverse tensor.
-        transpose = None if self._transpose is None else self._transpose.detach().clone()
-        return Float8Tensor.make_like(
-            self, data=self._data.detach().clone(), data_transpose=transpose
-        )
-
-    def view(self, *shape) -> "Float8Tensor":
-        if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
-            shape = tuple(shape[0])
-        data = self._data.view(*shape)
-        transpose = None if self._transpose_invalid else self._transpose
-        if transpose is not None and (
-            transpose.size(0) != data.size(-1) or tuple(transpose.shape[1:]) != tuple(data.shape[:-1])
-        ):
-            transpose = None
-        return Float8Tensor.make_like(self, shape=data.shape, data=data, data_transpose=transpose)
-
-    def contiguous(self, memory_format=torch.contiguous_format) -> "Float8Tensor":
-        return self
-
-    def remove_caches(self) -> None:
-        self._transpose_invalid = True
-        self._transpose = None
-
-    def __repr__(self, *, tensor_contents=None) -> str:
-        return (
-            f"Float8Tensor(fp8_dtype={self._fp8_dtype}, scale_inv={self._scale_inv.item()}, "
-            f"data={self.dequantize(dtype=self.dtype)})"
-        )
-
-    def __reduce_ex__(self, protocol):
-        # TE pickles the raw data without the quantizer; the double does the same.
-        return (
-            _rebuild_float8,
-            (self._data, self._fp8_dtype, self._scale_inv, self.dtype, tuple(self.shape)),
-        )
-
-    # -- aten dispatch (QuantizedTensor.__torch_dispatch__ + Float8Tensor's overrides) --------
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is aten.detach.default:
-            return args[0].detach()
-        if func is aten.clone.default:
-            return args[0].clone()
-        if func is aten.view.default:
-            return args[0].view(*args[1:])
-        if func is aten.numel.default:
-            return math.prod(args[0].shape)
-        if func is aten.copy_.default:
-            dst, src = args[0], args[1]
-            if isinstance(dst, Float8Tensor) and isinstance(src, Float8Tensor):
-                dst._data.copy_(src._data.detach())
-                dst._scale_inv.copy_(src._scale_inv.view(dst._scale_inv.size()))
-                if dst._transpose is not None:
-                    _write_transpose(dst)
-                return dst
-            if isinstance(dst, Float8Tensor):
-                dst.quantize_(src)
-                return dst
-            dtype = dst.dtype if dst.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
-            dst.copy_(src.dequantize(dtype=dtype))
-            return dst
-        if func is aten.empty_like.default:
-            tensor = args[0]
-            return tensor._quantizer.make_empty(
-                tensor.shape, dtype=tensor.dtype, device=kwargs.get("device", tensor.device)
-            )
-
-        def unwrap(value):
-            return value.dequantize() if isinstance(value, Float8Tensor) else value
-
-        if func._schema.is_mutable:
-            new_args = tree_map(unwrap, args)
-            new_kwargs = tree_map(unwrap, kwargs)
-            func(*new_args, **new_kwargs)
-            for arg, new_arg, schema_arg in zip(args, new_args, func._schema.arguments):
-                alias = getattr(schema_arg, "alias_info", None)
-                if isinstance(arg, Float8Tensor) and alias is not None and alias.is_write:
-                    arg.quantize_(new_arg)
-            return args[0]
-        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
-
-
-def _rebuild_float8(data, fp8_dtype, scale_inv, dtype, shape):
-    return Float8Tensor(
-        shape=shape, dtype=dtype, data=data, fp8_scale_inv=scale_inv, fp8_dtype=fp8_dtype
-    )
 
 
 # ------------------------------------------------------------------------------- kernels
@@ -432,6 +170,12 @@ def _adam_update(p, g, m, v, *, lr, beta1, beta2, eps, step, mode, bias_correcti
     b1, b2 = _f32(beta1), _f32(beta2)
     one_minus_b1, one_minus_b2 = _f32(1.0 - b1), _f32(1.0 - b2)
     lr, eps, decay = _f32(lr), _f32(eps), _f32(decay)
+    fused = [(t, t.float()) for t in (m, v) if t.dtype == torch.bfloat16]
+    if fused:
+        # Fused bf16 moments (TE >= 2.13): the kernel loads them, computes in fp32 and stores
+        # bf16 in place; the fp32 copies here stand for its registers (not device memory).
+        m = fused[0][1] if m.dtype == torch.bfloat16 else m
+        v = fused[-1][1] if v.dtype == torch.bfloat16 else v
     g = g.float()
     if mode == 0:  # L2 regularization
         g = g + decay * p
@@ -441,6 +185,8 @@ def _adam_update(p, g, m, v, *, lr, beta1, beta2, eps, step, mode, bias_correcti
     if mode == 1:  # decoupled weight decay (AdamW)
         update = update + decay * p
     p.sub_(lr * update)
+    for stored, value in fused:
+        stored.copy_(value)
 
 
 def _join_remainder(param_bf16: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
@@ -497,10 +243,21 @@ class FusedAdam(torch.optim.Optimizer):
             raise RuntimeError("FusedAdam only supports fp32/fp16/bf16/fp8 exp_avg_sq.")
         if capturable and master_weights and master_weight_dtype != torch.float32:
             raise RuntimeError("Capturable mode only supports fp32 master weights.")
-        if capturable and exp_avg_dtype != torch.float32:
-            raise RuntimeError("Capturable mode only supports fp32 exp_avg.")
-        if capturable and exp_avg_sq_dtype != torch.float32:
-            raise RuntimeError("Capturable mode only supports fp32 exp_avg_sq")
+        line = _line
+        if line == "2.12":
+            if capturable and exp_avg_dtype != torch.float32:
+                raise RuntimeError("Capturable mode only supports fp32 exp_avg.")
+            if capturable and exp_avg_sq_dtype != torch.float32:
+                raise RuntimeError("Capturable mode only supports fp32 exp_avg_sq")
+        elif capturable and not (
+            exp_avg_dtype == exp_avg_sq_dtype == torch.float32
+            or exp_avg_dtype == exp_avg_sq_dtype == torch.bfloat16
+        ):
+            raise RuntimeError(
+                "Capturable mode requires exp_avg_dtype and exp_avg_sq_dtype to be "
+                "both torch.float32 or both torch.bfloat16, but got "
+                f"exp_avg_dtype={exp_avg_dtype} and exp_avg_sq_dtype={exp_avg_sq_dtype}."
+            )
         if capturable and store_param_remainders:
             raise RuntimeError("Capturable mode doesn't support storing param remainders")
         if capturable:
@@ -514,6 +271,13 @@ class FusedAdam(torch.optim.Optimizer):
             "weight_decay": weight_decay,
         }
         super().__init__(params, defaults)
+        self.te_line = line
+        # Bytes of the fp32 temporaries the last step() made (unscaled copies of non-fp32
+        # states, alive together until the rescale): TE allocates the same on the device.
+        self.transient_bytes_last_call = 0
+        if line != "2.12":
+            # Both moments bf16: the kernel reads and writes them in place (no temporaries).
+            self.fuse_unscale = exp_avg_dtype == exp_avg_sq_dtype == torch.bfloat16
         self.adam_w_mode = 1 if adam_w_mode else 0
         self.capturable = capturable
         self.master_weights = master_weights
@@ -600,8 +364,13 @@ class FusedAdam(torch.optim.Optimizer):
             unscaled_state.mul_(rscale)
             scaled_state.copy_(unscaled_state)
 
-    def get_unscaled_state(self, param, state_name):
-        """The fp32 value of a state: LIVE for fp32/int16 states, a new tensor otherwise."""
+    def get_unscaled_state(self, param, state_name, skip_unscale=_UNSET):
+        """The fp32 value of a state: LIVE for fp32/int16 states, a new tensor otherwise
+        (TE >= 2.13: with ``skip_unscale=True`` a bf16 state is returned LIVE, in bf16)."""
+        if skip_unscale is _UNSET:
+            skip_unscale = False
+        elif self.te_line == "2.12":
+            raise TypeError("get_unscaled_state() got an unexpected keyword argument 'skip_unscale'")
         state = self.state[param]
         dtype = self.name_to_dtype_map[state_name]
         if dtype == torch.uint8:
@@ -622,7 +391,7 @@ class FusedAdam(torch.optim.Optimizer):
             unscaled = state[state_name]
         elif dtype == torch.bfloat16:
             assert state[state_name].dtype == torch.bfloat16
-            unscaled = state[state_name].float()
+            unscaled = state[state_name] if skip_unscale else state[state_name].float()
         else:
             raise RuntimeError(f"Dtype of {state_name} can only be fp8/fp16/bf16/fp32.")
         return unscaled
@@ -741,15 +510,21 @@ class FusedAdam(torch.optim.Optimizer):
         if grad_scaler is not None:
             raise NotImplementedError("grad_scaler is used by capturable mode only")
 
+        fused = getattr(self, "fuse_unscale", False)
+        transient = 0
         for group in self.param_groups:
+            if self.te_line == "2.19":
+                # TE >= 2.19 advances the count first, so empty groups count steps too.
+                group["step"] = group["step"] + 1 if "step" in group else 1
             if len(group["params"]) == 0:
                 continue
             bias_correction = 1 if group["bias_correction"] else 0
             beta1, beta2 = group["betas"]
-            if "step" in group:
-                group["step"] += 1
-            else:
-                group["step"] = 1
+            if self.te_line != "2.19":
+                if "step" in group:
+                    group["step"] += 1
+                else:
+                    group["step"] = 1
 
             master_f16, f32 = [], []  # (param, grad, states) per kernel
             rescale = []  # (name, unscaled fp32 temporary, scaled state, scale)
@@ -774,9 +549,13 @@ class FusedAdam(torch.optim.Optimizer):
                     if name == "master_param" and remainders:
                         unscaled[name] = state[name]
                         assert unscaled[name].dtype == torch.int16
+                    elif fused and name != "master_param":
+                        unscaled[name] = self.get_unscaled_state(p, name, skip_unscale=True)
                     else:
                         unscaled[name] = self.get_unscaled_state(p, name)
-                    if self.name_to_dtype_map[name] != torch.float32:
+                    if unscaled[name] is not state[name]:
+                        transient += unscaled[name].numel() * unscaled[name].element_size()
+                    if self.name_to_dtype_map[name] != torch.float32 and unscaled[name] is not state[name]:
                         rescale.append((name, unscaled[name], state[name], self._scales[p][name]))
                 if isinstance(p, Float8Tensor):
                     raise NotImplementedError("the FusedAdam double does not reproduce FP8 parameters")
@@ -829,6 +608,7 @@ class FusedAdam(torch.optim.Optimizer):
                 for state_name, unscaled, scaled, scale in rescale:
                     if state_name == name:
                         self._apply_scale(name, unscaled, scaled, scale)
+        self.transient_bytes_last_call = transient
         return loss
 
 

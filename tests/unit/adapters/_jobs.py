@@ -36,14 +36,40 @@ def precision_aware(remainders: bool = True, exp_avg: str = "fp32", exp_avg_sq: 
 def injected(optimizer: str):
     from tests.doubles import megatron_injection
 
-    if optimizer == "te":
-        with megatron_injection.te_fused_adam_injected():
+    if optimizer == "te" or optimizer.startswith("te@"):
+        # "te@2.12": the double behaves as that TE line (tests/doubles/te_fused_adam.py).
+        from tests.doubles import te_fused_adam
+
+        line = optimizer.partition("@")[2] or te_fused_adam.line_of(te_fused_adam.TE_VERSION)
+        version = {"2.12": "2.12.0", "2.17": te_fused_adam.TE_VERSION, "2.19": "2.19.0"}[line]
+        with te_fused_adam.te_line(line), megatron_injection.te_fused_adam_injected(version):
             yield
     elif optimizer == "apex":
         with megatron_injection.apex_fused_adam_injected():
             yield
     else:
         raise ValueError(optimizer)
+
+
+def chunked_budget(optimizer, fraction: float, slots: int = 2) -> int:
+    """``chunked_update_bytes`` for ``fraction`` of the largest inner optimizer's state bytes,
+    raised to what its largest parameter needs (its states in a slot, plus the optimizer's
+    temporaries), sized as the chunked update sizes them."""
+    import math
+
+    from megatron_offload.adapters import inner_optimizers
+    from tests.harness import models
+
+    budget = 0
+    for distrib in models.distributed_optimizers(optimizer):
+        inner = distrib.optimizer
+        params = [p for g in inner.param_groups for p in g["params"]]
+        planned = [inner_optimizers.planned_state_bytes(inner, p, moments=True, masters=True)[0] for p in params]
+        ratio = max((inner_optimizers.transient_bytes(inner, p) / n for p, n in zip(params, planned) if n),
+                    default=0.0)
+        need = -(-math.ceil(max(planned) * (slots + ratio)) // 16) * 16
+        budget = max(budget, need, int(fraction * sum(planned)))
+    return budget
 
 
 # ------------------------------------------------------------------ inspection (rank side)

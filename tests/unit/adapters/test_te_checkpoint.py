@@ -141,9 +141,12 @@ def _load(chunks, optimizer, directory):
     optimizer.load_state_dict(state["optimizer"])
 
 
-def checkpoint_job(offload, remainders, moments, directory):
+def checkpoint_job(offload, remainders, moments, directory, chunked=None):
     """Save after SAVE_AFTER steps (offloaded at that point) and train on; resume a fresh,
-    offloaded optimizer from the checkpoint; load it into a running, offloaded optimizer."""
+    offloaded optimizer from the checkpoint; load it into a running, offloaded optimizer.
+
+    ``chunked``: attach with the chunked update, ``chunked_update_bytes`` this fraction of the
+    state (raised to what the largest parameter needs)."""
     import megatron_offload
     from megatron.core import dist_checkpointing
     from tests.harness import models
@@ -154,7 +157,12 @@ def checkpoint_job(offload, remainders, moments, directory):
 
     def build():
         chunks, optimizer, config = models.build("mlp", "bf16", optimizer_overrides=overrides)
-        return chunks, optimizer, config, (megatron_offload.attach(optimizer) if offload else None)
+        if not offload:
+            return chunks, optimizer, config, None
+        options = {}
+        if chunked is not None:
+            options["chunked_update_bytes"] = _jobs.chunked_budget(optimizer, chunked)
+        return chunks, optimizer, config, megatron_offload.attach(optimizer, **options)
 
     def final(chunks, optimizer, offloader):
         if offloader and offloader.is_offloaded:
@@ -198,10 +206,11 @@ def _same(a, b):
     return a.keys() == b.keys() and all(_jobs._equal(a[k], b[k]) for k in keys)
 
 
+@pytest.mark.parametrize("chunked", [None, 0.3], ids=["whole", "chunked"])
 @pytest.mark.parametrize("remainders,moments", CASES)
-def test_dist_checkpoint_while_offloaded_resumes_bitwise(rank_pool, tmp_path, remainders, moments):
+def test_dist_checkpoint_while_offloaded_resumes_bitwise(rank_pool, tmp_path, remainders, moments, chunked):
     reference = rank_pool.run(checkpoint_job, False, remainders, moments, str(tmp_path / "ref"))
-    offloaded = rank_pool.run(checkpoint_job, True, remainders, moments, str(tmp_path / "off"))
+    offloaded = rank_pool.run(checkpoint_job, True, remainders, moments, str(tmp_path / "off"), chunked)
     for ref, off in zip(reference, offloaded):
         assert off["offloaded_at_save"] and off["offloaded_before_load"]
         for phase in ("uninterrupted", "resumed", "loaded_running"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.doubles import apex_fused_adam
-from tests.doubles.te_fused_adam import DType, Float8Quantizer, Float8Tensor, FusedAdam
+from tests.doubles.te_fused_adam import DType, Float8Quantizer, Float8Tensor, FusedAdam, te_line
 
 N = 37  # not a multiple of anything, so nothing lines up by accident
 
@@ -44,7 +44,9 @@ def test_1_constructor_checks_and_maps():
         FusedAdam(p, master_weights=True, master_weight_dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="exp_avg"):
         FusedAdam(p, exp_avg_dtype=torch.float64)
-    with pytest.raises(RuntimeError, match="Capturable mode only supports fp32 exp_avg"):
+    with pytest.raises(RuntimeError, match="both torch.float32 or both torch.bfloat16"):
+        FusedAdam(p, capturable=True, exp_avg_dtype=torch.bfloat16)  # 2.13+: bf16 needs both
+    with te_line("2.12"), pytest.raises(RuntimeError, match="Capturable mode only supports fp32 exp_avg"):
         FusedAdam(p, capturable=True, exp_avg_dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="remainders"):
         FusedAdam(p, capturable=True, store_param_remainders=True)

@@ -92,8 +92,14 @@ def _snapshot(chunks, inner) -> dict:
     return out
 
 
-def gpu_job(port, remainders, moments, offload, dry_run=False):
+def gpu_job(port, remainders, moments, offload, dry_run=False, chunked=None, checkpoint=None):
     """One precision-aware run on cuda:0 with the real TE FusedAdam (in a fresh process).
+
+    ``chunked``: attach with the chunked update (``chunked_update_bytes`` this fraction of the
+    state, raised to what the largest parameter needs, TE's fp32 temporaries included).
+    ``checkpoint``: a directory; after ``STEPS // 2`` steps the run saves a dist_checkpointing
+    checkpoint (precision-aware: TE's unscaled states) and loads it back into the running,
+    offloaded optimizer (every state replaced) before training on.
 
     ``dry_run`` runs the same code on the CPU (gloo, megatron-core's CUDA calls redirected,
     the TE double injected) so that this job's own logic is exercised where there is no GPU.
@@ -102,6 +108,13 @@ def gpu_job(port, remainders, moments, offload, dry_run=False):
 
     import torch.distributed as dist
 
+    if checkpoint is not None:
+        import multiprocessing
+
+        # dist_checkpointing's writer starts a multiprocessing Manager, and multiprocessing
+        # refuses children to a daemonic process (the isolated worker is one). The worker is
+        # ended by its parent's close(); the Manager is shut down with it at its exit.
+        multiprocessing.current_process().daemon = False
     if dry_run:
         from megatron_offload.testing import cpu_megatron
 
@@ -122,7 +135,7 @@ def gpu_job(port, remainders, moments, offload, dry_run=False):
             injection = contextlib.nullcontext()
             te_version, te_adam = str(transformer_engine.__version__), te_optimizers.FusedAdam
         with injection:
-            return _train(remainders, moments, offload, dry_run, te_version, te_adam)
+            return _train(remainders, moments, offload, dry_run, te_version, te_adam, chunked, checkpoint)
     finally:
         try:
             from megatron.core import parallel_state
@@ -132,7 +145,7 @@ def gpu_job(port, remainders, moments, offload, dry_run=False):
             dist.destroy_process_group()
 
 
-def _train(remainders, moments, offload, dry_run, te_version, te_adam):
+def _train(remainders, moments, offload, dry_run, te_version, te_adam, chunked=None, checkpoint=None):
     import megatron.core.optimizer as mcore_optimizer
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -153,7 +166,12 @@ def _train(remainders, moments, offload, dry_run, te_version, te_adam):
     distrib = models.distributed_optimizers(optimizer)[0]
     inner = distrib.optimizer
     assert isinstance(inner, te_adam)
-    offloader = megatron_offload.attach(optimizer) if offload else None
+    options = {}
+    if chunked is not None:
+        from tests.unit.adapters import _jobs
+
+        options["chunked_update_bytes"] = _jobs.chunked_budget(optimizer, chunked)
+    offloader = megatron_offload.attach(optimizer, **options) if offload else None
     spec = config.harness_spec
     device = torch.device("cpu") if dry_run else torch.device("cuda", 0)
 
@@ -194,7 +212,19 @@ def _train(remainders, moments, offload, dry_run, te_version, te_adam):
                 "census_max_storage": _census(inner)[0],
                 "tracked": stats["tracked_bytes"], "offloaded": stats["offloaded_bytes"],
                 "kept": stats["kept_resident_bytes"],
+                "update_chunks": stats.get("update_chunks", 0),
             })
+        # After the figures: a load replaces every state (offloaded again at the next step).
+        if checkpoint is not None and step == STEPS // 2 - 1:
+            import os
+
+            from megatron.core import dist_checkpointing
+
+            from tests.unit.adapters.test_te_checkpoint import _load, _sharded
+
+            os.makedirs(checkpoint, exist_ok=True)
+            dist_checkpointing.save(_sharded(chunks, optimizer), checkpoint)
+            _load(chunks, optimizer, checkpoint)
     freed = None
     if offloader:
         offloader.reload()
@@ -218,12 +248,12 @@ def _train(remainders, moments, offload, dry_run, te_version, te_adam):
             "snapshot": _snapshot(chunks, inner)}
 
 
-def _run(remainders, moments, offload, dry_run=False):
+def _run(remainders, moments, offload, dry_run=False, chunked=None, checkpoint=None):
     from tests.support.isolated import IsolatedProcess
 
     process = IsolatedProcess(timeout=600)
     try:
-        return process.run(gpu_job, _free_port(), remainders, moments, offload, dry_run)
+        return process.run(gpu_job, _free_port(), remainders, moments, offload, dry_run, chunked, checkpoint)
     finally:
         process.close()
 
@@ -272,3 +302,40 @@ def test_real_te_precision_aware_training_is_bitwise_identical_offloaded(remaind
     offloaded = _run(remainders, moments, True)
     assert reference["te_version"] == offloaded["te_version"] == str(version)
     _assert_bitwise_and_offloaded(reference, offloaded)
+
+
+def _skip_unsupported(remainders, moments):
+    from packaging.version import Version
+
+    version = Version(_te_version())
+    if moments == "bf16" and version < Version("2.3"):
+        pytest.skip(f"Transformer Engine {version} has no bf16 moments (TE 2.3+)")
+    if remainders and version < Version("2.1"):
+        pytest.skip(f"Transformer Engine {version} has no store_param_remainders (TE 2.1+)")
+    return version
+
+
+@pytest.mark.parametrize("remainders", [True, False])
+@pytest.mark.parametrize("moments", ["bf16", "fp8"])
+def test_real_te_chunked_update_is_bitwise_identical(remainders, moments):
+    """The chunked update on real TE: FP8 moments (data and, where allocated, transposes) and
+    bf16 moments (updated in place from TE 2.13) streamed through slots with the masters."""
+    version = _skip_unsupported(remainders, moments)
+    reference = _run(remainders, moments, False)
+    chunked = _run(remainders, moments, True, chunked=0.3)
+    assert reference["te_version"] == chunked["te_version"] == str(version)
+    _assert_bitwise_and_offloaded(reference, chunked)
+    # Streamed in several chunks at every step after the first (states created at the first).
+    assert all(f["update_chunks"] >= 2 for f in chunked["figures"][1:]), chunked["figures"]
+
+
+@pytest.mark.parametrize("moments", ["fp32", "fp8"])
+def test_real_te_precision_aware_chunked_checkpoint_round_trip(tmp_path, moments):
+    """Save and load back a precision-aware checkpoint mid-run, chunked update attached."""
+    version = _skip_unsupported(True, moments)
+    reference = _run(True, moments, False, checkpoint=str(tmp_path / "ref"))
+    chunked = _run(True, moments, True, chunked=0.3, checkpoint=str(tmp_path / "off"))
+    assert reference["te_version"] == chunked["te_version"] == str(version)
+    _assert_bitwise_and_offloaded(reference, chunked)
+    chunks = [f["update_chunks"] for f in chunked["figures"]]
+    assert all(n >= 2 for i, n in enumerate(chunks) if i not in (0, STEPS // 2)), chunks

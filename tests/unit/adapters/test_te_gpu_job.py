@@ -7,7 +7,7 @@ test's own logic is known to work before it meets a GPU.
 
 import pytest
 
-from .test_te_gpu import _assert_bitwise_and_offloaded, _run
+from .test_te_gpu import STEPS, _assert_bitwise_and_offloaded, _run
 
 
 @pytest.mark.parametrize("remainders,moments", [(True, "fp8")])
@@ -15,3 +15,13 @@ def test_gpu_job_logic_runs_on_cpu_with_the_double(remainders, moments):
     reference = _run(remainders, moments, False, dry_run=True)
     offloaded = _run(remainders, moments, True, dry_run=True)
     _assert_bitwise_and_offloaded(reference, offloaded)
+
+
+def test_gpu_chunked_checkpoint_job_logic_runs_on_cpu_with_the_double(tmp_path):
+    reference = _run(True, "fp8", False, dry_run=True, checkpoint=str(tmp_path / "ref"))
+    chunked = _run(True, "fp8", True, dry_run=True, chunked=0.3, checkpoint=str(tmp_path / "off"))
+    _assert_bitwise_and_offloaded(reference, chunked)
+    # Streamed in several chunks, except at the first step (states created) and at the one
+    # right after the load (the loaded states are still on the device for it).
+    chunks = [f["update_chunks"] for f in chunked["figures"]]
+    assert all(n >= 2 for i, n in enumerate(chunks) if i not in (0, STEPS // 2)), chunks

@@ -63,6 +63,18 @@ def test_precision_aware_training_is_bitwise_identical_with_offloading(
     _jobs.assert_offloaded_between_steps(offloaded, groups=groups)
 
 
+@pytest.mark.parametrize("line", ["2.12", "2.19"])
+@pytest.mark.parametrize("moments", ["bf16", "fp8"])
+def test_precision_aware_offloading_is_bitwise_in_the_other_te_lines(rank_pool, line, moments):
+    """The matrix above runs the double's default line (2.13-2.18); here the others: 2.8-2.12
+    (bf16 moments unscaled into fp32 temporaries) and 2.19+ (empty groups count steps)."""
+    overrides = _jobs.precision_aware(True, moments)
+    reference, offloaded = (rank_pool.run(_jobs.train_job, f"te@{line}", "mlp", "bf16", 6, offload,
+                                          overrides=overrides) for offload in (False, True))
+    _jobs.assert_bitwise_equal(reference, offloaded)
+    _jobs.assert_offloaded_between_steps(offloaded, groups=2)
+
+
 def test_gpt_with_overlapped_gather_fp8_moments_and_remainders(rank_pool):
     overrides = _jobs.precision_aware(True, "fp8")
     build = dict(overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=3000)

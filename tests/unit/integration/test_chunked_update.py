@@ -57,12 +57,20 @@ def chunked_job(model, dtype, *, chunk_fraction=None, slots=2, offload=True, mic
         if offload:
             options, devices = checked_device_options(options)
             if chunk_fraction is not None:
-                # Adam's states of one parameter: at most 8 bytes per element in these cases
-                # (two fp32 moments; FP8 moments with int16 master remainders take 6).
-                params = [p for d in distributed for g in d.optimizer.param_groups for p in g["params"]]
-                largest = max(p.numel() for p in params) * 8
-                whole = sum(p.numel() for p in params) * 8
-                budget = max(int(chunk_fraction * whole), slots * largest)
+                # What one parameter's states need (slots and the optimizer's temporaries),
+                # sized as the chunked update sizes them, and the whole state's bytes.
+                from megatron_offload.adapters import inner_optimizers
+                largest, whole = 0, 0
+                for d in distributed:
+                    inner = d.optimizer
+                    params = [p for g in inner.param_groups for p in g["params"]]
+                    planned = [inner_optimizers.planned_state_bytes(inner, p, moments=True, masters=True)[0]
+                               for p in params]
+                    ratio = max((inner_optimizers.transient_bytes(inner, p) / n
+                                 for p, n in zip(params, planned) if n), default=0.0)
+                    largest = max(largest, -(-int(max(planned) * (slots + ratio) + 1) // 16) * 16)
+                    whole = max(whole, sum(planned))
+                budget = max(int(chunk_fraction * whole), largest)
                 options.update(chunked_update_bytes=budget, chunked_update_slots=slots)
         current = {"step": 0}
         if drop_grads:
@@ -183,10 +191,17 @@ def test_chunked_update_with_a_virtual_pipeline(rank_pool4):
 
 
 PRECISION_AWARE_FP8 = _jobs.precision_aware(True, "fp8", "fp8", "fp32")
+PRECISION_AWARE_BF16 = _jobs.precision_aware(False, "bf16", "bf16", "fp32")
 
 
 @pytest.mark.parametrize("kind,overrides", [
     pytest.param("te", PRECISION_AWARE_FP8, id="te-precision-aware-fp8"),
+    # The double's TE lines ("te@LINE", see tests/doubles/te_fused_adam.py): 2.8-2.12 unscale
+    # bf16 moments into fp32 temporaries, 2.13+ update them in place, 2.19+ count empty groups.
+    pytest.param("te@2.12", PRECISION_AWARE_FP8, id="te-2.12-precision-aware-fp8"),
+    pytest.param("te@2.12", PRECISION_AWARE_BF16, id="te-2.12-precision-aware-bf16"),
+    pytest.param("te", PRECISION_AWARE_BF16, id="te-2.17-precision-aware-bf16"),
+    pytest.param("te@2.19", PRECISION_AWARE_FP8, id="te-2.19-precision-aware-fp8"),
     pytest.param("te", {}, id="te-plain"),
     pytest.param("apex", {}, id="apex"),
 ])
@@ -277,14 +292,13 @@ def test_a_budget_too_small_for_torch_adam_is_refused_at_attach(rank_pool):
         assert "chunked_update_bytes=" in message and "give at least" in message
 
 
-def test_a_parameter_larger_than_a_slot_is_a_clear_error_at_the_step(rank_pool):
-    """Transformer Engine's moment dtypes are not known before its first step (FP8 moments
-    take two bytes per element): the budget passes attach and the step that makes the first
-    fp32 moments too large for a slot stops with the size it needs."""
+def test_a_budget_too_small_for_te_adam_is_refused_at_attach(rank_pool):
+    """Transformer Engine's states are sized from its configuration before they exist (here
+    two fp32 moments: 8 bytes per element, where 2 used to be assumed): a budget of 4 bytes
+    per element is refused before anything is touched, with the size it needs."""
     for when, message, states in rank_pool.run(slot_size_job, "te", 4, 2):
-        assert when == "step"
-        assert "more than one slot of the chunked update" in message
-        assert "chunked_update_bytes" in message
+        assert when == "attach" and states == 0
+        assert "give at least" in message and "chunked_update_bytes" in message
 
 
 def test_a_budget_no_parameter_can_fit_is_refused_at_attach(rank_pool):
