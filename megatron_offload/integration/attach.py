@@ -59,7 +59,7 @@ class _AutomaticCycle:
                             distrib_optimizer,
                             total_bytes=config.chunked_update_bytes,
                             slots=config.chunked_update_slots,
-                            kinds=config.kinds(index),
+                            kinds=config.kinds(offloader._indices[index]),
                             owner=offloader,
                         )
                     )

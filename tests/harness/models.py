@@ -34,6 +34,7 @@ __all__ = [
     'build',
     'distributed_optimizers',
     'flush_param_gather',
+    'megatron_optimizers',
     'optimizer_classes',
     'snapshot',
     'storage_facts',
@@ -198,6 +199,9 @@ def build(
     transformer_overrides: dict | None = None,
     ddp_overrides: dict | None = None,
     optimizer_overrides: dict | None = None,
+    optimizer: str = 'adam',
+    use_distributed_optimizer: bool = True,
+    layer_wise: bool = False,
 ):
     """Build (model_chunks, optimizer, config) for the current parallel_state.
 
@@ -212,6 +216,14 @@ def build(
         gives 9 for the default 'gpt'.
     *_overrides: extra fields for TransformerConfig / DistributedDataParallelConfig /
         OptimizerConfig.
+    optimizer: OptimizerConfig.optimizer ('adam', 'sgd', or an emerging optimizer such as
+        'lion', 'muon', 'soap', which need the emerging-optimizers package).
+    use_distributed_optimizer: False builds what Megatron builds without
+        --use-distributed-optimizer: Float16OptimizerWithFloat16Params (bf16/fp16) or
+        FP32Optimizer (fp32), each rank holding every parameter's state.
+    layer_wise: for emerging optimizers, what megatron.training builds from
+        --use-distributed-optimizer: DDP without the distributed optimizer and a
+        LayerWiseDistributedOptimizer (each rank updates whole parameters of its own).
     The returned config is the model config the schedule uses; its training hooks
     (finalize_model_grads_func, grad_scale_func, no_sync_func, ...) are set as
     megatron.training.training.train() sets them.
@@ -223,6 +235,12 @@ def build(
         raise ValueError('overlap_param_gather requires overlap_grad_reduce')
     if grad_reduce_in_fp32 is None:
         grad_reduce_in_fp32 = dtype == 'bf16'
+    if layer_wise:
+        # megatron/training/arguments.py: an emerging optimizer with --use-distributed-optimizer
+        # turns the distributed optimizer off and the layer-wise one on.
+        use_distributed_optimizer = False
+    if overlap_param_gather and not (use_distributed_optimizer or layer_wise):
+        raise ValueError('overlap_param_gather needs the distributed (or layer-wise) optimizer')
     spec = HarnessSpec(
         model=model,
         dtype=dtype,
@@ -242,7 +260,7 @@ def build(
         modules = [Float16Module(config, module) for module in modules]
 
     ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=True,
+        use_distributed_optimizer=use_distributed_optimizer,
         overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather,
         bucket_size=bucket_size,
@@ -259,15 +277,19 @@ def build(
         for index, module in enumerate(modules)
     ]
 
+    optimizer_name = optimizer
+    if layer_wise:
+        optimizer_overrides = {'use_layer_wise_distributed_optimizer': True, **(optimizer_overrides or {})}
+        _allow_uneven_all_gather()
     optimizer_config = OptimizerConfig(
-        optimizer='adam',
+        optimizer=optimizer_name,
         lr=lr,
         weight_decay=weight_decay,
         clip_grad=clip_grad,
         bf16=dtype == 'bf16',
         fp16=dtype == 'fp16',  # dynamic loss scaling: steps with inf/nan grads are skipped
         params_dtype=_DTYPES[dtype],
-        use_distributed_optimizer=True,
+        use_distributed_optimizer=use_distributed_optimizer,
         **(optimizer_overrides or {}),
     )
     optimizer = get_megatron_optimizer(optimizer_config, model_chunks)
@@ -292,6 +314,34 @@ def build(
     config.harness_spec = spec
     config.harness_pre_hook_pending = overlap_param_gather
     return model_chunks, optimizer, config
+
+
+def _allow_uneven_all_gather() -> None:
+    """LayerWiseDistributedOptimizer gathers each rank's whole parameters with one
+    ``all_gather`` of per-rank sizes that differ, which NCCL allows and gloo refuses ("invalid
+    tensor size"). On the CPU ranks such a gather is padded to the largest size and cut back:
+    the same result, for the harness only (process-wide, idempotent; even gathers unchanged)."""
+    import torch.distributed as dist
+
+    if getattr(dist.all_gather, 'harness_uneven', False):
+        return
+    original = dist.all_gather
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        sizes = {t.numel() for t in tensor_list} | {tensor.numel()}
+        if len(sizes) == 1 or async_op:
+            return original(tensor_list, tensor, group=group, async_op=async_op)
+        longest = max(sizes)
+        padded = [torch.empty(longest, dtype=tensor.dtype, device=tensor.device) for _ in tensor_list]
+        mine = torch.zeros(longest, dtype=tensor.dtype, device=tensor.device)
+        mine[: tensor.numel()] = tensor.reshape(-1)
+        original(padded, mine, group=group)
+        for out, full in zip(tensor_list, padded):
+            out.copy_(full[: out.numel()].view_as(out))
+        return None
+
+    all_gather.harness_uneven = True
+    dist.all_gather = all_gather
 
 
 # --------------------------------------------------------------------------------------------
@@ -423,6 +473,26 @@ def distributed_optimizers(optimizer) -> list:
     return [opt for opt in optimizers if isinstance(opt, DistributedOptimizer)]
 
 
+def megatron_optimizers(optimizer) -> list:
+    """Every Megatron optimizer inside `optimizer` that holds a torch optimizer on this rank
+    (DistributedOptimizer, Float16OptimizerWithFloat16Params, FP32Optimizer), in chain order,
+    nested ChainedOptimizers (LayerWiseDistributedOptimizer) flattened."""
+    inner = getattr(optimizer, 'chained_optimizers', None)
+    if inner is None:
+        return [optimizer] if getattr(optimizer, 'optimizer', None) is not None else []
+    return [leaf for opt in inner for leaf in megatron_optimizers(opt)]
+
+
+def _master_groups(opt) -> list:
+    """The fp32 masters of bf16/fp16 params: the distributed optimizer's shards or the
+    Float16 optimizer's whole-parameter copies (empty for FP32Optimizer)."""
+    for name in ('shard_fp32_from_float16_groups', 'fp32_from_float16_groups'):
+        groups = getattr(opt, name, None)
+        if groups is not None:
+            return groups
+    return []
+
+
 def optimizer_classes(optimizer) -> list[str]:
     """Class names from the outside in, e.g. ['ChainedOptimizer', 'DistributedOptimizer', 'AdamW'].
 
@@ -440,10 +510,11 @@ def _iter_shards(optimizer):
     """Yield (opt_index, group_index, param_index, shard, master_kind) for every inner param.
 
     The inner optimizer's groups hold the fp32 shards: views into fp32 model params first,
-    then the fp32 clones of bf16/fp16 shards (shard_fp32_from_float16_groups).
+    then the fp32 clones of bf16/fp16 shards (shard_fp32_from_float16_groups; for the
+    non-distributed optimizers the whole parameters and fp32_from_float16_groups).
     """
-    for opt_index, dist_opt in enumerate(distributed_optimizers(optimizer)):
-        from_float16 = getattr(dist_opt, 'shard_fp32_from_float16_groups', None) or []
+    for opt_index, dist_opt in enumerate(megatron_optimizers(optimizer)):
+        from_float16 = _master_groups(dist_opt)
         for group_index, group in enumerate(dist_opt.optimizer.param_groups):
             clones = {id(t) for t in (from_float16[group_index] if group_index < len(from_float16)
                                       else []) if t is not None}
@@ -468,12 +539,15 @@ def snapshot(model_chunks, optimizer) -> dict:
         for name, param in chunk.named_parameters():
             params[f'{chunk_index}.{name}'] = param.detach().clone()
     state = {}
-    dist_opts = distributed_optimizers(optimizer)
+    dist_opts = megatron_optimizers(optimizer)
     for opt_index, group_index, param_index, shard, _kind in _iter_shards(optimizer):
         state[(opt_index, group_index, param_index, 'main_param')] = shard.detach().clone()
         for key, value in dist_opts[opt_index].optimizer.state.get(shard, {}).items():
             if isinstance(value, torch.Tensor):
                 state[(opt_index, group_index, param_index, key)] = value.detach().clone()
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                # A Python step counter (SOAP's), compared like the tensors.
+                state[(opt_index, group_index, param_index, key)] = torch.tensor(value)
     return {'params': params, 'optimizer': state}
 
 
@@ -498,7 +572,7 @@ def storage_facts(optimizer) -> dict:
     same facts for its .grad).
     """
     facts = {}
-    dist_opts = distributed_optimizers(optimizer)
+    dist_opts = megatron_optimizers(optimizer)
     for opt_index, group_index, param_index, shard, kind in _iter_shards(optimizer):
         fact = _storage_fact(shard)
         fact['kind'] = kind
