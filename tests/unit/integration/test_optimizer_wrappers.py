@@ -80,3 +80,29 @@ def test_moe_chain_of_float16_optimizers(rank_pool):
         last = rank["figures"][-1]
         assert last["offloaded_bytes"] == last["tracked_bytes"] > 0 and last["max_storage"] == 0
         assert last["d2h_copies"] == 4  # (moments, masters) x 2 optimizers, one piece each
+
+
+def sgd_with_distributed_optimizer_job():
+    from tests.harness import models
+
+    try:
+        models.build("mlp", "bf16", optimizer="sgd")
+    except AssertionError as error:
+        return str(error)
+    return None
+
+
+def test_sgd_momentum_buffer_without_distributed_optimizer(rank_pool):
+    """torch SGD's momentum_buffer is found in the state like any moment; with the
+    distributed optimizer megatron-core refuses SGD itself (--offload-optimizer-states lets
+    that refusal stand)."""
+    build = dict(use_distributed_optimizer=False, optimizer="sgd")
+    assert rank_pool.run(classes_job, "mlp", "bf16", **build)[0] == [
+        "ChainedOptimizer", "Float16OptimizerWithFloat16Params", "SGD"]
+    reference = rank_pool.run(train_job, "mlp", "bf16", 4, False, **build)
+    offloaded = rank_pool.run(train_job, "mlp", "bf16", 4, True, **build)
+    assert_bitwise_equal(reference, offloaded)
+    assert_offloaded_between_steps(offloaded, expect_masters=True)
+    assert any(key[-1] == "momentum_buffer" for key in offloaded[0]["snapshot"]["optimizer"])
+    refusal = rank_pool.run(sgd_with_distributed_optimizer_job)[0]
+    assert refusal is not None and "init_state_fn" in refusal
