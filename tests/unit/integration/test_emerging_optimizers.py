@@ -69,7 +69,7 @@ def _state_facts(offloader, optimizer):
     return facts
 
 
-def emerging_job(name, steps, offload, *, layer_wise=False, options=None, checked=False, skip_at=None):
+def emerging_job(name, steps, offload, *, layer_wise=False, options=None, checked=False, skip_at=None, rl_at=None):
     import megatron_offload
     from tests.harness import models
     from tests.support.checked import check_devices, checked_device_options
@@ -92,6 +92,8 @@ def emerging_job(name, steps, offload, *, layer_wise=False, options=None, checke
                 leaf.config.grad_norm_skip_threshold = float("inf")
         if offloader:
             figures.append(_figures(offloader, optimizer))
+        if step == rl_at:
+            rl = _rl_phase(chunks, optimizer, config, offloader)
     facts = None
     if offloader:
         offloader.reload()
@@ -100,11 +102,38 @@ def emerging_job(name, steps, offload, *, layer_wise=False, options=None, checke
     snapshot = models.snapshot(chunks, optimizer)
     check_devices(devices)
     return {"results": results, "figures": figures, "snapshot": snapshot, "facts": facts,
+            "rl": rl if rl_at is not None else None,
+            "update_chunks": offloader.stats()["update_chunks"] if offloader else 0,
             "classes": [type(leaf).__name__ + "/" + type(leaf.optimizer).__name__ for leaf in _leaves(optimizer)],
             "top": type(optimizer).__name__, "checked": len(devices)}
 
 
-def _assert_offloaded_between_steps(offloaded):
+def _rl_phase(chunks, optimizer, config, offloader):
+    """An RL rollout between steps: forward passes with the states and masters freed, through
+    the offloader's block and through megatron-core's own offload_to_cpu/restore_from_cpu."""
+    from tests.harness import models
+
+    seen = {}
+    spec = config.harness_spec
+    batch = models._micro_batch(spec, 1000, 0)
+    with torch.no_grad():
+        if offloader:
+            with offloader.offloaded(offload_primary_weights=True):
+                seen["block_offloaded"] = offloader.stats()["offloaded_bytes"] == offloader.stats()["tracked_bytes"]
+                chunks[0](batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+            seen["back_after_block"] = offloader.is_offloaded  # as before the block: the step cycle's
+            optimizer.offload_to_cpu()
+            seen["offload_to_cpu_routed"] = offloader.stats()["offloaded_bytes"] == offloader.stats()["tracked_bytes"]
+            chunks[0](batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+            optimizer.restore_from_cpu()
+            seen["restored"] = not offloader.is_offloaded
+        else:
+            chunks[0](batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+            chunks[0](batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    return seen
+
+
+def _assert_offloaded_between_steps(offloaded, chunked=False):
     for rank in offloaded:
         for figures in rank["figures"]:
             assert figures["tracked_bytes"] > 0
@@ -114,7 +143,10 @@ def _assert_offloaded_between_steps(offloaded):
         last = rank["figures"][-1]
         # Steady state: one copy per piece and direction, whatever the tensor count (SOAP's
         # replaced tensors are put back where the layout has them).
-        assert last["d2h_copies"] == last["h2d_copies"] == last["groups"]
+        if chunked:  # the states move through the slots; the masters (one piece each) whole
+            assert last["d2h_copies"] == last["h2d_copies"] == len(rank["classes"])
+        else:
+            assert last["d2h_copies"] == last["h2d_copies"] == last["groups"]
 
 
 @pytest.mark.parametrize("layer_wise", [False, True], ids=["chained", "layer-wise"])
@@ -158,3 +190,35 @@ def test_skipped_step_and_checked_device(rank_pool, name):
     for rank in offloaded:
         assert rank["checked"] == 2  # one checked device per engine
         assert rank["figures"][3]["d2h_copies"] == 0
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_rl_phases(rank_pool, name):
+    """offloaded() around a rollout, and megatron-core's offload_to_cpu/restore_from_cpu
+    (routed to the offloader), between steps; training goes on bitwise."""
+    reference = rank_pool.run(emerging_job, name, 4, False, rl_at=1)
+    offloaded = rank_pool.run(emerging_job, name, 4, True, rl_at=1)
+    assert_bitwise_equal(reference, offloaded)
+    for rank in offloaded:
+        assert rank["rl"] == {"block_offloaded": True, "back_after_block": True,
+                              "offload_to_cpu_routed": True, "restored": True}
+
+
+# Slots of twice the largest parameter's states: SOAP's [256, 64] matrix keeps its moments,
+# L [256, 256], R, Q_L, Q_R (about 0.67 MB); Lion's and Muon's one fp32 buffer (64 KiB),
+# AdamW's embedding moments (64 KiB).
+CHUNK_BYTES = {"lion": 2 * 70_000, "muon": 2 * 70_000, "soap": 2 * 700_000}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_chunked_update(rank_pool, name):
+    """The chunked update (states on the host during the step too, streamed through two
+    slots): bitwise the whole update, since all three optimizers' math is per parameter."""
+    options = {"chunked_update_bytes": CHUNK_BYTES[name]}
+    reference = rank_pool.run(emerging_job, name, 4, False)
+    offloaded = rank_pool.run(emerging_job, name, 4, True, options=options, checked=True)
+    assert_bitwise_equal(reference, offloaded)
+    _assert_offloaded_between_steps(offloaded, chunked=True)
+    for rank in offloaded:
+        assert rank["checked"] == 2
+        assert rank["update_chunks"] >= 3  # several chunks, not one whole update
