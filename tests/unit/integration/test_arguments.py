@@ -136,8 +136,12 @@ def test_emerging_optimizers_accepted(megatron_parser, argv):
 def test_supported_optimizers_are_exactly_what_megatron_core_builds():
     """megatron-core 0.19.2 with emerging-optimizers 0.3.0: every --optimizer choice but
     adaptive_muon, whose first step fails (TensorParallelAdaptiveMuon has no scale_mode)."""
+    from importlib.metadata import version
+
     from megatron_offload.integration.arguments import supported_optimizers
 
+    if not version('megatron-core').startswith('0.19.'):
+        pytest.skip(f"pins megatron-core 0.19's set; this is megatron-core {version('megatron-core')}")
     assert supported_optimizers() == ('adam', 'sgd', 'muon', 'dist_muon', 'lion', 'soap')
 
 
