@@ -222,3 +222,19 @@ def test_chunked_update(rank_pool, name):
     for rank in offloaded:
         assert rank["checked"] == 2
         assert rank["update_chunks"] >= 3  # several chunks, not one whole update
+
+
+def test_per_optimizer_counts_the_layer_wise_chain_in_order(rank_pool):
+    """LayerWiseDistributedOptimizer is a chain of its own: per_optimizer's index 1 is its
+    second optimizer (AdamW), whose masters then stay on the device; Muon's all go."""
+    options = {"per_optimizer": {1: {"offload_primary_weights": False}}}
+    reference = rank_pool.run(emerging_job, "muon", 3, False, layer_wise=True)
+    offloaded = rank_pool.run(emerging_job, "muon", 3, True, layer_wise=True, options=options)
+    assert_bitwise_equal(reference, offloaded)
+    for rank in offloaded:
+        last = rank["figures"][-1]
+        assert 0 < last["resident_bytes"] < last["tracked_bytes"]
+        assert last["offloaded_bytes"] + last["resident_bytes"] == last["tracked_bytes"]
+        # The resident masters are AdamW's: a third of its 12 bytes per parameter.
+        adam = rank["facts"]["AdamW"]
+        assert last["resident_bytes"] == adam["state_bytes"] // 2
