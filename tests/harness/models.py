@@ -28,6 +28,8 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from .gloo import allow_uneven_all_gather
+
 __all__ = [
     'HarnessSpec',
     'build',
@@ -279,7 +281,7 @@ def build(
     optimizer_name = optimizer
     if layer_wise:
         optimizer_overrides = {'use_layer_wise_distributed_optimizer': True, **(optimizer_overrides or {})}
-        _allow_uneven_all_gather()
+        allow_uneven_all_gather()
     optimizer_config = OptimizerConfig(
         optimizer=optimizer_name,
         lr=lr,
@@ -313,34 +315,6 @@ def build(
     config.harness_spec = spec
     config.harness_pre_hook_pending = overlap_param_gather
     return model_chunks, optimizer, config
-
-
-def _allow_uneven_all_gather() -> None:
-    """LayerWiseDistributedOptimizer gathers each rank's whole parameters with one
-    ``all_gather`` of per-rank sizes that differ, which NCCL allows and gloo refuses ("invalid
-    tensor size"). On the CPU ranks such a gather is padded to the largest size and cut back:
-    the same result, for the harness only (process-wide, idempotent; even gathers unchanged)."""
-    import torch.distributed as dist
-
-    if getattr(dist.all_gather, 'harness_uneven', False):
-        return
-    original = dist.all_gather
-
-    def all_gather(tensor_list, tensor, group=None, async_op=False):
-        sizes = {t.numel() for t in tensor_list} | {tensor.numel()}
-        if len(sizes) == 1 or async_op:
-            return original(tensor_list, tensor, group=group, async_op=async_op)
-        longest = max(sizes)
-        padded = [torch.empty(longest, dtype=tensor.dtype, device=tensor.device) for _ in tensor_list]
-        mine = torch.zeros(longest, dtype=tensor.dtype, device=tensor.device)
-        mine[: tensor.numel()] = tensor.reshape(-1)
-        original(padded, mine, group=group)
-        for out, full in zip(tensor_list, padded):
-            out.copy_(full[: out.numel()].view_as(out))
-        return None
-
-    all_gather.harness_uneven = True
-    dist.all_gather = all_gather
 
 
 # --------------------------------------------------------------------------------------------
