@@ -79,7 +79,8 @@ class OffloadConfig:
 
     per_optimizer: dict[int, dict[str, bool]] | None = None
     """Overrides of ``offload_optimizer_states`` / ``offload_primary_weights`` for single
-    optimizers of a ChainedOptimizer, by index in ``chained_optimizers`` (for example
+    optimizers of a ChainedOptimizer, by index in ``chained_optimizers`` (nested chains such
+    as ``LayerWiseDistributedOptimizer`` flattened, in order; for example
     ``{1: {"offload_primary_weights": False}}`` to keep the expert optimizer's masters on
     the device in a MoE model). Optimizers not named use the fields above."""
 

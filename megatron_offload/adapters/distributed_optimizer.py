@@ -1,23 +1,36 @@
-"""Finds the tensors to offload in a megatron-core DistributedOptimizer.
+"""Finds the tensors to offload in a megatron-core optimizer that wraps a torch optimizer.
+
+The wrappers (what ``get_megatron_optimizer`` builds, alone or chained) are
+``DistributedOptimizer`` (``--use-distributed-optimizer``: each data-parallel rank holds a
+shard of every parameter's state), ``Float16OptimizerWithFloat16Params`` (bf16/fp16 models
+without it, and every emerging optimizer: Lion, Muon, SOAP, also inside
+``LayerWiseDistributedOptimizer``) and ``FP32Optimizer`` (fp32 models without it). Each
+keeps its torch optimizer as ``.optimizer``.
 
 Two kinds of tensors are offloaded (the names match the upstream ``offload`` arguments):
 
-* ``optimizer_states``: every full-size tensor the inner optimizer keeps per parameter
-  (Adam's ``exp_avg`` and ``exp_avg_sq``, ``max_exp_avg_sq`` with amsgrad). The scalar
-  ``step`` never moves: it is tiny, and it is read on the host.
-* ``primary_weights``: the fp32 master weights. megatron-core keeps them either in
-  ``shard_fp32_from_float16_groups`` (fp32 clones of the bf16/fp16 parameter shards) or,
-  on the precision-aware path (Transformer Engine FusedAdam with master weights), inside
-  the optimizer state as ``master_param`` (fp32, fp16, or the int16 low bits of an fp32 master
-  whose high bits are the bf16 parameter, with ``store_param_remainders``).
+* ``optimizer_states``: every full-size tensor the inner optimizer keeps per parameter,
+  found in its state itself, whatever the optimizer calls it (Adam's ``exp_avg`` and
+  ``exp_avg_sq``, Lion's ``exp_avg``, Muon's and SGD's ``momentum_buffer``, SOAP's moments
+  and its preconditioners ``L``, ``R``, ``Q_L``, ``Q_R``). Scalars (``step``, ``[1]`` scales)
+  never move: they are tiny, and they are read on the host.
+* ``primary_weights``: the fp32 master weights, wherever the wrapper keeps them:
+  ``shard_fp32_from_float16_groups`` (DistributedOptimizer: fp32 clones of the bf16/fp16
+  parameter shards), ``fp32_from_float16_groups`` (Float16OptimizerWithFloat16Params: fp32
+  clones of the whole bf16/fp16 parameters), or, on the precision-aware path (Transformer
+  Engine FusedAdam with master weights), inside the optimizer state as ``master_param``
+  (fp32, fp16, or the int16 low bits of an fp32 master whose high bits are the bf16
+  parameter, with ``store_param_remainders``). FP32Optimizer has none.
 
-The fp32 *parameter* shards (``shard_fp32_groups``) are views into the model's own
-parameters: the forward pass needs them, so they are never offloaded.
+fp32 *parameters* the inner optimizer updates directly (``shard_fp32_groups``, views into the
+model's fp32 parameters; ``fp32_from_fp32_groups``; every parameter under FP32Optimizer) are the
+model's own weights: the forward pass needs them, so they are never offloaded.
 
-The inner optimizer may be Transformer Engine's FusedAdam, apex's FusedAdam or the
-``torch.optim.AdamW`` fallback: all keep ``state[param][name]`` tensors. What differs (low-
-precision and FP8 moments, int16 master remainders, state only for parameters with gradients)
-is described and handled in ``inner_optimizers.py``.
+The inner optimizer may be Transformer Engine's FusedAdam, apex's FusedAdam, the
+``torch.optim.AdamW`` fallback, torch's SGD, or an ``emerging_optimizers`` optimizer: all keep
+``state[param][name]`` tensors. What differs (low-precision and FP8 moments, int16 master
+remainders, state only for parameters with gradients, states replaced at every step) is
+described and handled in ``inner_optimizers.py`` and ``state_watch.py``.
 """
 
 from __future__ import annotations
@@ -74,9 +87,24 @@ def _entries(state, param):
     return dict.get(state, param) if isinstance(state, dict) else state.get(param)
 
 
+# Where each wrapper keeps the fp32 masters of its bf16/fp16 parameters (lists of lists, one
+# list per param group): DistributedOptimizer, then Float16OptimizerWithFloat16Params.
+MASTER_GROUP_ATTRIBUTES = ("shard_fp32_from_float16_groups", "fp32_from_float16_groups")
+
+
+def master_groups(wrapper) -> list:
+    """The wrapper's lists of master weights held outside the optimizer state, one list per
+    param group (entries may be None on the precision-aware path); empty if it has none."""
+    for name in MASTER_GROUP_ATTRIBUTES:
+        groups = getattr(wrapper, name, None)
+        if groups is not None:
+            return groups
+    return []
+
+
 def master_weights(distrib_optimizer) -> Iterator[torch.Tensor]:
-    """The master-weight shards held outside the optimizer state (may be empty)."""
-    for groups in getattr(distrib_optimizer, "shard_fp32_from_float16_groups", None) or ():
+    """The master weights (or master shards) held outside the optimizer state (may be empty)."""
+    for groups in master_groups(distrib_optimizer):
         for master in groups:
             if master is not None:
                 yield master

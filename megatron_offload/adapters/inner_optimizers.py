@@ -27,13 +27,23 @@ apex ``FusedAdam``           ``state[p]``: fp32 ``exp_avg``, ``exp_avg_sq`` crea
 (the fallback)               ``exp_avg_sq`` (and ``max_exp_avg_sq`` with amsgrad), fp32.
 ==========================  =================================================================
 
-What is moved: every tensor holding per-element data of a parameter, that is each plain state
-tensor with as many elements as the parameter, and, for a quantized state (a tensor subclass
-such as ``Float8Tensor``), the plain data buffers inside it (``_data``, ``_transpose``, and the
+Other optimizers megatron-core builds keep other states, found the same way (from the state
+itself, never from a list of names): torch's SGD and Muon (``emerging_optimizers``'
+``OrthogonalizedOptimizer``, megatron-core's ``TensorParallelMuon``) a ``momentum_buffer``
+like the parameter; Lion an ``exp_avg`` like the parameter; SOAP fp32 ``exp_avg`` and
+``exp_avg_sq`` like the parameter, the Kronecker factors ``L`` ([m, m]) and ``R`` ([n, n]) of
+an [m, n] parameter and their eigenbases ``Q_L``, ``Q_R`` (same shapes), and a Python int
+``step``. SOAP *replaces* ``exp_avg``, ``exp_avg_sq``, ``Q_L`` and ``Q_R`` by new tensors at
+every step (the others update in place); ``state_watch.py`` notices that.
+
+What is moved: every tensor holding per-parameter data, that is each plain state tensor with
+more than one element or as many elements as the parameter (moments, momentum buffers,
+preconditioners, whatever their shape), and, for a quantized state (a tensor subclass such as
+``Float8Tensor``), the plain data buffers inside it (``_data``, ``_transpose``, and the
 ``_rowwise_data``/``_columnwise_data`` of TE's other quantized layouts) that have as many
 elements as the parameter. The wrapper object itself owns no memory and stays in the state, so
-the optimizer and its state-dict keys never notice. Scalars and ``[1]`` scales never move: they
-are tiny, and TE reads and writes them around every update.
+the optimizer and its state-dict keys never notice. ``step`` counters, scalars and ``[1]``
+scales never move: they are tiny, and optimizers read and write them around every update.
 
 A tensor subclass whose layout is not known here is handed over as it is; the engine keeps
 such tensors resident and reports them (``kept_resident_bytes``) rather than guessing.
@@ -91,7 +101,7 @@ def quantized_buffers(value: torch.Tensor, numel: int) -> list[str]:
 
 
 def state_tensors(param: torch.Tensor, entries) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(state key, tensor)`` for every per-element tensor of one parameter's state.
+    """``(state key, tensor)`` for every per-parameter tensor of one parameter's state.
 
     Keys are visited in sorted order and the buffers of a quantized state in a fixed order, so
     an unchanged state yields the same tensors in the same order every time.
@@ -116,8 +126,9 @@ def state_places(param: torch.Tensor, entries) -> Iterator[tuple[str, object, st
         if buffers:
             for name in buffers:
                 yield key, value, name, getattr(value, name)
-        elif value.numel() == numel:
-            # A plain tensor, or a subclass of unknown layout (which the engine keeps resident).
+        elif value.numel() == numel or (value.numel() > 1 and is_plain(value)):
+            # A plain tensor (a moment, a momentum buffer, a preconditioner), or a subclass of
+            # unknown layout as large as the parameter (which the engine keeps resident).
             yield key, entries, key, value
         # Anything else (scalars, [1] scales) stays where it is.
 

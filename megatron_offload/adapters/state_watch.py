@@ -1,11 +1,12 @@
-"""``StateWatch``: when the tensors of a DistributedOptimizer may have changed, in O(groups).
+"""``StateWatch``: when the tensors of a Megatron optimizer may have changed, in O(groups).
 
 The engine walks ``collect`` (every state tensor, ~1.5 us each) only when a fingerprint
 says the set may have changed; the fingerprint runs before every offload, so it must not
 itself look at every parameter. What ``collect`` returns is a function of
 
 * the inner optimizer, its ``state`` mapping and ``param_groups`` (each group and its
-  ``params`` list), and megatron-core's ``shard_fp32_from_float16_groups`` (the masters);
+  ``params`` list), and the wrapper's lists of masters (``shard_fp32_from_float16_groups``
+  or ``fp32_from_float16_groups``, see ``distributed_optimizer.master_groups``);
 * the contents of each parameter's state dict.
 
 The first are compared by identity and length at every call: O(groups). Of the second only
@@ -19,6 +20,17 @@ therefore stays watched). A dict that is already full changes otherwise only by 
 of megatron-core and TE invalidate the engine), by TE's ``initialize_state`` (guarded:
 invalidates), or by hand, where ``mark_optimizer_states_initialized()`` says so (replacing
 an existing tensor by hand never changed a count either).
+
+Other inner optimizers may replace state tensors inside ``step()`` without changing any
+count: SOAP (``emerging_optimizers``) puts new ``exp_avg``, ``exp_avg_sq``, ``Q_L`` and
+``Q_R`` tensors into the state at every step. For every inner optimizer that is not one of
+those Adams (``inner_optimizers.kind_of`` is ``OTHER``) the watch also compares the identity
+of every state tensor with the last look: O(state tensors) per call, a few microseconds per
+parameter, so a replaced tensor is offloaded like a new one and none stays on the device.
+Better still, ``keep_replaced`` (called before every offload) copies a replacement that is
+a fresh tensor like the one it replaced back into that one and puts it back: the layout (one
+copy per piece and direction) survives SOAP's steps, for one device-to-device copy of each
+replaced tensor, and the replacement's memory goes back to the allocator.
 
 The value is a serial number advanced at every change seen (any caller may ask: a change
 seen by one is a new value for all). The watch also keeps the list of masters for
@@ -35,6 +47,9 @@ import operator
 
 import torch
 
+from .distributed_optimizer import master_groups
+from .inner_optimizers import OTHER, kind_of
+
 _is = operator.is_
 
 
@@ -42,11 +57,19 @@ class StateWatch:
     """Fingerprint of ``collect(distrib_optimizer)`` and the masters whose gradients to release.
 
     ``distrib_optimizer`` needs ``.optimizer`` (with ``state`` and ``param_groups``) and may
-    have ``shard_fp32_from_float16_groups``.
+    have masters (``distributed_optimizer.master_groups``). ``identities``: also compare the
+    identity of every state tensor at every call (None: for inner optimizers other than
+    megatron-core's Adams, which may replace their state tensors in ``step()``).
     """
 
-    def __init__(self, distrib_optimizer) -> None:
+    def __init__(self, distrib_optimizer, *, identities: bool | None = None) -> None:
         self._owner = distrib_optimizer
+        if identities is None:
+            identities = kind_of(distrib_optimizer.optimizer) == OTHER
+        self.identities = identities
+        self._params: list = []  # every parameter of the inner optimizer, at the last look
+        self._tensor_ids: list[tuple[int, ...]] = []  # ids of each one's state tensors
+        self._places: list[tuple[dict, object, torch.Tensor]] = []  # (entries, key, tensor) seen
         self.serial = 0  # advanced at every change seen
         self.looks = 0  # full looks (O(parameters)) so far
         self._objects: list = []  # containers compared by identity
@@ -59,7 +82,12 @@ class StateWatch:
     # ----------------------------------------------------------------- fingerprint
     def __call__(self) -> int:
         objects, lengths = self._containers()
-        if lengths != self._lengths or not all(map(_is, objects, self._objects)) or self._grown():
+        if (
+            lengths != self._lengths
+            or not all(map(_is, objects, self._objects))
+            or self._grown()
+            or (self.identities and self._tensor_identities() != self._tensor_ids)
+        ):
             self._look(objects, lengths)
         return self.serial
 
@@ -68,7 +96,7 @@ class StateWatch:
         inner = owner.optimizer
         state = inner.state
         groups = inner.param_groups
-        masters = getattr(owner, "shard_fp32_from_float16_groups", None) or ()
+        masters = master_groups(owner)
         objects = [inner, state, groups, masters]
         lengths = [len(state), len(groups), len(masters)]
         for group in groups:
@@ -87,6 +115,14 @@ class StateWatch:
         get = _getter(self._state)
         return any(len(get(param) or ()) != seen for param, seen in self._watched)
 
+    def _tensor_identities(self) -> list[tuple[int, ...]]:
+        """The ids of each parameter's state tensors (``identities`` mode), O(state tensors)."""
+        get = _getter(self._state)
+        return [
+            tuple(id(value) for value in (get(param) or {}).values() if isinstance(value, torch.Tensor))
+            for param in self._params
+        ]
+
     def _look(self, objects: list, lengths: list[int]) -> None:
         """O(parameters): note every container and which state dicts may still grow."""
         self.serial += 1
@@ -100,9 +136,53 @@ class StateWatch:
         counts = [len(get(p) or ()) for p in params]
         fullest = max(counts, default=0)
         self._watched = [(p, n) for p, n in zip(params, counts) if n == 0 or n < fullest]
-        groups = [[m for m in g if m is not None] for g in getattr(owner, "shard_fp32_from_float16_groups", None) or ()]
+        if self.identities:
+            self._params = params
+            self._tensor_ids = self._tensor_identities()
+            self._places = [
+                (entries, key, value)
+                for entries in filter(None, map(get, params))
+                for key, value in entries.items()
+                if type(value) is torch.Tensor
+            ]
+        groups = [[m for m in g if m is not None] for g in master_groups(owner)]
         self._masters = [m for g in groups for m in g]
         self._probes = [m for g in groups if g for m in {id(g[0]): g[0], id(g[-1]): g[-1]}.values()]
+
+    def keep_replaced(self) -> int:
+        """Undo the optimizer's replacement of state tensors (``identities`` mode); returns
+        how many tensors it changed.
+
+        Where the optimizer put a new tensor in place of one seen at the last look, of the
+        same shape, dtype and device (not another state tensor), while the old one is contiguous and
+        still has its memory (resident): the new values are copied into the old tensor (on
+        the current stream, after the step that made them) and the old tensor goes back into
+        the state. A state tensor that is not contiguous (SOAP's eigenbases come from
+        ``torch.linalg.eigh`` in column-major order) is replaced by a contiguous copy once:
+        the engine moves contiguous tensors only. The optimizer holds no reference to its
+        states between steps, so it cannot tell; the tracked tensors, and with them the
+        engine's layout, stay the same from step to step.
+        """
+        if not self.identities:
+            return 0
+        if not self._places:
+            self()  # a first look records the places (the states appear at the first step)
+        changed = 0
+        seen = {id(tensor) for _, _, tensor in self._places}
+        for entries, key, old in self._places:
+            new = entries.get(key)
+            if type(new) is not torch.Tensor:
+                continue
+            if new is not old and _same_kind(new, old) and old.is_contiguous() and old.untyped_storage().nbytes() \
+                    and new.untyped_storage().nbytes() and id(new) not in seen:
+                with torch.no_grad():
+                    old.copy_(new)
+                entries[key] = old
+                changed += 1
+            elif not new.is_contiguous() and new.untyped_storage().nbytes():
+                entries[key] = new.contiguous()
+                changed += 1
+        return changed
 
     # --------------------------------------------------------------- master grads
     def release_master_grads(self) -> bool:
@@ -124,7 +204,18 @@ class StateWatch:
     def forget(self) -> None:
         """Drop every reference to the optimizer's containers (the engine was closed)."""
         self._objects, self._lengths, self._watched = [], [], []
+        self._params, self._tensor_ids, self._places = [], [], []
         self._state, self._masters, self._probes = None, [], []
+
+
+def _same_kind(new, old: torch.Tensor) -> bool:
+    """``new`` is a plain tensor that can take ``old``'s place (shape, dtype, device)."""
+    return (
+        type(new) is torch.Tensor
+        and new.shape == old.shape
+        and new.dtype == old.dtype
+        and new.device == old.device
+    )
 
 
 def _getter(state):

@@ -1,37 +1,74 @@
 """Which megatron-core optimizers an offloader accepts, refused before anything is touched.
 
-``distributed_optimizers`` finds the DistributedOptimizers of what ``get_megatron_optimizer``
-returned; ``refuse_unsupported`` refuses the configurations offloading cannot serve, each
-with the flag to change.
+``megatron_optimizers`` finds the optimizers to serve in what ``get_megatron_optimizer``
+returned: every Megatron optimizer that wraps a torch optimizer (``DistributedOptimizer``,
+``Float16OptimizerWithFloat16Params``, ``FP32Optimizer``), alone or inside a
+``ChainedOptimizer`` (``LayerWiseDistributedOptimizer`` is one), nested chains included.
+``refuse_unsupported`` refuses the configurations offloading cannot serve, each with the flag
+to change.
 """
 
 from __future__ import annotations
 
 
-def distributed_optimizers(optimizer) -> list:
-    """The DistributedOptimizers inside ``optimizer``, or a TypeError saying what to do."""
-    from megatron.core.optimizer import ChainedOptimizer
+def _wrapper_classes() -> tuple[type, ...]:
+    """The Megatron optimizer classes that wrap one torch optimizer (and keep the masters)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
 
-    if isinstance(optimizer, DistributedOptimizer):
+    return (DistributedOptimizer, Float16OptimizerWithFloat16Params, FP32Optimizer)
+
+
+def megatron_optimizers(optimizer) -> list:
+    """The Megatron optimizers inside ``optimizer`` that hold a torch optimizer, in chain
+    order (nested ChainedOptimizers flattened), or a TypeError saying what to do.
+
+    Stub optimizers (a rank without parameters for them: ``optimizer.optimizer is None``)
+    are included; the offloader has nothing to move for them (``is_stub``).
+    """
+    from megatron.core.optimizer import ChainedOptimizer
+
+    wrappers = _wrapper_classes()
+    names = ", ".join(cls.__name__ for cls in wrappers)
+    if isinstance(optimizer, wrappers):
         return [optimizer]
     if isinstance(optimizer, ChainedOptimizer):
-        inner = list(optimizer.chained_optimizers)
-        bad = [type(o).__name__ for o in inner if not isinstance(o, DistributedOptimizer)]
-        if bad or not inner:
+        found, bad = [], []
+        _flatten(optimizer, ChainedOptimizer, wrappers, found, bad)
+        if bad or not found:
             raise TypeError(
-                "optimizer-state offloading needs every optimizer of the ChainedOptimizer to be "
-                f"a DistributedOptimizer, but found {', '.join(bad) or 'none'}. Build the "
-                "optimizer with OptimizerConfig(use_distributed_optimizer=True) "
-                "(--use-distributed-optimizer)."
+                "optimizer-state offloading serves the optimizers of a ChainedOptimizer that wrap "
+                f"a torch optimizer ({names}, or ChainedOptimizers of them), but found "
+                f"{', '.join(bad) or 'no optimizer at all'}. Pass what get_megatron_optimizer "
+                "returned, unchanged."
             )
-        return inner
+        return found
     raise TypeError(
-        "optimizer-state offloading works on megatron-core's DistributedOptimizer (or a "
-        f"ChainedOptimizer of them), not on {type(optimizer).__name__}. Build the optimizer "
-        "with get_megatron_optimizer(OptimizerConfig(use_distributed_optimizer=True, ...)) "
-        "(--use-distributed-optimizer)."
+        "optimizer-state offloading works on what megatron-core's get_megatron_optimizer "
+        f"returns ({names}, or a ChainedOptimizer of them), not on {type(optimizer).__name__}. "
+        "Build the optimizer with get_megatron_optimizer(OptimizerConfig(...), model_chunks) "
+        "and attach to its result."
     )
+
+
+def _flatten(chain, chained_class, wrappers, found: list, bad: list) -> None:
+    for inner in chain.chained_optimizers:
+        if isinstance(inner, wrappers):
+            found.append(inner)
+        elif isinstance(inner, chained_class):
+            _flatten(inner, chained_class, wrappers, found, bad)
+        else:
+            bad.append(type(inner).__name__)
+
+
+def distributed_optimizers(optimizer) -> list:
+    """Kept for compatibility: ``megatron_optimizers``."""
+    return megatron_optimizers(optimizer)
+
+
+def is_stub(wrapper) -> bool:
+    """True for a Megatron optimizer without a torch optimizer on this rank (nothing to move)."""
+    return getattr(wrapper, "optimizer", None) is None or bool(getattr(wrapper, "is_stub_optimizer", False))
 
 
 def refuse_unsupported(distrib_optimizer) -> None:

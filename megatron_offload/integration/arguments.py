@@ -16,6 +16,7 @@ offloader and Megatron's stays off.
 from __future__ import annotations
 
 import argparse
+import functools
 
 from ..config import OffloadConfig
 
@@ -56,8 +57,9 @@ def _flags() -> list:
             'fp32 master weights in host memory between optimizer steps: they are copied to the '
             'host after each step, their device memory is freed, and they are copied back while '
             'the gradients are reduced. The update itself still runs on the accelerator and '
-            'gives bitwise the same results. Requires --use-distributed-optimizer and '
-            '--optimizer adam; not with --optimizer-cpu-offload, which runs Adam on the CPU.',
+            'gives bitwise the same results. Works with every --optimizer megatron-core builds '
+            '(adam, sgd, lion, muon, soap), with or without --use-distributed-optimizer; not '
+            'with --optimizer-cpu-offload, which runs Adam on the CPU.',
         )),
         ('--no-offload-moments', dict(
             action='store_false',
@@ -204,23 +206,18 @@ def validate_args(args) -> None:
             f'--use-distributed-optimizer, or drop {OFFLOAD_FLAG}.'
         )
     optimizer = getattr(args, 'optimizer', 'adam')
-    if optimizer != 'adam':
+    supported = supported_optimizers()
+    if supported is not None and optimizer not in supported:
         _refuse(
-            f'{OFFLOAD_FLAG} supports only --optimizer adam, not --optimizer {optimizer}: it '
-            "moves the states of megatron-core's Adam inside the DistributedOptimizer. Use "
-            f'--optimizer adam (the default), or drop {OFFLOAD_FLAG}.'
+            f'{OFFLOAD_FLAG} cannot run with --optimizer {optimizer}: {_why_not(optimizer)} '
+            f'The optimizers the installed megatron-core builds are: {", ".join(supported)}. '
+            f'Use one of them, or drop {OFFLOAD_FLAG}.'
         )
     if getattr(args, 'freeze_all_layers', False):
         _refuse(
             f'{OFFLOAD_FLAG} cannot be combined with --freeze-all-layers, which turns the '
             'distributed optimizer off (and leaves no optimizer state to offload). Drop one '
             'of them.'
-        )
-    if not getattr(args, 'use_distributed_optimizer', False):
-        _refuse(
-            f'{OFFLOAD_FLAG} requires --use-distributed-optimizer: it offloads the states of '
-            "megatron-core's DistributedOptimizer. Add --use-distributed-optimizer, or drop "
-            f'{OFFLOAD_FLAG}.'
         )
     if getattr(args, 'optimizer_cuda_graph', False):
         _refuse(
@@ -279,6 +276,71 @@ def validate_args(args) -> None:
             'which exist only with --bf16 or --fp16 (an fp32 model updates its parameters '
             'directly). Add --bf16 or --fp16, or drop --no-offload-moments.'
         )
+
+
+def supported_optimizers() -> tuple[str, ...] | None:
+    """The ``--optimizer`` values the installed megatron-core builds and trains with: those of
+    megatron.training's ``--optimizer`` choices that megatron-core can build, in their order
+    (None without megatron-core: nothing is judged).
+
+    'adam' and 'sgd' always ('sgd' with --use-distributed-optimizer is refused by
+    megatron-core itself); the emerging optimizers ('muon', its deprecated alias 'dist_muon',
+    'lion', 'soap', 'adaptive_muon') where megatron-core registers them, which needs the
+    emerging-optimizers package, and only if they can step: megatron-core 0.19.2's
+    TensorParallelAdaptiveMuon never sets the ``scale_mode`` its first step reads.
+    """
+    try:
+        from megatron.core.optimizer import emerging_optimizers
+    except ImportError:
+        return None
+    registered = set(getattr(emerging_optimizers, '_EMERGING_OPTIMIZERS', {}) or {})
+    if not getattr(emerging_optimizers, 'HAVE_EMERGING_OPTIMIZERS', False):
+        registered = set()
+    if 'muon' in registered:
+        registered.add('dist_muon')
+    if 'adaptive_muon' in registered and not _adaptive_muon_steps(emerging_optimizers):
+        registered.discard('adaptive_muon')
+    choices = _megatron_optimizer_choices()
+    return tuple(name for name in choices if name in ('adam', 'sgd') or name in registered)
+
+
+@functools.lru_cache(maxsize=None)
+def _megatron_optimizer_choices() -> tuple[str, ...]:
+    """``--optimizer``'s choices in megatron.training's parser (0.19.2's without it)."""
+    try:
+        from megatron.training.arguments import add_megatron_arguments
+
+        parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+        choices = parser._option_string_actions['--optimizer'].choices
+        if choices:
+            return tuple(choices)
+    except Exception:  # noqa: BLE001 - megatron-core without megatron.training, or another parser
+        pass
+    return ('adam', 'sgd', 'muon', 'dist_muon', 'lion', 'soap', 'adaptive_muon')
+
+
+def _adaptive_muon_steps(emerging_optimizers) -> bool:
+    """False when megatron-core's TensorParallelAdaptiveMuon lacks what its step reads."""
+    import torch
+
+    cls = getattr(emerging_optimizers, 'TensorParallelAdaptiveMuon', None)
+    if cls is None:
+        return False
+    try:
+        probe = cls([torch.nn.Parameter(torch.zeros(2, 2))])
+    except Exception:  # noqa: BLE001 - any failure to build means it cannot train
+        return False
+    return hasattr(probe, 'scale_mode')
+
+
+def _why_not(optimizer: str) -> str:
+    if optimizer == 'adaptive_muon':
+        return ('megatron-core builds it, but its first step fails (TensorParallelAdaptiveMuon '
+                "has no attribute 'scale_mode', megatron-core 0.19.2).")
+    if optimizer in ('muon', 'dist_muon', 'lion', 'soap'):
+        return ('megatron-core builds it from the emerging-optimizers package, which is not '
+                'installed (pip install emerging-optimizers).')
+    return 'the installed megatron-core does not build it.'
 
 
 def config_from_args(args) -> OffloadConfig:

@@ -51,6 +51,8 @@ class _AutomaticCycle:
         config = offloader.config
         self._chunked = []
         if config.chunked_update_bytes is not None:
+            # Each optimizer's index among all of a chain's (for ``per_optimizer``).
+            indices = getattr(offloader, "_indices", None) or list(range(len(offloader.engines)))
             try:
                 for index, (engine, distrib_optimizer) in enumerate(zip(offloader.engines, offloader._distributed)):
                     self._chunked.append(
@@ -59,7 +61,7 @@ class _AutomaticCycle:
                             distrib_optimizer,
                             total_bytes=config.chunked_update_bytes,
                             slots=config.chunked_update_slots,
-                            kinds=config.kinds(index),
+                            kinds=config.kinds(indices[index]),
                             owner=offloader,
                         )
                     )

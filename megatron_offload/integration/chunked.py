@@ -7,7 +7,11 @@ brought into a device slot just for that call (``engine.slots.SlotStream``) and 
 back after it. The device memory the states take during the update is the slots.
 
 Why the result is bitwise identical to one whole step: Adam's update is elementwise and
-per parameter, so updating the parameters in several calls computes the same values. The
+per parameter, so updating the parameters in several calls computes the same values. So are
+Lion's (elementwise), Muon's (each parameter's momentum orthogonalized on its own; with tensor
+parallelism its collectives follow the parameters in the same order, chunked or not) and
+SOAP's (each parameter's moments and preconditioners on their own); SOAP puts new tensors in
+place of its states, whose values are copied into the slot after the call. The
 only state shared across parameters is a per-group step counter (Transformer Engine's and
 apex's FusedAdam keep ``group["step"]``, advanced once per ``step()``): it is set back to
 its value before the step for every call, so each call sees the count the one step would.
@@ -70,6 +74,17 @@ def _transient_ratio(inner, params, kinds) -> float:
         if planned and extra:
             ratio = max(ratio, extra / planned)
     return ratio
+
+
+def _takes_place_of(new, view: torch.Tensor) -> bool:
+    """``new`` can be copied into the slot ``view`` it replaced (same shape, dtype, device)."""
+    return (
+        isinstance(new, torch.Tensor)
+        and type(new) in (torch.Tensor, torch.nn.Parameter)
+        and new.shape == view.shape
+        and new.dtype == view.dtype
+        and new.device == view.device
+    )
 
 
 class ChunkedUpdate:
@@ -243,7 +258,19 @@ class ChunkedUpdate:
             self._call([streamed[index][0] for index in chunk.units])
             failed = False
         finally:
-            replaced = [name for holder, name, _, view in swapped if inner_optimizers.get_place(holder, name) is not view]
+            replaced = []
+            for holder, name, _, view in swapped:
+                current = inner_optimizers.get_place(holder, name)
+                if current is view:
+                    continue
+                if not failed and _takes_place_of(current, view):
+                    # The optimizer put a new tensor in place of the state (SOAP does, for
+                    # its moments and eigenbases): its values go into the slot, which is
+                    # copied back to the host as usual.
+                    with torch.no_grad():
+                        view.copy_(current)
+                else:
+                    replaced.append(name)
             for holder, name, tensor, _ in swapped:
                 inner_optimizers.set_place(holder, name, tensor)
         if replaced and not failed:

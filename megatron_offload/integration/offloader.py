@@ -1,9 +1,11 @@
 """``OptimizerStateOffloader``: offloading for megatron-core's optimizers.
 
-One offloader serves everything ``get_megatron_optimizer`` returns: a DistributedOptimizer
-or a ChainedOptimizer of them (dense and expert optimizers in MoE models). It keeps one
-``OffloadEngine`` per DistributedOptimizer and is reachable from each of them as
-``_state_offloader``, the attribute name used by Megatron-LM's own (unreleased) offloader,
+One offloader serves everything ``get_megatron_optimizer`` returns: a DistributedOptimizer,
+Float16OptimizerWithFloat16Params or FP32Optimizer, or a ChainedOptimizer of any mix of them
+(dense and expert optimizers in MoE models; Muon, SOAP or Lion beside AdamW;
+``LayerWiseDistributedOptimizer``, nested chains). It keeps one ``OffloadEngine`` per
+Megatron optimizer that has a torch optimizer on this rank and is reachable from each of
+them as ``_state_offloader``, the attribute name used by Megatron-LM's own (unreleased) offloader,
 whose methods it also offers so that code written against that API runs unchanged:
 
 ====================================  ================================================
@@ -36,7 +38,7 @@ from ..config import OffloadConfig
 from ..device import device_for
 from ..engine import HostBudget, OffloadEngine, OffloadStateError, Place
 from ..engine.figures import gbps
-from .acceptance import distributed_optimizers, refuse_unsupported  # noqa: F401 - re-exported
+from .acceptance import distributed_optimizers, is_stub, megatron_optimizers, refuse_unsupported  # noqa: F401 - re-exported
 from .guard import StateAccessGuard
 
 
@@ -44,17 +46,26 @@ class OptimizerStateOffloader:
     """Offloads optimizer states and master weights of megatron-core optimizers.
 
     Args:
-        optimizer: a DistributedOptimizer or a ChainedOptimizer of DistributedOptimizers.
-        config: an ``OffloadConfig``; keyword ``options`` override its fields.
+        optimizer: what ``get_megatron_optimizer`` returned (a DistributedOptimizer,
+            Float16OptimizerWithFloat16Params, FP32Optimizer, or a ChainedOptimizer of any
+            of them).
+        config: an ``OffloadConfig``; keyword ``options`` override its fields. The indices
+            of ``per_optimizer`` count the optimizers of the ChainedOptimizer in order
+            (nested chains flattened, optimizers without parameters on this rank included).
     """
 
     def __init__(self, optimizer, config: OffloadConfig | None = None, **options) -> None:
         self.config = OffloadConfig.from_options(config, **options)
-        distributed = distributed_optimizers(optimizer)
-        for distrib_optimizer in distributed:
-            refuse_unsupported(distrib_optimizer)
+        found = megatron_optimizers(optimizer)
+        for wrapper in found:
+            refuse_unsupported(wrapper)
+        served = [(index, wrapper) for index, wrapper in enumerate(found) if not is_stub(wrapper)]
         self.optimizer = optimizer
-        self._distributed = distributed
+        # The Megatron optimizers served (one engine each), and each one's index among all of
+        # them (for ``per_optimizer``).
+        self._distributed = [wrapper for _, wrapper in served]
+        self._indices = [index for index, _ in served]
+        distributed = self._distributed
         self._engines: list[OffloadEngine] = []
         budget = HostBudget(self.config.host_memory_budget)
         for index, distrib_optimizer in enumerate(distributed):
@@ -66,7 +77,8 @@ class OptimizerStateOffloader:
                 OffloadEngine(
                     factory(torch_device),
                     _collector(distrib_optimizer),
-                    name=f"optimizer {index} ({type(distrib_optimizer.optimizer).__name__})",
+                    name=f"optimizer {self._indices[index]} ({type(distrib_optimizer).__name__} of "
+                    f"{type(distrib_optimizer.optimizer).__name__})",
                     fingerprint=_fingerprinter(distrib_optimizer),
                     budget=budget,
                     fraction=float(self.config.offload_fraction),
@@ -324,7 +336,7 @@ class OptimizerStateOffloader:
         optimizer, None means as configured (``per_optimizer`` included)."""
         selection = []
         for index in range(len(self._engines)):
-            configured = self.config.kinds(index)
+            configured = self.config.kinds(self._indices[index])
             wanted = (
                 (OPTIMIZER_STATES, OPTIMIZER_STATES in configured if states is None else states),
                 (PRIMARY_WEIGHTS, PRIMARY_WEIGHTS in configured if primaries is None else primaries),
@@ -360,6 +372,10 @@ class OptimizerStateOffloader:
     def _offload(self, selection: list[tuple[str, ...]], *, skip_unchanged: bool = False) -> None:
         """Copy out (unless ``skip_unchanged`` and still valid) and release, per optimizer."""
         for engine, kinds in zip(self._engines, selection):
+            watch = engine.fingerprint
+            if kinds and isinstance(watch, StateWatch) and watch.identities:
+                # Tensors the step replaced (SOAP) go back where the layout has them.
+                watch.keep_replaced()
             # Released piece by piece as the copies are queued (progressive reuse).
             engine.offload(kinds, skip_unchanged=skip_unchanged, release=True)
         if self.config.release_master_grads:

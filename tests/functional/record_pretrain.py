@@ -155,6 +155,12 @@ def main(argv: list[str]) -> None:
         from megatron_offload.testing import cpu_training
 
         cpu_training.install()
+        # LayerWiseDistributedOptimizer (emerging optimizers with --use-distributed-optimizer)
+        # all-gathers uneven sizes, which gloo refuses.
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        from tests.harness.gloo import allow_uneven_all_gather
+
+        allow_uneven_all_gather()
     import megatron.training.training as training
 
     recorder = Recorder(out_dir)

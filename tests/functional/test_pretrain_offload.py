@@ -181,3 +181,32 @@ def test_refused_combination_fails_before_initialization():
     assert '--offload-optimizer-states and --optimizer-cpu-offload are mutually exclusive' in output
     assert 'initialized tensor model parallel' not in output
     assert 'building' not in output  # no model, no dataset
+
+
+@pytest.mark.skipif(not __import__('importlib').util.find_spec('emerging_optimizers'),
+                    reason='needs the emerging-optimizers package (requirements/py312.txt)')
+@pytest.mark.parametrize('optimizer,distributed', [
+    ('muon', True), ('lion', False), ('soap', False),
+], ids=['muon-layer-wise', 'lion', 'soap'])
+def test_emerging_optimizer_through_the_launcher(optimizer, distributed):
+    """--optimizer muon | lion | soap on the stock-style script: with
+    --use-distributed-optimizer megatron.training builds a LayerWiseDistributedOptimizer,
+    without it a ChainedOptimizer of Float16OptimizerWithFloat16Params; the loss curve is
+    bitwise that of the plain script, with the states offloaded at every iteration."""
+    case = runner.CASES['dp2']
+    flags = ('--bf16', '--optimizer', optimizer)
+    model_flags = runner.MODEL_FLAGS if distributed else [
+        flag for flag in runner.MODEL_FLAGS if flag != '--use-distributed-optimizer']
+    variant = dataclasses.replace(case, name=f'dp2-{optimizer}', flags=flags, save_interval=None)
+    original = runner.MODEL_FLAGS
+    runner.MODEL_FLAGS = model_flags
+    try:
+        on = runner.run(variant, offload=True)
+        off = runner.run(variant, offload=False)
+    finally:
+        runner.MODEL_FLAGS = original
+    for rank in range(case.world_size):
+        assert _values(on, rank) == _values(off, rank)
+        entries = on.ranks[rank]['iterations']
+        assert len(entries) == case.train_iters
+        assert all(e['offloader']['is_offloaded'] for e in entries)

@@ -23,17 +23,19 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.enums import ModelType
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from .gloo import allow_uneven_all_gather
 
 __all__ = [
     'HarnessSpec',
     'build',
     'distributed_optimizers',
     'flush_param_gather',
+    'megatron_optimizers',
     'optimizer_classes',
     'snapshot',
     'storage_facts',
@@ -198,6 +200,9 @@ def build(
     transformer_overrides: dict | None = None,
     ddp_overrides: dict | None = None,
     optimizer_overrides: dict | None = None,
+    optimizer: str = 'adam',
+    use_distributed_optimizer: bool = True,
+    layer_wise: bool = False,
 ):
     """Build (model_chunks, optimizer, config) for the current parallel_state.
 
@@ -212,6 +217,14 @@ def build(
         gives 9 for the default 'gpt'.
     *_overrides: extra fields for TransformerConfig / DistributedDataParallelConfig /
         OptimizerConfig.
+    optimizer: OptimizerConfig.optimizer ('adam', 'sgd', or an emerging optimizer such as
+        'lion', 'muon', 'soap', which need the emerging-optimizers package).
+    use_distributed_optimizer: False builds what Megatron builds without
+        --use-distributed-optimizer: Float16OptimizerWithFloat16Params (bf16/fp16) or
+        FP32Optimizer (fp32), each rank holding every parameter's state.
+    layer_wise: for emerging optimizers, what megatron.training builds from
+        --use-distributed-optimizer: DDP without the distributed optimizer and a
+        LayerWiseDistributedOptimizer (each rank updates whole parameters of its own).
     The returned config is the model config the schedule uses; its training hooks
     (finalize_model_grads_func, grad_scale_func, no_sync_func, ...) are set as
     megatron.training.training.train() sets them.
@@ -223,6 +236,12 @@ def build(
         raise ValueError('overlap_param_gather requires overlap_grad_reduce')
     if grad_reduce_in_fp32 is None:
         grad_reduce_in_fp32 = dtype == 'bf16'
+    if layer_wise:
+        # megatron/training/arguments.py: an emerging optimizer with --use-distributed-optimizer
+        # turns the distributed optimizer off and the layer-wise one on.
+        use_distributed_optimizer = False
+    if overlap_param_gather and not (use_distributed_optimizer or layer_wise):
+        raise ValueError('overlap_param_gather needs the distributed (or layer-wise) optimizer')
     spec = HarnessSpec(
         model=model,
         dtype=dtype,
@@ -242,7 +261,7 @@ def build(
         modules = [Float16Module(config, module) for module in modules]
 
     ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=True,
+        use_distributed_optimizer=use_distributed_optimizer,
         overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather,
         bucket_size=bucket_size,
@@ -259,15 +278,19 @@ def build(
         for index, module in enumerate(modules)
     ]
 
+    optimizer_name = optimizer
+    if layer_wise:
+        optimizer_overrides = {'use_layer_wise_distributed_optimizer': True, **(optimizer_overrides or {})}
+        allow_uneven_all_gather()
     optimizer_config = OptimizerConfig(
-        optimizer='adam',
+        optimizer=optimizer_name,
         lr=lr,
         weight_decay=weight_decay,
         clip_grad=clip_grad,
         bf16=dtype == 'bf16',
         fp16=dtype == 'fp16',  # dynamic loss scaling: steps with inf/nan grads are skipped
         params_dtype=_DTYPES[dtype],
-        use_distributed_optimizer=True,
+        use_distributed_optimizer=use_distributed_optimizer,
         **(optimizer_overrides or {}),
     )
     optimizer = get_megatron_optimizer(optimizer_config, model_chunks)
@@ -411,102 +434,11 @@ def flush_param_gather(model_chunks) -> None:
             chunk.enable_forward_pre_hook()
 
 
-# --------------------------------------------------------------------------------------------
-# Inspection
-# --------------------------------------------------------------------------------------------
-
-
-def distributed_optimizers(optimizer) -> list:
-    """The DistributedOptimizer instances inside `optimizer` (a ChainedOptimizer or not)."""
-    inner = getattr(optimizer, 'chained_optimizers', None)
-    optimizers = list(inner) if inner is not None else [optimizer]
-    return [opt for opt in optimizers if isinstance(opt, DistributedOptimizer)]
-
-
-def optimizer_classes(optimizer) -> list[str]:
-    """Class names from the outside in, e.g. ['ChainedOptimizer', 'DistributedOptimizer', 'AdamW'].
-
-    A ChainedOptimizer contributes its name, then each chained optimizer's name followed by
-    the name of the torch optimizer it wraps.
-    """
-    inner = getattr(optimizer, 'chained_optimizers', None)
-    names = [type(optimizer).__name__] if inner is not None else []
-    for opt in (inner if inner is not None else [optimizer]):
-        names += [type(opt).__name__, type(opt.optimizer).__name__]
-    return names
-
-
-def _iter_shards(optimizer):
-    """Yield (opt_index, group_index, param_index, shard, master_kind) for every inner param.
-
-    The inner optimizer's groups hold the fp32 shards: views into fp32 model params first,
-    then the fp32 clones of bf16/fp16 shards (shard_fp32_from_float16_groups).
-    """
-    for opt_index, dist_opt in enumerate(distributed_optimizers(optimizer)):
-        from_float16 = getattr(dist_opt, 'shard_fp32_from_float16_groups', None) or []
-        for group_index, group in enumerate(dist_opt.optimizer.param_groups):
-            clones = {id(t) for t in (from_float16[group_index] if group_index < len(from_float16)
-                                      else []) if t is not None}
-            for param_index, shard in enumerate(group['params']):
-                kind = 'fp32_from_float16' if id(shard) in clones else 'fp32_view'
-                yield opt_index, group_index, param_index, shard, kind
-
-
-def snapshot(model_chunks, optimizer) -> dict:
-    """CPU clones of everything the bitwise comparisons look at.
-
-    {'params': {'<chunk>.<name>': tensor},
-     'optimizer': {(opt_index, group_index, param_index, key): tensor}}
-    where key is 'exp_avg', 'exp_avg_sq', 'step' (whatever the inner optimizer's state holds)
-    or 'main_param' (the fp32 shard the optimizer updates: the master clone for bf16 params,
-    a view of the model param for fp32 params). Indices follow the inner optimizer's
-    param_groups, which are stable across runs built the same way. With overlap_param_gather,
-    call flush_param_gather() first if the model params must be current.
-    """
-    params = {}
-    for chunk_index, chunk in enumerate(model_chunks):
-        for name, param in chunk.named_parameters():
-            params[f'{chunk_index}.{name}'] = param.detach().clone()
-    state = {}
-    dist_opts = distributed_optimizers(optimizer)
-    for opt_index, group_index, param_index, shard, _kind in _iter_shards(optimizer):
-        state[(opt_index, group_index, param_index, 'main_param')] = shard.detach().clone()
-        for key, value in dist_opts[opt_index].optimizer.state.get(shard, {}).items():
-            if isinstance(value, torch.Tensor):
-                state[(opt_index, group_index, param_index, key)] = value.detach().clone()
-    return {'params': params, 'optimizer': state}
-
-
-def _storage_fact(tensor) -> dict:
-    storage_bytes = tensor.untyped_storage().nbytes()
-    return {
-        'owns_storage': storage_bytes == tensor.numel() * tensor.element_size()
-        and tensor.storage_offset() == 0,
-        'storage_bytes': storage_bytes,
-        'tensor_bytes': tensor.numel() * tensor.element_size(),
-        'storage_offset': tensor.storage_offset(),
-        'dtype': str(tensor.dtype),
-    }
-
-
-def storage_facts(optimizer) -> dict:
-    """Whether optimizer-held tensors own their storage (what an offloader may resize_(0)).
-
-    {(opt_index, group_index, param_index, key): {'owns_storage', 'storage_bytes',
-    'tensor_bytes', 'storage_offset', 'dtype', 'kind'?}} for exp_avg, exp_avg_sq, step and
-    the main param (kind: 'fp32_from_float16' or 'fp32_view'; 'has_grad', and 'grad' with the
-    same facts for its .grad).
-    """
-    facts = {}
-    dist_opts = distributed_optimizers(optimizer)
-    for opt_index, group_index, param_index, shard, kind in _iter_shards(optimizer):
-        fact = _storage_fact(shard)
-        fact['kind'] = kind
-        fact['has_grad'] = shard.grad is not None
-        if shard.grad is not None:
-            fact['grad'] = _storage_fact(shard.grad)
-        facts[(opt_index, group_index, param_index, 'main_param')] = fact
-        for key, value in dist_opts[opt_index].optimizer.state.get(shard, {}).items():
-            if isinstance(value, torch.Tensor):
-                facts[(opt_index, group_index, param_index, key)] = _storage_fact(value)
-    return facts
+# Inspection helpers live in inspection.py; re-exported here for the jobs that use them.
+from .inspection import (  # noqa: E402
+    distributed_optimizers,
+    megatron_optimizers,
+    optimizer_classes,
+    snapshot,
+    storage_facts,
+)

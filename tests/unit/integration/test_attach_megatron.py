@@ -51,8 +51,9 @@ def train_job(model, dtype, steps, offload, micro_batches=1, offload_before_firs
     models.flush_param_gather(chunks)
     snapshot = models.snapshot(chunks, optimizer)
     check_devices(devices)
+    numel = sum(p.numel() for chunk in chunks for p in chunk.parameters())
     return {"results": results, "figures": figures, "snapshot": snapshot,
-            "checked_calls": [dict(d.calls) for d in devices]}
+            "checked_calls": [dict(d.calls) for d in devices], "numel": numel}
 
 
 def _figures(offloader, sizes):

@@ -89,20 +89,29 @@ def test_closure_and_resident_steps_run_whole(isolated):
 
 
 class _Replacing(torch.optim.AdamW):
-    """An optimizer that puts new tensor objects into its state during step()."""
+    """An optimizer that puts new tensor objects into its state during step() (as SOAP
+    does); ``cast`` replaces them with another dtype, which cannot take the slot's place."""
+
+    cast = None
 
     def step(self, closure=None):
         result = super().step(closure)
         for group in self.param_groups:
             for p in group["params"]:
-                self.state[p]["exp_avg"] = self.state[p]["exp_avg"].clone()
+                new = self.state[p]["exp_avg"].clone()
+                late = float(self.state[p]["step"]) > 1  # after the states were created
+                self.state[p]["exp_avg"] = new.to(self.cast) if self.cast is not None and late else new
         return result
 
 
-def run_replacing():
-    params, opt = _optimizer(_Replacing)
+class _ReplacingWithAnotherDtype(_Replacing):
+    cast = torch.float16
+
+
+def run_replacing(cls, steps=3):
+    params, opt = _optimizer(cls)
     engine, chunked = _attached(opt)
-    for step in range(2):
+    for step in range(steps):
         _grads(params, step)
         chunked.active = True
         try:
@@ -113,11 +122,29 @@ def run_replacing():
             chunked.active = False
         engine.offload()
         engine.release()
-    return None
+    engine.reload()
+    engine.wait()
+    return None, [p.detach().clone() for p in params]
+
+
+def run_plain(steps=3):
+    params, opt = _optimizer()
+    for step in range(steps):
+        _grads(params, step)
+        opt.step()
+    return [p.detach().clone() for p in params]
+
+
+def test_a_replacement_like_the_state_is_copied_into_the_slot(isolated):
+    """SOAP's way: new tensors of the same shape and dtype each step; their values go into
+    the slot, and the update is bitwise that of the plain optimizer."""
+    message, params = isolated.run(run_replacing, _Replacing)
+    assert message is None
+    assert all(torch.equal(a, b) for a, b in zip(params, isolated.run(run_plain)))
 
 
 def test_an_optimizer_replacing_its_states_is_refused(isolated):
-    message, restored = isolated.run(run_replacing)
+    message, restored = isolated.run(run_replacing, _ReplacingWithAnotherDtype)
     assert "replaced its state tensors (exp_avg)" in message
     assert "leave chunked_update_bytes unset" in message
     assert restored  # the state entries point at the tracked (released) tensors again

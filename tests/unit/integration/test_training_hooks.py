@@ -132,7 +132,8 @@ def test_validate_wrapper_checks_before_and_after_megatron():
 
     def megatron_validate(args, defaults={}):
         calls.append('megatron')
-        args.use_distributed_optimizer = False  # as Megatron does for --freeze-all-layers
+        # A refusal only the validated namespace shows (Megatron derives flags from others).
+        args.freeze_all_layers = True
         return args
 
     validate = hooks._wrap_validate_args(megatron_validate)
@@ -140,7 +141,7 @@ def test_validate_wrapper_checks_before_and_after_megatron():
         validate(argparse.Namespace(offload_optimizer_states=True, optimizer_cpu_offload=True,
                                     use_distributed_optimizer=True))
     assert calls == []  # refused before Megatron's own checks ran
-    with pytest.raises(OffloadArgumentError, match='requires --use-distributed-optimizer'):
+    with pytest.raises(OffloadArgumentError, match='--freeze-all-layers'):
         validate(argparse.Namespace(offload_optimizer_states=True, use_distributed_optimizer=True))
     assert calls == ['megatron']
     plain = argparse.Namespace(use_distributed_optimizer=True)
