@@ -106,3 +106,37 @@ def test_sgd_momentum_buffer_without_distributed_optimizer(rank_pool):
     assert any(key[-1] == "momentum_buffer" for key in offloaded[0]["snapshot"]["optimizer"])
     refusal = rank_pool.run(sgd_with_distributed_optimizer_job)[0]
     assert refusal is not None and "init_state_fn" in refusal
+
+
+# The same phases as Lion, Muon and SOAP get (test_emerging_optimizers.py), for Adam without
+# the distributed optimizer on the bf16 GPT: its job builds optimizer="adam" without the
+# distributed optimizer and needs no emerging-optimizers package.
+ADAM_CHUNK_BYTES = 2 * 140_000  # two slots of the largest matrix's moments ([256, 64]: 128 KiB)
+
+
+def test_adam_without_distributed_optimizer_skipped_step_rl_phase_checked_device(rank_pool):
+    from tests.unit.integration.test_emerging_optimizers import _assert_offloaded_between_steps, emerging_job
+
+    reference = rank_pool.run(emerging_job, "adam", 5, False, skip_at=3, rl_at=1)
+    offloaded = rank_pool.run(emerging_job, "adam", 5, True, skip_at=3, rl_at=1, checked=True)
+    assert_bitwise_equal(reference, offloaded)
+    assert [r["update_successful"] for r in reference[0]["results"]] == [True, True, True, False, True]
+    _assert_offloaded_between_steps(offloaded)
+    for rank in offloaded:
+        assert rank["classes"] == ["Float16OptimizerWithFloat16Params/AdamW"]
+        assert rank["checked"] == 1  # one checked device, for its one engine
+        assert rank["figures"][3]["d2h_copies"] == 0  # the skipped step copied nothing
+        assert rank["rl"] == {"block_offloaded": True, "back_after_block": True,
+                              "offload_to_cpu_routed": True, "restored": True}
+
+
+def test_adam_without_distributed_optimizer_chunked_update(rank_pool):
+    from tests.unit.integration.test_emerging_optimizers import _assert_offloaded_between_steps, emerging_job
+
+    reference = rank_pool.run(emerging_job, "adam", 4, False)
+    offloaded = rank_pool.run(emerging_job, "adam", 4, True, options={"chunked_update_bytes": ADAM_CHUNK_BYTES},
+                              checked=True)
+    assert_bitwise_equal(reference, offloaded)
+    _assert_offloaded_between_steps(offloaded, chunked=True)
+    for rank in offloaded:
+        assert rank["checked"] == 1 and rank["update_chunks"] >= 3
