@@ -96,7 +96,10 @@ class SyntheticAdamState:
         # optimizer with param groups and a state mapping, and the masters beside it.
         self.optimizer = types.SimpleNamespace(state=self.state, param_groups=[{"params": list(self.state)}])
         self.shard_fp32_from_float16_groups = [self.masters]
-        self.fingerprint = StateWatch(self)
+        # The states are megatron-core's Adam's (torch AdamW's layout), updated in place: the
+        # watch need not compare every state tensor's identity, as it does for an optimizer
+        # it does not know (which may replace its states in step(), as SOAP does).
+        self.fingerprint = StateWatch(self, identities=False)
 
     @property
     def n_tensors(self) -> int:
