@@ -12,23 +12,15 @@ import io
 import pytest
 import torch
 
+# Resident snapshots and a directory every rank sees, as the DistributedOptimizer checkpoint tests take them.
+from tests.unit.integration.test_checkpoint import _final_snapshot, _shared_directory
+
 STEPS, SAVE_AFTER = 5, 3
 HAVE_EMERGING = importlib.util.find_spec("emerging_optimizers") is not None
 NEEDS_EMERGING = pytest.mark.skipif(
     not HAVE_EMERGING,
     reason="needs the emerging-optimizers package (requirements/py312.txt: emerging-optimizers==0.3.0)",
 )
-
-
-def _shared_directory(path):
-    import os
-
-    shared = [path]
-    torch.distributed.broadcast_object_list(shared, src=0)
-    if torch.distributed.get_rank() == 0:
-        os.makedirs(shared[0], exist_ok=True)
-    torch.distributed.barrier()
-    return shared[0]
 
 
 def _sharded(chunks, optimizer, is_loading=False):
@@ -73,18 +65,6 @@ def _load(chunks, optimizer, directory, fmt, saved):
         optimizer.load_state_dict(state["optimizer"])
 
 
-def _snapshot(chunks, optimizer, offloader):
-    from tests.harness import models
-
-    if offloader and offloader.is_offloaded:
-        offloader.reload()
-        offloader.wait()
-    snap = models.snapshot(chunks, optimizer)
-    if offloader:
-        offloader.offload()
-    return snap
-
-
 def checkpoint_job(offload, fmt, directory, build_kw):
     import megatron_offload
     from tests.harness import models
@@ -103,7 +83,7 @@ def checkpoint_job(offload, fmt, directory, build_kw):
             out["offloaded_at_save"] = bool(offloader and offloader.is_offloaded)
             saved = _save(chunks, optimizer, directory, fmt)
     out["uninterrupted"] = results
-    out["uninterrupted_snapshot"] = _snapshot(chunks, optimizer, offloader)
+    out["uninterrupted_snapshot"] = _final_snapshot(chunks, optimizer, offloader)
 
     torch.manual_seed(99)  # a different init: everything must come from the checkpoint
     chunks, optimizer, config = models.build("gpt", "bf16", **build_kw)
@@ -113,7 +93,7 @@ def checkpoint_job(offload, fmt, directory, build_kw):
         out["offloaded_before_load"] = offloader.is_offloaded
     _load(chunks, optimizer, directory, fmt, saved)
     out["resumed"] = [models.train_step(chunks, optimizer, config, s) for s in range(SAVE_AFTER, STEPS)]
-    out["resumed_snapshot"] = _snapshot(chunks, optimizer, offloader)
+    out["resumed_snapshot"] = _final_snapshot(chunks, optimizer, offloader)
     if offloader:
         stats = offloader.stats()
         out["all_offloaded"] = stats["offloaded_bytes"] == stats["tracked_bytes"] > 0
