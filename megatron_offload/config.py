@@ -57,6 +57,16 @@ class OffloadConfig:
     2, the copies of one chunk overlap the update of the next; 1 uses the whole budget for
     one slot, without overlap."""
 
+    chunked_update_undo: bool = True
+    """Make a chunked step that fails part-way (an update call or a copy raises, for example
+    out of memory for the optimizer's temporaries) change nothing: before each update call,
+    what it may write (its parameters, the slot with their states, the scales and step
+    counts kept on the device) is copied to the host, and written back if the step fails.
+    Parameters, group steps and states are then byte for byte as before the step, which can
+    be retried. Costs one more device-to-host copy of those bytes per step and a pinned host
+    buffer as large (counted in ``host_memory_budget``). False: a failed step keeps the
+    update of the calls that ran (a step refused for its budget still changes nothing)."""
+
     max_piece_bytes: int = 256 << 20
     """Largest device storage the offloader frees and regrows as one (default 256 MiB). The
     states of one kind and dtype are laid out in pieces of at most this size (a larger
@@ -131,6 +141,10 @@ class OffloadConfig:
             raise ValueError(
                 f"OffloadConfig.stream_priority must be an int <= 0, got {priority!r}: 0 (the "
                 "default) is the lowest CUDA stream priority, negative numbers are higher."
+            )
+        if not isinstance(self.chunked_update_undo, bool):
+            raise ValueError(
+                f"OffloadConfig.chunked_update_undo must be True or False, got {self.chunked_update_undo!r}."
             )
         slots = self.chunked_update_slots
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:

@@ -116,6 +116,22 @@ class LayoutMixin:
             self._adopted[id(tensor)] = (tensor, host, event, buffer)
         self.invalidate()
 
+    def disown(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Forget adopted tensors the caller dropped (the states a failed step had created):
+        their host copies are not kept, and a buffer no other adopted tensor uses goes back."""
+        ids = {id(tensor) for tensor in tensors}
+        dropped = [self._adopted.pop(key) for key in [k for k in self._adopted if k in ids]]
+        if not dropped:
+            return
+        for _, _, event, _ in dropped:
+            if event is not None:
+                # Rule 5: the copy filling the buffer is done before the buffer goes back.
+                self.device.synchronize_event(event, label=HOST_FREE_AFTER_COPIES)
+        for buffer in {id(item[3]): item[3] for item in dropped}.values():
+            if not any(other is buffer for *_, other in self._adopted.values()):
+                self.device.free_host_buffer(buffer)
+        self.invalidate()
+
     def _pieces(self, current, streamed: set[int]):
         """``(kind, dtype, streamed, index, tensors)`` of every piece of ``current``."""
         by_key: dict[tuple[str, torch.dtype, bool], list[torch.Tensor]] = {}

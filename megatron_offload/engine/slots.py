@@ -173,11 +173,20 @@ class SlotStream:
         return chunk
 
     # ------------------------------------------------------------------- run
-    def run(self, chunks: Sequence[Chunk], update: Callable[[Chunk, dict[int, torch.Tensor]], None]) -> None:
+    def run(
+        self,
+        chunks: Sequence[Chunk],
+        update: Callable[[Chunk, dict[int, torch.Tensor]], None],
+        *,
+        save: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None] | None = None,
+    ) -> None:
         """For every chunk: bring its bytes into a slot, ``update(chunk, views)``, copy them back.
 
         ``views`` maps ``id(tensor)`` to the tensor's place in the slot (same dtype and shape):
-        the caller makes the update use those instead of the (released) tensors.
+        the caller makes the update use those instead of the (released) tensors. ``save``,
+        if given, is called before each update with ``(slot bytes, their host copy)`` pairs,
+        one per segment, while the slot still holds the bytes from before the update (the
+        chunked update's undo copies them).
         """
         if not chunks:
             return
@@ -249,6 +258,8 @@ class SlotStream:
                     key: typed[segment].as_strided(shape, stride, typed[segment].storage_offset() + offset)
                     for key, (segment, offset, shape, stride) in chunk.places.items()
                 }
+                if save is not None:
+                    save([(view, s.group.host[s.start : s.end]) for view, s in zip(typed, chunk.segments)])
                 update(chunk, views)
                 del views
                 # Rule 1: the D2H copies what the update wrote.

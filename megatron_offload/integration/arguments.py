@@ -32,6 +32,7 @@ TUNING_FLAGS = (
     ('--no-offload-release-master-grads', 'offload_release_master_grads'),
     ('--no-offload-prefetch', 'offload_prefetch'),
     ('--no-log-offload-stats', 'log_offload_stats'),
+    ('--no-offload-chunked-update-undo', 'offload_chunked_update_undo'),
 )
 
 __all__ = [
@@ -98,6 +99,15 @@ def _flags() -> list:
             '(for example 1073741824 for 1 GiB), a few parameters at a time, so that the update '
             'needs BYTES of device memory for them instead of their whole size. Bitwise the same '
             'results. Each parameter shard\'s moments must fit in half of BYTES.',
+        )),
+        ('--no-offload-chunked-update-undo', dict(
+            action='store_false',
+            dest='offload_chunked_update_undo',
+            help=f'With {CHUNKED_FLAG}: do not keep host copies of what each update call writes. '
+            'By default a chunked step that fails part-way (out of memory for the optimizer\'s '
+            'temporaries, a failed copy) is undone, leaving parameters and optimizer states as '
+            'before it, at the cost of one more device-to-host copy of them per step and as much '
+            'pinned host memory; without it such a failure leaves the step half done.',
         )),
         (PIECE_FLAG, dict(
             type=int,
@@ -263,6 +273,11 @@ def validate_args(args) -> None:
     if piece is not None and (isinstance(piece, bool) or not isinstance(piece, int) or piece <= 0):
         _refuse(f'{PIECE_FLAG} must be a whole number of MiB > 0 (default 256), got {piece!r}.')
     chunked = getattr(args, 'offload_chunked_update_bytes', None)
+    if chunked is None and getattr(args, 'offload_chunked_update_undo', True) is False:
+        _refuse(
+            f'--no-offload-chunked-update-undo has no effect without {CHUNKED_FLAG}: add '
+            f'{CHUNKED_FLAG} BYTES, or drop it.'
+        )
     if chunked is not None and chunked <= 0:
         _refuse(f'{CHUNKED_FLAG} must be a number of bytes > 0, got {chunked}.')
     if chunked is not None and not offload_moments:
@@ -350,6 +365,7 @@ def config_from_args(args) -> OffloadConfig:
         offload_primary_weights=bool(getattr(args, 'offload_master_weights', True)),
         release_master_grads=bool(getattr(args, 'offload_release_master_grads', True)),
         chunked_update_bytes=getattr(args, 'offload_chunked_update_bytes', None),
+        chunked_update_undo=bool(getattr(args, 'offload_chunked_update_undo', True)),
         **_piece_option(args),
     )
 

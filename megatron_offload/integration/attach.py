@@ -63,6 +63,7 @@ class _AutomaticCycle:
                             slots=config.chunked_update_slots,
                             kinds=config.kinds(indices[index]),
                             owner=offloader,
+                            undo=config.chunked_update_undo,
                         )
                     )
             except BaseException:

@@ -33,7 +33,10 @@ Adam), and a budget one of them cannot fit in is refused there. The budget also 
 fp32 temporaries TE's ``step`` makes per call for its FP8/fp16 (and, before TE 2.13, bf16)
 states (``inner_optimizers.transient_bytes``): it is split into the slots and a reserve that
 grows with them. At each step every parameter is checked before any is updated, so a refused
-step changes nothing (no parameter, group step or state), and can be retried.
+step changes nothing (no parameter, group step or state), and can be retried. A step that
+fails part-way (an update call or a copy raises) is undone (``step_undo.StepUndo``): what each
+call writes is copied to the host before it, and written back if the step fails, so it too
+leaves parameters, group steps and states byte for byte as they were.
 
 Master weights that megatron-core keeps outside the optimizer state (the fp32 copies of
 bf16/fp16 parameters) are not streamed: megatron copies them into the model parameters
@@ -53,8 +56,13 @@ from ..engine import OffloadEngine, OffloadStateError, SlotSizeError, SlotStream
 from ..engine.engine import D2H_AFTER_WRITERS, D2H_RECORD_STREAM, HOST_FREE_AFTER_COPIES, _typed
 from ..engine.groups import owns_storage
 from ..engine.slots import aligned_bytes, budget_for
+from .staging import _Staging
+from .step_undo import StepUndo, written_tensors
 
 _ABSENT = object()
+#: Host bytes the undo reserves per parameter for the small tensors its state keeps on the
+#: device (torch Adam's step count, Transformer Engine's FP8 scales: 16 bytes each, aligned).
+_SMALL_STATE_ROOM = 128
 
 
 def _planned(inner, param, kinds) -> tuple[int, bool]:
@@ -98,10 +106,13 @@ class ChunkedUpdate:
         kinds: the kinds offloaded for this optimizer (new states of other kinds stay).
         owner: the ``OptimizerStateOffloader``: its ``_streaming`` count is raised while the
             update runs, so its guard leaves the optimizer's own state calls alone.
+        undo: keep what each update call writes, so a step that fails part-way is undone
+            (``step_undo.py``; ``OffloadConfig.chunked_update_undo``).
     """
 
     def __init__(
-        self, engine: OffloadEngine, distrib_optimizer, *, total_bytes: int, slots: int, kinds, owner=None
+        self, engine: OffloadEngine, distrib_optimizer, *, total_bytes: int, slots: int, kinds, owner=None,
+        undo: bool = True,
     ) -> None:
         self.engine = engine
         self._owner = owner  # the offloader, told while a chunked update runs
@@ -131,6 +142,7 @@ class ChunkedUpdate:
                 )
         self.stream = SlotStream(engine, slot_bytes=slot_bytes, slots=slots, transient_ratio=self.transient_ratio)
         self.kinds = tuple(kinds)
+        self.undo = StepUndo(engine) if undo else None
         self.active = False  # True only inside the automatic cycle's optimizer.step()
         self._had_instance_step = "step" in vars(self.inner)
         self._previous_step = self.inner.step
@@ -145,6 +157,8 @@ class ChunkedUpdate:
         self.inner.step = functools.update_wrapper(step, self._previous_step)
 
     def remove(self) -> None:
+        if self.undo is not None:
+            self.undo.close()
         if self._had_instance_step:
             self.inner.step = self._previous_step
         else:
@@ -172,6 +186,7 @@ class ChunkedUpdate:
         # from the tensors themselves by ``_layout`` above; new ones are sized from the
         # optimizer's configuration, exactly for torch's, apex's and TE's Adam.)
         for param in creating:
+            self._check_transients(inner_optimizers.transient_bytes(inner, param), param.shape)
             need, exact = _planned(inner, param, self.kinds)
             if need > self.stream.slot_bytes:
                 raise SlotSizeError(
@@ -190,22 +205,80 @@ class ChunkedUpdate:
             self.engine.device,
             [_planned(inner, param, self.kinds)[0] for param in creating],
         )
+        undo = self.undo
+        if undo is not None:
+            undo.begin()
+            if not undo.nbytes:
+                # The first step: one buffer for what it and the next step save (slots' bytes or
+                # the states it creates, the parameters, and room for the step counts and
+                # scales a state keeps on the device), not one per tensor.
+                undo.reserve(
+                    sum(chunk.nbytes for chunk in chunks)
+                    + sum(staging.expected)
+                    + sum(aligned_bytes(p) + _SMALL_STATE_ROOM for g in inner.param_groups for p in g["params"])
+                )
+            # The saves read parameters and states before the first call, whose pre-hook
+            # orders the copy-back of what is reloaded whole (rule 4): order it now.
+            if self.engine.is_released(streamed=False):
+                self.engine.reload(streamed=False)
+            self.engine.wait()
+        scales = getattr(inner, "_scales", None)
+        scaled = {id(p) for p in stateless if isinstance(scales, dict) and p in scales}
+        failed = True
         try:
             for index, param in enumerate(creating):
                 self._call([param])
                 self._to_host(param, staging, index)
-            self.stream.run(chunks, functools.partial(self._update_chunk, streamed))
+            self.stream.run(
+                chunks,
+                functools.partial(self._update_chunk, streamed),
+                save=None if undo is None else undo.save,
+            )
             self._call(rest, empty_groups=True)
+            failed = False
+        except BaseException as error:
+            if undo is not None:
+                self._undo(error, stateless, scaled, staging)
+            raise
         finally:
             if self._owner is not None:
                 self._owner._streaming -= 1
             for group in inner.param_groups:
-                final = self._final_steps.get(id(group), self._base_steps.get(id(group), _ABSENT))
+                # A failed step that was undone counts as not having run.
+                final = self._base_steps.get(id(group), _ABSENT)
+                if not (failed and undo is not None):
+                    final = self._final_steps.get(id(group), final)
                 if final is _ABSENT:
                     group.pop("step", None)
                 else:
                     group["step"] = final
         return None
+
+    def _undo(self, error: BaseException, stateless, scaled: set[int], staging: "_Staging") -> None:
+        """Put back what the failed step changed: the saved bytes, and no state it created."""
+        inner, engine = self.inner, self.engine
+        try:
+            self.undo.restore()
+            staging.free_unused()
+            created = []
+            for param in stateless:
+                entries = inner.state.pop(param, None)
+                if entries:
+                    created.extend(t for _, t in inner_optimizers.state_tensors(param, entries))
+                scales = getattr(inner, "_scales", None)
+                if isinstance(scales, dict) and id(param) not in scaled:
+                    scales.pop(param, None)
+            engine.disown(created)
+        except BaseException as failure:
+            raise OffloadStateError(
+                f"{engine.name}: the chunked update failed part-way ({type(error).__name__}: {error}) "
+                f"and could not be undone ({type(failure).__name__}: {failure}): parameters and "
+                "optimizer states may be partly updated. Load the last checkpoint."
+            ) from failure
+        error.add_note(
+            f"{engine.name}: the chunked update was undone: parameters, group steps and optimizer "
+            "states are as they were before this step, which can be run again."
+        )
 
     def _layout(self):
         """(streamed (param, places) pairs, parameters without state, the other parameters,
@@ -242,8 +315,31 @@ class ChunkedUpdate:
             [[tensor for _, _, tensor in unit] for _, unit in streamed],
             [f"parameter {tuple(param.shape)}" for param, _ in streamed],
         )
+        if self.transient_ratio or inner_optimizers.kind_of(inner) == inner_optimizers.TE_FUSED_ADAM:
+            # The reserve for TE's temporaries was split off the budget from the parameters
+            # known at attach: a param group added since may need more per chunk.
+            for chunk in chunks:
+                params = [streamed[index][0] for index in chunk.units]
+                extra = sum(inner_optimizers.transient_bytes(inner, param) for param in params)
+                self._check_transients(extra, params[0].shape, len(params))
         self._cached = (key, (streamed, stateless, rest, chunks))
         return streamed, stateless, list(rest), chunks
+
+    def _check_transients(self, nbytes: int, shape, count: int = 1) -> None:
+        """Refuse, before any update, a call whose temporaries exceed the budget's reserve."""
+        if nbytes <= self.transient_reserve:
+            return
+        params = [p for group in self.inner.param_groups for p in group["params"]]
+        ratio = _transient_ratio(self.inner, params, self.kinds)
+        raise SlotSizeError(
+            f"{self.engine.name}: the optimizer's temporary fp32 copies for "
+            f"{'parameter' if count == 1 else f'{count} parameters from'} {tuple(shape)} take "
+            f"{nbytes:,} bytes during one update call, more than the {self.transient_reserve:,} "
+            "bytes chunked_update_bytes keeps for them (split when attaching, from the parameters "
+            "then; a param group added since needs more); no parameter was updated. Attach again, "
+            f"with at least {budget_for(self.stream.slot_bytes, self.stream.slots, ratio):,} bytes "
+            "(chunked_update_bytes), or leave it unset."
+        )
 
     def _update_chunk(self, streamed, chunk, views) -> None:
         """Point the chunk's states at their slot places, update, point them back."""
@@ -255,7 +351,8 @@ class ChunkedUpdate:
                     view = views[id(tensor)]
                     inner_optimizers.set_place(holder, name, view)
                     swapped.append((holder, name, tensor, view))
-            self._call([streamed[index][0] for index in chunk.units])
+            # The slot's bytes were saved (``run``'s ``save``): the rest of what the call writes is.
+            self._call([streamed[index][0] for index in chunk.units], in_slots={id(v) for *_, v in swapped})
             failed = False
         finally:
             replaced = []
@@ -280,9 +377,23 @@ class ChunkedUpdate:
                 "does not support the chunked update: leave chunked_update_bytes unset."
             )
 
-    def _call(self, params, *, empty_groups: bool = False) -> None:
-        """One inner step over ``params`` only (and parameter-less groups if asked)."""
+    def _call(self, params, *, empty_groups: bool = False, in_slots=frozenset()) -> None:
+        """One inner step over ``params`` only (and parameter-less groups if asked).
+
+        With the undo on, everything the call may write (``in_slots``: the ids of the slot
+        views, saved already) is first saved to the host.
+        """
         inner = self.inner
+        if self.undo is not None and params:
+            seen = set(in_slots)
+            pairs = []
+            for param in params:
+                for tensor in written_tensors(inner, param, inner.state.get(param)):
+                    if id(tensor) in seen or not tensor.numel() or not tensor.untyped_storage().nbytes():
+                        continue
+                    seen.add(id(tensor))
+                    pairs.append((tensor, tensor))
+            self.undo.save(pairs)
         groups = inner.param_groups
         subsets: dict[int, list] = {}
         for param in params:
@@ -332,9 +443,10 @@ class ChunkedUpdate:
             raise SlotSizeError(
                 f"{engine.name}: the states of parameter {tuple(param.shape)} take {size:,} bytes, "
                 f"more than one slot of the chunked update ({self.stream.slot_bytes:,} bytes), which "
-                f"this optimizer's configuration did not tell before its first step; parameters "
-                f"updated earlier in this step keep their update, so do not retry this step. Give "
-                f"the chunked update at least {self.stream.budget_for(size):,} bytes "
+                f"this optimizer's configuration did not tell before its first step"
+                + ("" if self.undo is not None else "; parameters updated earlier in this step keep "
+                   "their update, so do not retry this step")
+                + f". Give the chunked update at least {self.stream.budget_for(size):,} bytes "
                 "(chunked_update_bytes), or leave it unset."
             )
         if not moving:
@@ -369,55 +481,3 @@ class ChunkedUpdate:
             device.release(tensor)
         staging.handed_over(buffer for _, buffer in places)
         engine.adopt((tensor, view, event, buffer) for tensor, (view, buffer) in zip(moving, places))
-
-
-class _Staging:
-    """Host memory for the states the first step creates: few buffers, carved in order.
-
-    ``estimates[i]``: the bytes the ``i``-th creating parameter's states are expected to
-    take (exact for torch's and apex's Adam, a lower bound for Transformer Engine's). The
-    first buffer is sized for all of them, so where the estimate is exact one buffer holds
-    the step's new states; otherwise each further buffer is at least as large as all before
-    it together, so their number grows with the logarithm of the misestimate, not with the
-    number of tensors.
-    """
-
-    def __init__(self, device, estimates) -> None:
-        self.device = device
-        self._remaining = [0] * (len(estimates) + 1)
-        for i in range(len(estimates) - 1, -1, -1):  # bytes still expected from parameter i on
-            self._remaining[i] = self._remaining[i + 1] + estimates[i]
-        self._buffer: torch.Tensor | None = None  # the buffer being carved
-        self._used = 0
-        self._allocated = 0
-        self._kept: set[int] = set()  # ids of buffers the engine took over
-        self._open: list[torch.Tensor] = []  # buffers allocated and not taken over yet
-
-    def take(self, nbytes: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(view, buffer)``: ``nbytes`` of host memory (a 16-byte multiple, so every view
-        starts aligned for any dtype) and the buffer it is carved from."""
-        if self._buffer is None or self._used + nbytes > self._buffer.numel():
-            # The buffer left behind stays: earlier states live in it, or copies of the
-            # current parameter's states queued just now still write it.
-            size = max(nbytes, self._remaining[index], self._allocated)
-            self._buffer = self.device.host_buffer(size)
-            self._open.append(self._buffer)
-            self._allocated += size
-            self._used = 0
-        view = self._buffer[self._used : self._used + nbytes]
-        self._used += nbytes
-        return view, self._buffer
-
-    def handed_over(self, buffers) -> None:
-        """The engine adopted states living in ``buffers``: it gives them back."""
-        self._kept.update(id(buffer) for buffer in buffers)
-        self._open = [buffer for buffer in self._open if id(buffer) not in self._kept]
-
-    def free_unused(self) -> None:
-        """Give back the buffers no adopted state lives in (the caller has waited for
-        every copy into them)."""
-        for buffer in self._open:
-            self.device.free_host_buffer(buffer)
-            if buffer is self._buffer:
-                self._buffer = None
-        self._open = []

@@ -74,6 +74,9 @@ def test_config_from_args():
     assert config_from_args(argparse.Namespace()) == OffloadConfig()
     chunked = argparse.Namespace(offload_optimizer_states=True, offload_chunked_update_bytes=1 << 20)
     assert config_from_args(chunked).chunked_update_bytes == 1 << 20
+    assert config_from_args(chunked).chunked_update_undo is True
+    chunked.offload_chunked_update_undo = False
+    assert config_from_args(chunked).chunked_update_undo is False
     pieces = argparse.Namespace(offload_optimizer_states=True, offload_max_piece_mb=64)
     assert config_from_args(pieces).max_piece_bytes == 64 << 20
     assert config_from_args(argparse.Namespace()).max_piece_bytes == 256 << 20  # the default
@@ -107,6 +110,7 @@ def test_max_piece_bytes_option_is_validated_before_anything_is_touched():
     OK_BASE + ['--use-precision-aware-optimizer'],
     OK_BASE + [CHUNKED_FLAG, '1073741824'],
     OK_BASE + [CHUNKED_FLAG, '1073741824', '--no-offload-master-weights'],
+    OK_BASE + [CHUNKED_FLAG, '1073741824', '--no-offload-chunked-update-undo'],
     OK_BASE + [PIECE_FLAG, '64'],
     # megatron-core's offload_to_cpu/restore_from_cpu are routed to the offloader.
     OK_BASE + ['--rl-offload-optimizer-during-inference'],
@@ -239,6 +243,10 @@ REFUSED = [
         OK_BASE + [CHUNKED_FLAG, '4096', '--no-offload-moments'],
         [CHUNKED_FLAG, '--no-offload-moments', 'Drop one'],
         id='chunked-update-without-moments'),
+    pytest.param(
+        OK_BASE + ['--no-offload-chunked-update-undo'],
+        ['--no-offload-chunked-update-undo has no effect without ' + CHUNKED_FLAG],
+        id='chunked-undo-flag-without-chunked-update'),
     pytest.param(
         ['--use-distributed-optimizer', PIECE_FLAG, '64'],
         [PIECE_FLAG + ' has no effect without ' + OFFLOAD_FLAG],

@@ -90,17 +90,17 @@ def _bytes(tensor) -> bytes:
 class _Run:
     """An engine and a chunked update around ``opt``; ``step()`` runs one automatic cycle."""
 
-    def __init__(self, opt, budget, kinds):
+    def __init__(self, opt, budget, kinds, device=None, undo=True):
         from megatron_offload.adapters import distributed_optimizer as adapter
         from megatron_offload.engine import OffloadEngine
         from megatron_offload.integration.chunked import ChunkedUpdate
         from megatron_offload.testing import CheckedDevice
 
         self.distrib = types.SimpleNamespace(optimizer=opt)
-        self.device = CheckedDevice()
+        self.device = CheckedDevice() if device is None else device
         self.engine = OffloadEngine(self.device, lambda: adapter.collect(self.distrib),
                                     streamed=lambda: adapter.in_state(self.distrib))
-        self.chunked = ChunkedUpdate(self.engine, self.distrib, total_bytes=budget, slots=2, kinds=kinds)
+        self.chunked = ChunkedUpdate(self.engine, self.distrib, total_bytes=budget, slots=2, kinds=kinds, undo=undo)
         self.peaks, self.transients = [], []
         opt.register_step_post_hook(self._measure)
 
@@ -112,15 +112,26 @@ class _Run:
             for p in group["params"]:
                 for _, t in inner_optimizers.state_tensors(p, inner.state.get(p) or {}):
                     held[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        params = self._param_storages
         for mem in self.device._memories.values():
             storage = mem.storage()
-            if not mem.host and storage is not None:
+            if not mem.host and storage is not None and storage._cdata not in params:
                 held[storage._cdata] = storage.nbytes()
         # The double's fp32 temporaries of that call: TE allocates them on the device too.
         self.transients.append(getattr(inner, "transient_bytes_last_call", 0))
         self.peaks.append(sum(held.values()) + self.transients[-1])
 
     def step(self):
+        # The parameters and the small tensors their states keep on the device (step counts,
+        # scales) are not the update's memory; the undo's copies of them make the device know
+        # them. (Taken before the step: during it, the param groups are narrowed to each call's.)
+        from megatron_offload.integration.step_undo import written_tensors
+
+        opt = self.distrib.optimizer
+        self._param_storages = {
+            t.untyped_storage()._cdata for g in opt.param_groups for p in g["params"]
+            for t in written_tensors(opt, p, opt.state.get(p)) if t.numel() < 2 or t is p
+        }
         self.chunked.active = True
         try:
             self.distrib.optimizer.step()
@@ -153,6 +164,23 @@ def _per_param_need(opt, kind, slots=2):
     planned = [inner_optimizers.planned_state_bytes(opt, p, moments=True, masters=kind == "te")[0] for p in params]
     ratio = max((inner_optimizers.transient_bytes(opt, p) / n for p, n in zip(params, planned) if n), default=0.0)
     return -(-math.ceil(max(planned) * (slots + ratio)) // 16) * 16, planned
+
+
+def _refused_step(run, opt):
+    """(the ValueError the step raised or None, snapshot before, snapshot after); closes ``run``."""
+    run.reload()
+    before = _snapshot(opt)
+    run.engine.offload(skip_unchanged=True)
+    run.engine.release()
+    error = None
+    try:
+        run.step()
+    except ValueError as exc:
+        error = exc
+    run.reload()
+    after = _snapshot(opt)
+    run.close()
+    return error, before, after
 
 
 # ----------------------------------------------------------------------- refusals
@@ -214,18 +242,8 @@ def run_step_refusal(kind, moments, remainders):
         _grads(kind, [p], 7)
     _grads(kind, params, 2)
     _grads(kind, ref_params, 2)
-    run.reload()
-    before = _snapshot(opt)
-    run.engine.offload(skip_unchanged=True)
-    run.engine.release()
-    error = None
-    try:
-        run.step()
-    except ValueError as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    run.reload()
-    after = _snapshot(opt)
-    run.close()
+    error, before, after = _refused_step(run, opt)
+    error = error and f"{type(error).__name__}: {error}"
     # Retry the same step with a budget that fits the new group (what the message asks for).
     need_big, _ = _per_param_need(opt, kind)
     retry = _Run(opt, need_big, _kinds(kind))
@@ -248,6 +266,57 @@ def test_a_step_refused_part_way_touches_nothing_and_can_be_retried(isolated, ki
     assert out["error"] is not None and "no parameter was updated" in out["error"], out["error"]
     assert out["same_keys"] and out["changed"] == [], out["changed"][:5]
     assert out["retry_equals_reference"]
+
+
+def run_new_group_temporaries():
+    """Attach with small parameters (TE's temporaries per state byte are lowest there), add a
+    group whose temporaries need more than the reserve split off at attach, step."""
+    import re
+
+    from megatron_offload.adapters import inner_optimizers
+
+    small = (5, 7, 3)
+    params, opt = _build("te", "fp8", True, sizes=small)
+    ref_params, ref_opt = _build("te", "fp8", True, sizes=small)
+    big = torch.nn.Parameter((torch.ones(64) * 0.1).to(torch.bfloat16))
+    ref_big = torch.nn.Parameter(big.detach().clone())
+    slot = inner_optimizers.planned_state_bytes(opt, big, moments=True, masters=True)[0]
+    _, planned = _per_param_need(opt, "te")
+    ratio = max(inner_optimizers.transient_bytes(opt, p) / n for p, n in zip(params, planned))
+    budget = -(-int(slot * (2 + ratio) + 1) // 16) * 16  # a slot holds the new parameter's states
+    run = _Run(opt, budget, _kinds("te"))
+    for step in range(2):
+        _grads("te", params, step)
+        _grads("te", ref_params, step)
+        run.step()
+        ref_opt.step()
+    opt.add_param_group({"params": [big]})
+    ref_opt.add_param_group({"params": [ref_big]})
+    _grads("te", [big], 7)
+    _grads("te", [ref_big], 7)
+    _grads("te", params, 2)
+    _grads("te", ref_params, 2)
+    error, before, after = _refused_step(run, opt)
+    error = error and str(error)
+    asked = int(re.search(r"with at least ([\d,]+) bytes", error or "").group(1).replace(",", "")) if error else 0
+    retry = _Run(opt, asked, _kinds("te"))
+    retry.step()
+    ref_opt.step()
+    retry.reload()
+    equal = _snapshot(opt) == _snapshot(ref_opt)
+    within = max(retry.peaks) <= asked
+    retry.close()
+    return {"error": error, "changed": [repr(k) for k in before if before[k] != after.get(k)],
+            "retry_equals_reference": equal, "within": within, "transients": retry.transients}
+
+
+def test_a_group_added_later_whose_temporaries_exceed_the_reserve_is_refused(isolated):
+    out = isolated.run(run_new_group_temporaries)
+    assert out["error"] is not None and "temporary fp32 copies" in out["error"], out["error"]
+    assert "no parameter was updated" in out["error"]
+    assert out["changed"] == [], out["changed"][:5]
+    # Attached again with the budget the message asks for: bitwise, and within it.
+    assert out["retry_equals_reference"] and out["within"] and max(out["transients"]) > 0
 
 
 # -------------------------------------------------------------- each TE line, bitwise

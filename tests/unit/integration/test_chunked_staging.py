@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import types
 
+import pytest
 import torch
 
 from megatron_offload.adapters import distributed_optimizer as adapter
@@ -48,13 +49,13 @@ def _grads(params, step):
         p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + j)).to(p.dtype)
 
 
-def run_first_steps(steps=3) -> dict:
+def run_first_steps(steps=3, undo=False) -> dict:
     params, opt = _model()
     ref_params, ref_opt = _model()
     distrib = types.SimpleNamespace(optimizer=opt)
     device = CountingDevice()
     engine = OffloadEngine(device, lambda: adapter.collect(distrib), streamed=lambda: adapter.in_state(distrib))
-    chunked = ChunkedUpdate(engine, distrib, total_bytes=2 * 512, slots=2, kinds=(STATES,))
+    chunked = ChunkedUpdate(engine, distrib, total_bytes=2 * 512, slots=2, kinds=(STATES,), undo=undo)
     per_step = []
     for step in range(steps):
         _grads(params, step)
@@ -80,19 +81,28 @@ def run_first_steps(steps=3) -> dict:
     chunked.remove()
     device.check()
     return {"per_step": per_step, "equal": equal, "tensors": tensors, "freed": device.freed,
-            "allocated": len(device.buffers)}
+            "allocated": len(device.buffers), "undo_peak": chunked.undo.peak_bytes if undo else 0}
 
 
-def test_the_first_step_stages_every_new_state_in_one_host_buffer(isolated):
-    out = isolated.run(run_first_steps)
+@pytest.mark.parametrize("undo", [False, True])
+def test_the_first_step_stages_every_new_state_in_one_host_buffer(isolated, undo):
+    out = isolated.run(run_first_steps, undo=undo)
     assert out["tensors"] == 2 * len(SIZES)
     # One staging buffer of exactly the new states (16-byte aligned each), not 12 buffers.
     itemsizes = [4 if i % 2 == 0 else 8 for i in range(len(SIZES))]
     staged = sum(2 * (-(-n * s // 16) * 16) for n, s in zip(SIZES, itemsizes))
-    assert out["per_step"][0] == [staged]
+    params = sum(-(-n * s // 16) * 16 for n, s in zip(SIZES, itemsizes))
+    if undo:
+        # The undo's copies: one buffer, reserved before the first step for it and the next
+        # (states created or streamed, parameters, room for each step count), none after.
+        assert out["per_step"][0] == [staged + params + 128 * len(SIZES), staged]
+        # Each later step saves the streamed states, the parameters and the step counts.
+        assert out["undo_peak"] == staged + params + 16 * len(SIZES)
+    else:
+        assert out["per_step"][0] == [staged]
     assert out["per_step"][1:] == [[]] * (len(out["per_step"]) - 1)
     assert out["equal"]
-    assert out["freed"] == out["allocated"]  # staging and arena given back, each once
+    assert out["freed"] == out["allocated"]  # staging, undo and arena given back, each once
 
 
 def test_staging_with_underestimated_sizes_needs_few_buffers():

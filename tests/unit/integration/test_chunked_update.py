@@ -21,7 +21,8 @@ STEPS, SKIP_AT = 5, 3
 
 
 def chunked_job(model, dtype, *, chunk_fraction=None, slots=2, offload=True, micro=1, kind=None,
-                overrides=None, build=None, plant=None, options=None, attach_at=0, drop_grads=None):
+                overrides=None, build=None, plant=None, options=None, attach_at=0, drop_grads=None,
+                fail=None):
     """Train STEPS steps (one skipped by the grad-norm threshold) and measure the footprint.
 
     chunk_fraction: chunked_update_bytes as a fraction of the whole state's bytes (raised to
@@ -30,6 +31,8 @@ def chunked_job(model, dtype, *, chunk_fraction=None, slots=2, offload=True, mic
     attach_at: the step before which the offloader is attached (earlier steps run without).
     drop_grads: {index of an inner optimizer parameter: steps before which it has no
         gradient} (apex FusedAdam then creates its state later, beside streamed ones).
+    fail: (step, call, "before"/"after"): that inner step call of that step raises, before or
+        after its update; the training loop then runs the same iteration again.
     """
     import megatron_offload
     from megatron_offload.integration import chunked as chunked_module
@@ -82,6 +85,25 @@ def chunked_job(model, dtype, *, chunk_fraction=None, slots=2, offload=True, mic
                     if current["step"] < until:
                         flat[index].grad = None
             distributed[0].optimizer.register_step_pre_hook(drop)
+        failures = []
+        if fail is not None:
+            class PlantedFailure(RuntimeError):
+                pass
+
+            calls = {"n": 0}
+            for d in distributed:
+                real = d.optimizer.step
+
+                def failing(*args, real=real, **kwargs):
+                    if current["step"] != fail[0]:
+                        return real(*args, **kwargs)
+                    calls["n"] += 1
+                    if calls["n"] == fail[1]:
+                        if fail[2] == "after":
+                            real(*args, **kwargs)
+                        raise PlantedFailure("planted failure of an update call")
+                    return real(*args, **kwargs)
+                d.optimizer.step = failing  # the chunked update calls this one
         offloader = None
         peaks = record_peaks(optimizer, devices)
         results, figures = [], []
@@ -95,7 +117,13 @@ def chunked_job(model, dtype, *, chunk_fraction=None, slots=2, offload=True, mic
             if step == SKIP_AT:
                 for distrib in distributed:
                     distrib.config.grad_norm_skip_threshold = 0.0
-            results.append(models.train_step(chunks, optimizer, config, step, micro))
+            try:
+                results.append(models.train_step(chunks, optimizer, config, step, micro))
+            except RuntimeError as error:
+                if fail is None or type(error).__name__ != "PlantedFailure":
+                    raise
+                failures.append({"step": step, "notes": list(getattr(error, "__notes__", []))})
+                results.append(models.train_step(chunks, optimizer, config, step, micro))  # again
             if step == SKIP_AT:
                 for distrib in distributed:
                     distrib.config.grad_norm_skip_threshold = float("inf")
@@ -116,7 +144,7 @@ def chunked_job(model, dtype, *, chunk_fraction=None, slots=2, offload=True, mic
         check_devices(devices)
         return {"results": results, "figures": figures, "snapshot": snapshot, "peaks": peaks,
                 "budget": budget, "whole": whole, "checked": len(devices), "skip_supported": skip_supported,
-                "optimizers": len(distributed)}
+                "optimizers": len(distributed), "failures": failures}
 
 
 def _assert_bitwise(reference, chunked):
@@ -251,6 +279,26 @@ def test_planted_group_step_bug_is_caught(rank_pool):
     with pytest.raises(AssertionError):
         _assert_bitwise(reference, planted)
     assert all(max(f["update_chunks"] for f in rank["figures"]) >= 2 for rank in planted)
+
+
+@pytest.mark.parametrize("kind,overrides,when", [
+    pytest.param(None, {}, "after", id="torch-adamw"),
+    pytest.param("te", PRECISION_AWARE_FP8, "before", id="te-precision-aware-fp8"),
+])
+def test_a_step_failing_part_way_is_undone_and_can_be_run_again(rank_pool, kind, overrides, when):
+    """An inner step call fails at step 2 after earlier calls updated their parameters (the
+    third call; the first two streamed chunks were copied back): megatron's step raises, the
+    chunked update undoes what the step changed, and the loop runs the iteration again. The
+    run then equals one that never failed, bitwise (a half-undone step would update some
+    parameters twice)."""
+    job = dict(chunk_fraction=0.25, kind=kind, overrides=overrides, build=dict(num_layers=4))
+    reference = rank_pool.run(chunked_job, "mlp", "bf16", offload=False, **job)
+    failed = rank_pool.run(chunked_job, "mlp", "bf16", fail=(2, 3, when), **job)
+    _assert_bitwise(reference, failed)
+    for rank in failed:
+        assert [f["step"] for f in rank["failures"]] == [2]
+        assert any("undone" in note for note in rank["failures"][0]["notes"])
+        assert rank["figures"][1]["update_chunks"] >= 3  # the failing call came after two chunks
 
 
 def test_without_the_chunked_update_the_states_are_reloaded_whole(rank_pool):

@@ -192,6 +192,10 @@ def test_config_refuses_bad_values_naming_the_option():
     with pytest.raises(ValueError, match="too small for 4 slot"):
         OffloadConfig(chunked_update_bytes=32, chunked_update_slots=4)
     assert OffloadConfig(chunked_update_bytes=1 << 20, chunked_update_slots=1).chunked_update_slots == 1
+    for bad in (0, 1, "yes", None):
+        with pytest.raises(ValueError, match="chunked_update_undo must be True or False"):
+            OffloadConfig(chunked_update_bytes=1 << 20, chunked_update_undo=bad)
+    assert OffloadConfig().chunked_update_undo is True
 
 
 def test_offload_state_error_is_a_runtime_error():

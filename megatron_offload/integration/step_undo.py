@@ -1,0 +1,220 @@
+"""Undoing a chunked step that failed part-way.
+
+The chunked update (``chunked.py``) runs the inner optimizer's step as several calls, each
+over a subset of the parameters. A call, or a copy between two calls, may raise after other
+calls already updated their parameters: an allocation for the optimizer's temporaries runs
+out of memory, a copy fails, the optimizer replaces a state it must not. Without more, the
+step would be half done: some parameters, their states and their scales updated, the others
+not, and a retry would update the first ones twice.
+
+``StepUndo`` keeps what is needed to put everything back. Before each call it copies to the
+host every tensor the call may write (``save``): the parameters, the slot holding their
+streamed states, and the tensors of their state that stay on the device (scalar steps,
+scales, the internals of a quantized state). If the step fails, ``restore`` writes those
+bytes back, newest first, into the parameters and device tensors and into the host copies
+of the streamed states (which the slots' copy-back had already overwritten). Together with
+the group steps (set back by the chunked update) and the states the step had created
+(dropped by it), the optimizer is then byte for byte as before the step, and the step can
+be retried.
+
+Cost: one more device-to-host copy, per step, of the bytes the calls write (the streamed
+states once more, and the parameters), and one pinned host buffer as large, kept from step
+to step and counted in ``host_memory_budget``. ``OffloadConfig.chunked_update_undo=False``
+turns it off; a failed step then keeps the update of the calls that ran.
+
+Ordering (rule numbers as in ``engine/engine.py``):
+
+- the copy to the host waits for the current stream, where the slot's H2D was ordered and
+  earlier calls wrote (rule 1: ``D2H_AFTER_WRITERS``);
+- the call writes those tensors only after that copy read them (``WRITE_AFTER_D2H``);
+- the journal is rewritten by the next step's copies on the same side stream, so in stream
+  order after this step's; the host reads it (``restore``) and frees it only after every
+  copy into it completed (rule 5).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..engine.engine import D2H_AFTER_WRITERS, HOST_FREE_AFTER_COPIES, HOST_READ_AFTER_D2H, WRITE_AFTER_D2H
+from ..engine.slots import aligned_bytes
+
+
+def written_tensors(optimizer, param: torch.Tensor, entries):
+    """Every tensor with memory that an update of ``param`` may write: the parameter, the
+    tensors of its state (plain ones, and the buffers inside a quantized state such as
+    Transformer Engine's ``Float8Tensor``: data, transpose, scale, amax), and the per-state
+    scales Transformer Engine keeps outside the state (``optimizer._scales[param]``)."""
+    yield param
+    for value in (entries or {}).values():
+        yield from _tensors_in(value)
+    scales = getattr(optimizer, "_scales", None)
+    if isinstance(scales, dict):
+        for value in (scales.get(param) or {}).values():
+            yield from _tensors_in(value)
+
+
+def _tensors_in(value, depth: int = 0):
+    if not isinstance(value, torch.Tensor):
+        return
+    if type(value) in (torch.Tensor, torch.nn.Parameter):
+        yield value
+        return
+    # A tensor subclass keeps its bytes in plain tensors among its attributes, or in those
+    # of an object it holds (a quantizer's scale and amax).
+    for attribute in vars(value).values():
+        if isinstance(attribute, torch.Tensor):
+            yield from _tensors_in(attribute, depth + 1)
+        elif depth == 0 and hasattr(attribute, "__dict__") and not isinstance(attribute, type):
+            for inner in vars(attribute).values():
+                if isinstance(inner, torch.Tensor):
+                    yield from _tensors_in(inner, depth + 1)
+
+
+class StepUndo:
+    """Host copies of what each call of a chunked step writes, to undo the step if it fails.
+
+    Args:
+        engine: the engine of the chunked update (its device, D2H side stream and host
+            memory budget are used).
+    """
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.device = engine.device
+        self._buffers: list[torch.Tensor] = []  # pinned host buffers, carved in order
+        self._buffer_index = 0
+        self._used = 0  # bytes used of the buffer being carved
+        self._step_bytes = 0  # bytes saved in this step
+        self._entries: list[tuple] = []  # (target, saved copy, target is host memory)
+        self._last_event = None  # the newest copy into the journal
+        self.peak_bytes = 0  # most bytes one step saved
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes the journal holds."""
+        return sum(buffer.numel() for buffer in self._buffers)
+
+    # ------------------------------------------------------------------ step
+    def begin(self) -> None:
+        """Start a step: nothing saved yet. Buffers of earlier steps are reused; several are
+        merged into one as large as the largest step needed, once their copies are done."""
+        self._entries = []
+        self._buffer_index = self._used = self._step_bytes = 0
+        if len(self._buffers) > 1:
+            self._free()
+            self._allocate(self.peak_bytes)
+
+    def reserve(self, nbytes: int) -> None:
+        """Hold at least ``nbytes`` in one buffer before the first step saves anything (an
+        estimate; a step that needs more allocates more)."""
+        if not self._buffers and nbytes > 0:
+            self._allocate(nbytes)
+
+    def save(self, pairs) -> None:
+        """Copy each ``(source, target)`` to the host before the current stream writes it:
+        ``source`` is read now (on the device), ``restore`` writes its bytes into ``target``
+        (``source`` itself, or the host copy of a streamed state held in a slot)."""
+        device = self.device
+        current = device.current_stream()
+        side = self.engine._side_stream("d2h")
+        queued = False
+        # Rule 1: the copy reads what the current stream wrote (the slot's H2D, earlier calls).
+        device.wait_stream(side, current, label=D2H_AFTER_WRITERS)
+        try:
+            with device.use_stream(side), torch.no_grad():
+                for source, target in pairs:
+                    if source.device != device.torch_device:
+                        # Kept beside the device (torch Adam's step counts live on the CPU).
+                        self._entries.append((target, source.detach().clone(), True))
+                        continue
+                    view = self._take(aligned_bytes(source))
+                    saved = _typed(view, source)
+                    device.copy(saved, source)
+                    queued = True
+                    self._entries.append((target, saved, target.device.type == "cpu" and target is not source))
+        finally:
+            if queued:
+                # Even when a copy raised: the copies queued before it still run.
+                self._last_event = device.record_event(side)
+                # The call rewrites these tensors: only after the copies read them.
+                device.wait_event(current, self._last_event, label=WRITE_AFTER_D2H)
+        self.peak_bytes = max(self.peak_bytes, self._step_bytes)
+
+    def restore(self) -> None:
+        """Write every saved copy back, newest first: the step's writes are undone.
+
+        Called after the step failed and the chunked update's copies were ordered (the slot
+        stream's ``run`` returned or raised): every copy queued so far is waited for, since
+        the host copies of streamed states are rewritten by the host here.
+        """
+        device = self.device
+        entries, self._entries = self._entries, []
+        if not entries:
+            return
+        # Rule 5: the host reads the journal and rewrites host copies that the slots' copies
+        # wrote or read: every queued copy must be done.
+        device.synchronize()
+        if self._last_event is not None:
+            device.synchronize_event(self._last_event, label=HOST_READ_AFTER_D2H)
+        current = device.current_stream()
+        with torch.no_grad():
+            for target, saved, on_host in reversed(entries):
+                if on_host:
+                    target.copy_(saved)
+                else:
+                    with device.use_stream(current):
+                        device.copy(target, saved)
+        # The journal is rewritten (next step) or freed only once the copies reading it ran.
+        device.synchronize_event(device.record_event(current), label=HOST_FREE_AFTER_COPIES)
+
+    def close(self) -> None:
+        """Give back the host memory (every copy into it is waited for first)."""
+        self._entries = []
+        self._free()
+
+    # ---------------------------------------------------------------- memory
+    def _take(self, nbytes: int) -> torch.Tensor:
+        while True:
+            if self._buffer_index < len(self._buffers):
+                buffer = self._buffers[self._buffer_index]
+                if self._used + nbytes <= buffer.numel():
+                    view = buffer[self._used : self._used + nbytes]
+                    self._used += nbytes
+                    self._step_bytes += nbytes
+                    return view
+                self._buffer_index += 1
+                self._used = 0
+                continue
+            # A step larger than the buffers so far (the first steps): one more buffer, at
+            # least as large as all before it, so their number grows with the logarithm.
+            self._allocate(max(nbytes, self.nbytes, self.peak_bytes - self.nbytes))
+
+    def _allocate(self, nbytes: int) -> None:
+        if nbytes <= 0:
+            return
+        budget = self.engine._host.budget
+        if budget is not None:
+            budget.check(self, self.nbytes + nbytes, f"{self.engine.name} (chunked update's undo copies)")
+        self._buffers.append(self.device.host_buffer(nbytes))
+        if budget is not None:
+            budget.hold(self, self.nbytes)
+
+    def _free(self) -> None:
+        if self._last_event is not None:
+            # Rule 5: no copy may still write a buffer given back.
+            self.device.synchronize_event(self._last_event, label=HOST_FREE_AFTER_COPIES)
+            self._last_event = None
+        for buffer in self._buffers:
+            self.device.free_host_buffer(buffer)
+        self._buffers = []
+        self._buffer_index = self._used = 0
+        budget = self.engine._host.budget
+        if budget is not None:
+            budget.release(self)
+
+
+def _typed(buffer: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """The first bytes of the uint8 ``buffer`` as a contiguous tensor shaped like ``tensor``."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return buffer[:nbytes].view(tensor.dtype).view(tensor.shape)

@@ -1,0 +1,201 @@
+"""A chunked step that fails part-way is undone: nothing it changed stays changed.
+
+The chunked update runs the inner step as several calls (``integration/chunked.py``). Here a
+call fails after earlier calls updated their parameters and their states were copied back to
+the host: the call raises before updating (out of memory for TE's temporaries), or after
+writing (a kernel that failed part-way), or one device copy of the step raises (each copy of
+the step in turn). Afterwards every parameter, group step, state and scale is byte for byte
+as before the step, no state the step created is left, the error says the step was undone,
+and retrying it gives the bytes of a run that never failed. With the undo turned off the same
+failures leave parameters changed (the control: the comparison can fail).
+
+Driven directly on the checked device (every ordering of the undo's copies is checked), in
+the isolated process, for torch AdamW, the apex FusedAdam double and the Transformer Engine
+FusedAdam double (precision-aware: bf16 parameters, masters in the state; FP8, bf16, fp16 and
+fp32 moments, with and without remainders).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.integration.test_chunked_refusal import _build, _grads, _kinds, _per_param_need, _Run, _snapshot
+
+KINDS = [("torch", "fp32", False), ("apex", "fp32", False), ("te", "fp8", True), ("te", "bf16", False),
+         ("te", "fp16", True), ("te", "fp32", True)]
+
+
+class _Planted(RuntimeError):
+    pass
+
+
+def _fail_calls(opt, plan):
+    """Make the inner step raise at call ``plan["at"]`` (counted in ``plan["calls"]``), before
+    its update (``plan["when"] == "before"``) or after it (``"after"``)."""
+    real = opt.step
+
+    def step(*args, **kwargs):
+        plan["calls"] += 1
+        if plan["at"] == plan["calls"]:
+            plan["at"] = None
+            if plan["when"] == "before":
+                raise _Planted("planted: no memory for the update's temporaries")
+            real(*args, **kwargs)
+            raise _Planted("planted: the update failed after writing")
+        return real(*args, **kwargs)
+
+    opt.step = step  # before the chunked update wraps it: it calls this one
+
+
+class _CopyFailing:
+    """Mixed into the checked device: the ``fail_at``-th copy after ``arm`` raises."""
+
+    fail_at = None
+    copies = 0
+
+    def arm(self, fail_at):
+        self.fail_at, self.copies = fail_at, 0
+
+    def copy(self, dst, src):
+        self.copies += 1
+        if self.fail_at is not None and self.copies == self.fail_at:
+            self.fail_at = None
+            raise _Planted("planted copy failure")
+        super().copy(dst, src)
+
+
+def _device():
+    from megatron_offload.testing import CheckedDevice
+
+    return type("CopyFailingDevice", (_CopyFailing, CheckedDevice), {})()
+
+
+def _scenario(kind, moments, remainders, *, warm, fail, undo=True):
+    """Train ``warm`` steps, then a step where ``fail(run, plan)`` plants a failure; returns
+    what the failed step changed and whether a retry (and one more step) equals a run that
+    never failed."""
+    params, opt = _build(kind, moments, remainders)
+    ref_params, ref_opt = _build(kind, moments, remainders)
+    plan = {"at": None, "when": None, "calls": 0}
+    _fail_calls(opt, plan)
+    need, planned = _per_param_need(opt, kind)
+    run = _Run(opt, max(need, int(0.3 * sum(planned) * 2)), _kinds(kind), device=_device(), undo=undo)
+    for step in range(warm):
+        _grads(kind, params, step)
+        _grads(kind, ref_params, step)
+        run.step()
+        ref_opt.step()
+    _grads(kind, params, warm)
+    _grads(kind, ref_params, warm)
+    if warm:
+        run.reload()
+    before = _snapshot(opt)
+    if warm:
+        run.engine.offload(skip_unchanged=True)
+        run.engine.release()
+    plan["calls"] = 0
+    fail(run, plan)
+    error = notes = None
+    try:
+        run.step()
+    except _Planted as exc:
+        error, notes = str(exc), list(getattr(exc, "__notes__", []))
+    calls, copies = plan["calls"], run.device.copies
+    run.reload()
+    after = _snapshot(opt)
+    created = sum(1 for p in params if opt.state.get(p))
+    run.engine.offload(skip_unchanged=True)
+    run.engine.release()
+    run.step()  # the same step again
+    ref_opt.step()
+    _grads(kind, params, warm + 1)
+    _grads(kind, ref_params, warm + 1)
+    run.step()
+    ref_opt.step()
+    run.reload()
+    retried = _snapshot(opt) == _snapshot(ref_opt)
+    run.close()
+    return {"error": error, "notes": notes, "calls": calls, "chunks": run.engine.last.update_chunks, "copies": copies,
+            "changed": [repr(k) for k in before if before[k] != after.get(k)],
+            "new_keys": [repr(k) for k in after if k not in before], "created": created, "retried": retried}
+
+
+def _at_call(at, when):
+    def fail(run, plan):
+        plan["at"], plan["when"] = at, when
+    return fail
+
+
+def run_failed_calls(kind, moments, remainders, undo):
+    out = {}
+    for when in ("before", "after"):
+        out[when] = _scenario(kind, moments, remainders, warm=2, fail=_at_call(2, when), undo=undo)
+    # The first step (states created one parameter per call): the third parameter fails.
+    out["first"] = _scenario(kind, moments, remainders, warm=0, fail=_at_call(3, "after"), undo=undo)
+    return out
+
+
+@pytest.mark.parametrize("kind,moments,remainders", KINDS)
+def test_a_call_failing_part_way_is_undone(isolated, kind, moments, remainders):
+    out = isolated.run(run_failed_calls, kind, moments, remainders, True)
+    for case, result in out.items():
+        assert result["error"] is not None, case
+        assert any("undone" in note for note in result["notes"]), (case, result["notes"])
+        assert result["changed"] == [] and result["new_keys"] == [], (case, result["changed"][:5])
+        assert result["retried"], case
+    # The failure came after other calls had updated (and copied back) their parameters.
+    assert out["before"]["calls"] == out["after"]["calls"] == 2 and out["before"]["chunks"] >= 2
+    assert out["first"]["calls"] == 3 and out["first"]["created"] == 0
+
+
+@pytest.mark.parametrize("kind,moments,remainders", [KINDS[0], KINDS[2]])
+def test_without_the_undo_a_failed_call_leaves_the_step_half_done(isolated, kind, moments, remainders):
+    out = isolated.run(run_failed_calls, kind, moments, remainders, False)
+    for case in ("before", "after"):
+        assert out[case]["error"] is not None and out[case]["changed"], case
+    assert out["first"]["created"] > 0  # the states of the first parameters stay
+
+
+def run_every_copy_failing(kind, moments, remainders):
+    # How many copies one step makes (H2D into the slots, the undo's copies, copy-backs).
+    total = _scenario(kind, moments, remainders, warm=2, fail=lambda run, plan: run.device.arm(None))["copies"]
+    results = {}
+    for at in range(1, total + 1):
+        def fail(run, plan, at=at):
+            run.device.arm(at)
+        results[at] = _scenario(kind, moments, remainders, warm=2, fail=fail)
+    return {"total": total, "results": results}
+
+
+@pytest.mark.parametrize("kind,moments,remainders", [KINDS[0], KINDS[2]])
+def test_every_copy_of_the_step_failing_in_turn_is_undone(isolated, kind, moments, remainders):
+    out = isolated.run(run_every_copy_failing, kind, moments, remainders)
+    assert out["total"] >= 6
+    for at, result in out["results"].items():
+        assert result["error"] == "planted copy failure", at
+        assert result["changed"] == [] and result["new_keys"] == [], (at, result["changed"][:5])
+        assert result["retried"], at
+
+
+def run_without_ordering(label):
+    from megatron_offload.testing import CheckedDevice, ProtocolViolation
+
+    global _device
+    make = _device
+    _device = lambda: type("Unordered", (_CopyFailing, CheckedDevice), {})(skip_labels={label})  # noqa: E731
+    try:
+        result = _scenario("torch", "fp32", False, warm=2, fail=_at_call(2, "after"))
+    except ProtocolViolation as violation:
+        return {"violation": str(violation)}
+    finally:
+        _device = make
+    return {"violation": None, "changed": result["changed"]}
+
+
+@pytest.mark.parametrize("label", ["d2h-after-writers", "write-after-d2h"])
+def test_the_undo_copies_are_ordered_around_the_update(isolated, label):
+    # Without the wait before it, the copy may read the slot before its H2D landed (caught
+    # by the model); without the wait after it, the update overwrites what it has not read
+    # yet (the checked device runs side copies late, so the saved bytes are the new ones).
+    out = isolated.run(run_without_ordering, label)
+    assert out["violation"] is not None or out["changed"], out
