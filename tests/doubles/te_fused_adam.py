@@ -2,9 +2,15 @@
 
 Transformer Engine cannot be installed without CUDA, yet production megatron-core steps with its
 ``FusedAdam``, and with ``--use-precision-aware-optimizer`` the fp32 master weights live in that
-optimizer's state. This module reproduces, in plain torch on any device, everything that decides
+optimizer's state. This double reproduces, in plain torch on any device, everything that decides
 where TE keeps its tensors and how they are read and written, so that an offloader's TE path can
 be exercised with megatron-core's own precision-aware code.
+
+The double is split in three modules; callers import everything from this one, which holds the
+optimizer classes, the release lines, and re-exports the names of the other two:
+``te_adam_states.py`` (how states are made, scaled, read, written, saved and loaded:
+behaviours 2 to 6 below, which ``FusedAdam`` inherits) and ``te_adam_math.py`` (the Adam
+kernel formula and the bf16 param remainders). The FP8 tensors are in ``te_float8.py``.
 
 What it follows
 ---------------
@@ -106,14 +112,28 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from copy import deepcopy
-from itertools import chain
 from typing import Optional
 
 import torch
 
+from .te_adam_math import _adam_update, _join_remainder, _split_remainder
+from .te_adam_states import FusedAdamStates
 # The FP8 tensors live in their own module; their names are part of this double's interface.
-from .te_float8 import DType, Float8Quantizer, Float8Tensor, _default_device  # noqa: F401
+from .te_float8 import DType, Float8Quantizer, Float8Tensor, _default_device
+
+# What callers import from here (apex_fused_adam.py also imports ``_adam_update``).
+__all__ = [
+    "FusedAdam",
+    "FusedSGD",
+    "TE_VERSION",
+    "LINES",
+    "line_of",
+    "te_line",
+    "DType",
+    "Float8Quantizer",
+    "Float8Tensor",
+]
+
 
 TE_VERSION = "2.17.1"
 
@@ -148,68 +168,8 @@ def te_line(line: str):
         _line = previous
 
 
-_UNSET = object()
-
-
-def _f32(value: float) -> float:
-    """``value`` rounded to fp32 (the kernels receive their scalars as C ``float``)."""
-    return float(torch.tensor(value, dtype=torch.float32))
-
-
-# ------------------------------------------------------------------------------- kernels
-def _bias_corrections(beta1: float, beta2: float, step: int, bias_correction: int):
-    """The host wrapper's ``1 - std::pow(beta, step)`` (float beta, double pow, float result)."""
-    if not bias_correction:
-        return 1.0, 1.0
-    return _f32(1.0 - _f32(beta1) ** step), _f32(1.0 - _f32(beta2) ** step)
-
-
-def _adam_update(p, g, m, v, *, lr, beta1, beta2, eps, step, mode, bias_correction, decay):
-    """One Adam update on fp32 tensors, in place on ``p``, ``m`` and ``v`` (the kernel body)."""
-    c1, c2 = _bias_corrections(beta1, beta2, step, bias_correction)
-    b1, b2 = _f32(beta1), _f32(beta2)
-    one_minus_b1, one_minus_b2 = _f32(1.0 - b1), _f32(1.0 - b2)
-    lr, eps, decay = _f32(lr), _f32(eps), _f32(decay)
-    fused = [(t, t.float()) for t in (m, v) if t.dtype == torch.bfloat16]
-    if fused:
-        # Fused bf16 moments (TE >= 2.13): the kernel loads them, computes in fp32 and stores
-        # bf16 in place; the fp32 copies here stand for its registers (not device memory).
-        m = fused[0][1] if m.dtype == torch.bfloat16 else m
-        v = fused[-1][1] if v.dtype == torch.bfloat16 else v
-    g = g.float()
-    if mode == 0:  # L2 regularization
-        g = g + decay * p
-    m.mul_(b1).add_(one_minus_b1 * g)
-    v.mul_(b2).add_((one_minus_b2 * g) * g)
-    update = (m / c1) / ((v / c2).sqrt() + eps)
-    if mode == 1:  # decoupled weight decay (AdamW)
-        update = update + decay * p
-    p.sub_(lr * update)
-    for stored, value in fused:
-        stored.copy_(value)
-
-
-def _join_remainder(param_bf16: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
-    """fp32 master from the bf16 param (high bits) and the int16 remainder (low bits)."""
-    high = param_bf16.view(torch.int16).to(torch.int32)
-    low = remainder.to(torch.int32)
-    high = torch.where(low < 0, high - 1, high)  # undo the rounding done when splitting
-    bits = (high << 16) | (low & 0xFFFF)
-    return bits.view(torch.float32).clone()
-
-
-def _split_remainder(master: torch.Tensor, param_bf16: torch.Tensor, remainder: torch.Tensor) -> None:
-    """Write the bf16 param (rounded to nearest) and the int16 remainder back, in place."""
-    bits = master.view(torch.int32)
-    high = (bits >> 16).to(torch.int16)
-    low = (bits & 0xFFFF).to(torch.int16)
-    high = torch.where(low < 0, high + 1, high)  # round up (int16 wrap-around as in CUDA)
-    param_bf16.view(torch.int16).copy_(high)
-    remainder.copy_(low)
-
-
 # ----------------------------------------------------------------------------- FusedAdam
-class FusedAdam(torch.optim.Optimizer):
+class FusedAdam(FusedAdamStates):
     """Transformer Engine's ``FusedAdam`` (TE 2.17), computed with torch ops. See the module doc."""
 
     def __init__(
@@ -330,175 +290,6 @@ class FusedAdam(torch.optim.Optimizer):
                     p.decoupled_grad.zero_()
                 elif not self.use_decoupled_grad and set_to_none:
                     p.grad = None
-
-    # --------------------------------------------------------------------- scaling
-    def _apply_scale(self, state_name, unscaled_state, scaled_state, scale):
-        """Write fp32 ``unscaled_state`` into low-precision ``scaled_state``; ``scale`` in place."""
-        assert unscaled_state.dtype == torch.float32
-        if scaled_state.dtype == torch.bfloat16:
-            scaled_state.copy_(unscaled_state.bfloat16())
-            return
-        dtype = self.name_to_dtype_map[state_name]
-        if dtype == torch.uint8:
-            assert isinstance(scaled_state, Float8Tensor)
-            assert len(scaled_state._quantizer.scale) == 1, (
-                "Only scaling with one scaling factor per tensor is supported by the FusedAdam."
-            )
-        else:
-            assert scaled_state.dtype == dtype
-        max_range = self.dtype_to_range_map[dtype]
-        if max_range.device != scaled_state.device:
-            max_range = max_range.to(scaled_state.device)
-            self.dtype_to_range_map[scaled_state.dtype] = max_range
-        if unscaled_state.device != scaled_state.device:
-            unscaled_state = unscaled_state.to(scaled_state.device)
-        min_val, max_val = torch.aminmax(unscaled_state)
-        absmax = torch.maximum(-min_val, max_val)
-        absmax = absmax.to(dtype=torch.float32, device=unscaled_state.device)
-        torch.div(absmax, max_range, out=scale)
-        if isinstance(scaled_state, Float8Tensor):
-            scaled_state._quantizer.scale.copy_(1 / scale)
-            scaled_state.copy_(unscaled_state)
-        else:
-            rscale = torch.where(scale > 0, scale.reciprocal(), 0.0)
-            unscaled_state.mul_(rscale)
-            scaled_state.copy_(unscaled_state)
-
-    def get_unscaled_state(self, param, state_name, skip_unscale=_UNSET):
-        """The fp32 value of a state: LIVE for fp32/int16 states, a new tensor otherwise
-        (TE >= 2.13: with ``skip_unscale=True`` a bf16 state is returned LIVE, in bf16)."""
-        if skip_unscale is _UNSET:
-            skip_unscale = False
-        elif self.te_line == "2.12":
-            raise TypeError("get_unscaled_state() got an unexpected keyword argument 'skip_unscale'")
-        state = self.state[param]
-        dtype = self.name_to_dtype_map[state_name]
-        if dtype == torch.uint8:
-            unscaled = state[state_name].float()
-        elif dtype == torch.float16:
-            assert state[state_name].dtype == torch.float16
-            unscaled = state[state_name].float()
-            unscaled.mul_(self._scales[param][state_name])
-        elif dtype == torch.float32:
-            if (
-                self.store_param_remainders
-                and state_name == "master_param"
-                and param.dtype == torch.bfloat16
-            ):
-                assert state[state_name].dtype == torch.int16
-            else:
-                assert state[state_name].dtype == torch.float32
-            unscaled = state[state_name]
-        elif dtype == torch.bfloat16:
-            assert state[state_name].dtype == torch.bfloat16
-            unscaled = state[state_name] if skip_unscale else state[state_name].float()
-        else:
-            raise RuntimeError(f"Dtype of {state_name} can only be fp8/fp16/bf16/fp32.")
-        return unscaled
-
-    def set_scaled_state(self, param, state_name, unscaled_state):
-        """Write an fp32 (int16 for remainders) value into a state, scaling as needed."""
-        store_param_remainders = (
-            self.store_param_remainders
-            and state_name == "master_param"
-            and param.dtype == torch.bfloat16
-        )
-        if store_param_remainders:
-            assert unscaled_state.dtype == torch.int16
-        else:
-            assert unscaled_state.dtype == torch.float32
-        state = self.state[param]
-        if state_name not in state:
-            self._initialize_state(param, state_name, False, store_param_remainders)
-        dtype = self.name_to_dtype_map[state_name]
-        if dtype != torch.float32:
-            scale = self._scales[param]
-            self._apply_scale(state_name, unscaled_state, state[state_name], scale[state_name])
-        else:
-            state[state_name].copy_(unscaled_state)
-
-    # ------------------------------------------------------------------ state creation
-    def _initialize_state(self, param, state_name, zero_buffer: bool, store_param_remainders: bool = False):
-        dtype = self.name_to_dtype_map[state_name]
-        if isinstance(param, Float8Tensor):
-            raise NotImplementedError("the FusedAdam double does not reproduce FP8 parameters")
-        if store_param_remainders:
-            data = torch.zeros_like(param, dtype=torch.int16)
-        else:
-            data = torch.empty_like(param, dtype=dtype)
-        if zero_buffer:
-            data.zero_()
-        if dtype == torch.uint8:
-            quantizer = Float8Quantizer(
-                scale=torch.ones([1], dtype=torch.float32, device=param.device),
-                amax=torch.zeros([1], dtype=torch.float32, device=param.device),
-                fp8_dtype=DType.kFloat8E4M3,
-            )
-            self.state[param][state_name] = quantizer.make_empty(param.shape)
-            self.state[param][state_name].quantize_(data.float())
-        else:
-            self.state[param][state_name] = data
-        if dtype != torch.float32:
-            if param not in self._scales:
-                self._scales[param] = {}
-            self._scales[param][state_name] = torch.ones([1], dtype=torch.float32, device=param.device)
-
-    def initialize_state(self, param, store_param_remainders):
-        """Create ``exp_avg``, ``exp_avg_sq`` and (with master weights) ``master_param``."""
-        self._initialize_state(param, "exp_avg", zero_buffer=True)
-        self._initialize_state(param, "exp_avg_sq", zero_buffer=True)
-        if self.master_weights:
-            self._initialize_state(
-                param, "master_param", zero_buffer=False, store_param_remainders=store_param_remainders
-            )
-            if not store_param_remainders:
-                self.set_scaled_state(param, "master_param", param.clone().detach().float())
-
-    # ------------------------------------------------------------------ state dicts
-    def state_dict(self):
-        """torch's state dict with every state replaced by its unscaled (fp32/int16) value."""
-        state_dict = super().state_dict()
-        groups = self.param_groups
-        saved_groups = deepcopy(state_dict["param_groups"])
-        id_map = dict(
-            zip(
-                chain.from_iterable(g["params"] for g in saved_groups),
-                chain.from_iterable(g["params"] for g in groups),
-            )
-        )
-        for k, v in state_dict["state"].items():
-            if k in id_map:
-                param = id_map[k]
-                state_dict["state"][k] = {name: self.get_unscaled_state(param, name) for name in v}
-        return state_dict
-
-    def load_state_dict(self, state_dict):
-        """torch's load, then every state rebuilt (new tensors) through ``set_scaled_state``."""
-        super().load_state_dict(state_dict)
-        groups = self.param_groups
-        saved_groups = deepcopy(state_dict["param_groups"])
-        id_map = dict(
-            zip(
-                chain.from_iterable(g["params"] for g in saved_groups),
-                chain.from_iterable(g["params"] for g in groups),
-            )
-        )
-        for k, v in state_dict["state"].items():
-            if k in id_map:
-                param = id_map[k]
-                self.state[param] = {}
-                for name in v:
-                    if v[name] is None:
-                        continue
-                    if (
-                        self.store_param_remainders
-                        and name == "master_param"
-                        and param.dtype == torch.bfloat16
-                    ):
-                        self.set_scaled_state(param, name, v[name])
-                        assert v[name].dtype == torch.int16
-                    else:
-                        self.set_scaled_state(param, name, v[name].float())
 
     # ------------------------------------------------------------------------ step
     @torch.no_grad()
