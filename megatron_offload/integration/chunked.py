@@ -128,8 +128,10 @@ class ChunkedUpdate:
         self.transient_reserve = total_bytes - slots * slot_bytes
         # Refuse now, before any memory is touched, a budget some parameter cannot fit in:
         # every parameter's states are sized from the optimizer's own configuration.
+        planned = 0
         for param in params:
             need, exact = _planned(self.inner, param, kinds)
+            planned += need
             if need > slot_bytes:
                 raise ValueError(
                     f"chunked_update_bytes={total_bytes} gives {slots} slot(s) of {slot_bytes:,} bytes"
@@ -143,6 +145,10 @@ class ChunkedUpdate:
         self.stream = SlotStream(engine, slot_bytes=slot_bytes, slots=slots, transient_ratio=self.transient_ratio)
         self.kinds = tuple(kinds)
         self.undo = StepUndo(engine) if undo else None
+        if self.undo is not None:
+            # Pinned now, not on a step's path: what a step saves (the streamed states, the
+            # parameters, and room for the step counts and scales a state keeps on the device).
+            self.undo.reserve(planned + sum(aligned_bytes(p) + _SMALL_STATE_ROOM for p in params))
         self.active = False  # True only inside the automatic cycle's optimizer.step()
         self._had_instance_step = "step" in vars(self.inner)
         self._previous_step = self.inner.step
@@ -209,9 +215,8 @@ class ChunkedUpdate:
         if undo is not None:
             undo.begin()
             if not undo.nbytes:
-                # The first step: one buffer for what it and the next step save (slots' bytes or
-                # the states it creates, the parameters, and room for the step counts and
-                # scales a state keeps on the device), not one per tensor.
+                # Nothing reserved at attach (no parameters then): one buffer for what this
+                # step and the next save, not one per tensor.
                 undo.reserve(
                     sum(chunk.nbytes for chunk in chunks)
                     + sum(staging.expected)

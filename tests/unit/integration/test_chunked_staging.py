@@ -56,6 +56,7 @@ def run_first_steps(steps=3, undo=False) -> dict:
     device = CountingDevice()
     engine = OffloadEngine(device, lambda: adapter.collect(distrib), streamed=lambda: adapter.in_state(distrib))
     chunked = ChunkedUpdate(engine, distrib, total_bytes=2 * 512, slots=2, kinds=(STATES,), undo=undo)
+    at_attach = list(device.buffers)
     per_step = []
     for step in range(steps):
         _grads(params, step)
@@ -81,7 +82,8 @@ def run_first_steps(steps=3, undo=False) -> dict:
     chunked.remove()
     device.check()
     return {"per_step": per_step, "equal": equal, "tensors": tensors, "freed": device.freed,
-            "allocated": len(device.buffers), "undo_peak": chunked.undo.peak_bytes if undo else 0}
+            "allocated": len(device.buffers), "undo_peak": chunked.undo.peak_bytes if undo else 0,
+            "at_attach": at_attach}
 
 
 @pytest.mark.parametrize("undo", [False, True])
@@ -93,13 +95,14 @@ def test_the_first_step_stages_every_new_state_in_one_host_buffer(isolated, undo
     staged = sum(2 * (-(-n * s // 16) * 16) for n, s in zip(SIZES, itemsizes))
     params = sum(-(-n * s // 16) * 16 for n, s in zip(SIZES, itemsizes))
     if undo:
-        # The undo's copies: one buffer, reserved before the first step for it and the next
-        # (states created or streamed, parameters, room for each step count), none after.
-        assert out["per_step"][0] == [staged + params + 128 * len(SIZES), staged]
+        # The undo's copies: one buffer, pinned at attach (the states planned, the parameters,
+        # room for each parameter's step count), none during the steps.
+        assert out["at_attach"] == [staged + params + 128 * len(SIZES)]
         # Each later step saves the streamed states, the parameters and the step counts.
         assert out["undo_peak"] == staged + params + 16 * len(SIZES)
     else:
-        assert out["per_step"][0] == [staged]
+        assert out["at_attach"] == []
+    assert out["per_step"][0] == [staged]
     assert out["per_step"][1:] == [[]] * (len(out["per_step"]) - 1)
     assert out["equal"]
     assert out["freed"] == out["allocated"]  # staging, undo and arena given back, each once

@@ -248,3 +248,35 @@ def test_a_state_larger_than_planned_is_found_part_way_and_the_step_undone(isola
     # The first parameter's state had been created and moved to the host: it is gone again.
     assert out["changed"] == [] and out["states"] == 0
     assert out["equal"]
+
+
+def test_the_undo_buffer_counts_in_the_host_memory_budget():
+    """Pinned at attach, inside ``host_memory_budget``: a budget without room for it is refused
+    then, before any step, naming it; without the undo the same budget is enough."""
+    import types
+
+    import torch
+
+    from megatron_offload.adapters import distributed_optimizer as adapter
+    from megatron_offload.engine import HostBudget, HostMemoryBudgetError, OffloadEngine
+    from megatron_offload.integration.chunked import ChunkedUpdate
+    from megatron_offload.testing import CheckedDevice
+
+    def attach(limit, undo):
+        params = [torch.nn.Parameter(torch.randn(n)) for n in (40, 24)]
+        distrib = types.SimpleNamespace(optimizer=torch.optim.AdamW(params, lr=0.01))
+        budget = HostBudget(limit)
+        engine = OffloadEngine(CheckedDevice(), lambda: adapter.collect(distrib),
+                               streamed=lambda: adapter.in_state(distrib), budget=budget)
+        chunked = ChunkedUpdate(engine, distrib, total_bytes=1024, slots=2, kinds=("optimizer_states",), undo=undo)
+        held = sum(budget._held.values())
+        chunked.remove()
+        return held, sum(budget._held.values())
+
+    # States 2 x (160 + 96), parameters 160 + 96, room 2 x 128.
+    need = 2 * 256 + 256 + 2 * 128
+    assert attach(None, True) == (need, 0)  # held while attached, given back by remove()
+    assert attach(need, True)[0] == need
+    with pytest.raises(HostMemoryBudgetError, match="undo copies"):
+        attach(need - 16, True)
+    assert attach(need - 16, False) == (0, 0)
