@@ -64,8 +64,9 @@ class OffloadConfig:
     counts kept on the device) is copied to the host, and written back if the step fails.
     Parameters, group steps and states are then byte for byte as before the step, which can
     be retried. Costs one more device-to-host copy of those bytes per step and a pinned host
-    buffer as large (counted in ``host_memory_budget``). False: a failed step keeps the
-    update of the calls that ran (a step refused for its budget still changes nothing)."""
+    buffer as large (pinned at attach, counted in ``host_memory_budget``). False: a failed
+    step keeps the update of the calls that ran (a step refused for its budget still changes
+    nothing)."""
 
     max_piece_bytes: int = 256 << 20
     """Largest device storage the offloader frees and regrows as one (default 256 MiB). The

@@ -18,8 +18,9 @@ the group steps (set back by the chunked update) and the states the step had cre
 be retried.
 
 Cost: one more device-to-host copy, per step, of the bytes the calls write (the streamed
-states once more, and the parameters), and one pinned host buffer as large, kept from step
-to step and counted in ``host_memory_budget``. ``OffloadConfig.chunked_update_undo=False``
+states once more, and the parameters), and one pinned host buffer as large, pinned when the
+chunked update is attached (``reserve``), kept from step to step and counted in
+``host_memory_budget``. ``OffloadConfig.chunked_update_undo=False``
 turns it off; a failed step then keeps the update of the calls that ran.
 
 Ordering (rule numbers as in ``engine/engine.py``):
