@@ -280,3 +280,61 @@ def test_the_undo_buffer_counts_in_the_host_memory_budget():
     with pytest.raises(HostMemoryBudgetError, match="undo copies"):
         attach(need - 16, True)
     assert attach(need - 16, False) == (0, 0)
+
+
+def run_undo_that_fails():
+    """The step fails, and so does a copy of the undo: the error says the state may be partly
+    updated, and names both failures."""
+    from megatron_offload.engine import OffloadStateError
+
+    outcome = {}
+
+    def fail(run, plan):
+        plan["at"], plan["when"] = 2, "after"
+        device = run.device
+        restore = run.chunked.undo.restore
+
+        def failing_restore():
+            device.arm(1)  # the undo's first copy back raises
+            restore()
+        run.chunked.undo.restore = failing_restore
+
+    try:
+        _scenario("torch", "fp32", False, warm=2, fail=fail)
+    except OffloadStateError as error:
+        outcome["error"] = str(error)
+    return outcome
+
+
+def test_an_undo_that_fails_says_the_state_may_be_partly_updated(isolated):
+    out = isolated.run(run_undo_that_fails)
+    message = out.get("error") or ""
+    assert "could not be undone" in message and "Load the last checkpoint" in message, out
+    assert "planted: the update failed after writing" in message and "planted copy failure" in message
+
+
+def test_tensors_beside_the_device_are_saved_by_value():
+    """On a GPU torch Adam keeps its step counts on the CPU: they are saved as host copies and
+    written back on the host, not copied through the device."""
+    import torch
+
+    from megatron_offload.device.cpu import CPUDevice
+    from megatron_offload.engine import OffloadEngine
+    from megatron_offload.integration.step_undo import StepUndo
+
+    class ElsewhereDevice(CPUDevice):
+        def __init__(self):
+            super().__init__()
+            self.torch_device = torch.device("meta")  # every CPU tensor is beside this device
+
+        def copy(self, dst, src):
+            raise AssertionError("a tensor beside the device was copied through it")
+
+    engine = OffloadEngine(ElsewhereDevice(), lambda: [])
+    undo = StepUndo(engine)
+    undo.begin()
+    count = torch.tensor(3.0)
+    undo.save([(count, count)])
+    count += 1
+    undo.restore()
+    assert count.item() == 3.0 and undo.nbytes == 0
