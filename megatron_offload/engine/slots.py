@@ -40,6 +40,7 @@ from .engine import (
     H2D_AFTER_ALLOCATION,
     H2D_AFTER_D2H,
     USE_AFTER_H2D,
+    WRITE_AFTER_D2H,
     OffloadEngine,
     OffloadStateError,
 )
@@ -178,15 +179,19 @@ class SlotStream:
         chunks: Sequence[Chunk],
         update: Callable[[Chunk, dict[int, torch.Tensor]], None],
         *,
-        save: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None] | None = None,
+        save: Callable[[Chunk, list[tuple[torch.Tensor, torch.Tensor]], object], object] | None = None,
     ) -> None:
         """For every chunk: bring its bytes into a slot, ``update(chunk, views)``, copy them back.
 
         ``views`` maps ``id(tensor)`` to the tensor's place in the slot (same dtype and shape):
-        the caller makes the update use those instead of the (released) tensors. ``save``,
-        if given, is called before each update with ``(slot bytes, their host copy)`` pairs,
-        one per segment, while the slot still holds the bytes from before the update (the
-        chunked update's undo copies them).
+        the caller makes the update use those instead of the (released) tensors.
+
+        ``save`` (the chunked update's undo), if given, is called as soon as a chunk's H2D is
+        queued, as ``save(chunk, pairs, h2d_event)``: ``pairs`` are ``(slot bytes, their host
+        copy)``, one per segment, which hold the bytes from before the update once
+        ``h2d_event`` completed. It returns the event of the copies it queued (or None); the
+        chunk's update waits for it, so they read the slot before the update writes it. Being
+        issued with the prefetch, those copies overlap the update of the chunk before.
         """
         if not chunks:
             return
@@ -210,6 +215,7 @@ class SlotStream:
         stats.update_chunks = len(chunks)
         stats.update_copies = stats.update_bytes = 0
         h2d_events: dict[int, object] = {}
+        saved_events: dict[int, object] = {}  # the ``save`` copies of prefetched chunks
         d2h_events: list[object] = [None] * count
         fetched = 0
         h2d_issued = False  # some H2D was queued (the host arena must not go before it ran)
@@ -241,6 +247,12 @@ class SlotStream:
                     # and the slot is freed (run's finally) only once this event is ordered
                     # before the current stream.
                     h2d_events[index] = device.record_event(h2d)
+            if save is not None:
+                # The slot's bytes from before the update, saved while the chunk before is
+                # updated (the D2H stream reads the slot after its H2D, and the slots are
+                # freed only once the D2H stream is done with them, rule 2 below).
+                pairs = [(_slot_view(slot, s), s.group.host[s.start : s.end]) for s in chunks[index].segments]
+                saved_events[index] = save(chunks[index], pairs, h2d_events[index])
 
         last_d2h = None
         try:
@@ -258,8 +270,11 @@ class SlotStream:
                     key: typed[segment].as_strided(shape, stride, typed[segment].storage_offset() + offset)
                     for key, (segment, offset, shape, stride) in chunk.places.items()
                 }
-                if save is not None:
-                    save([(view, s.group.host[s.start : s.end]) for view, s in zip(typed, chunk.segments)])
+                saved = saved_events.pop(index, None)
+                if saved is not None:
+                    # The update overwrites the slot (and what else ``save`` read) only after
+                    # the copies saving it read it.
+                    device.wait_event(current, saved, label=WRITE_AFTER_D2H)
                 update(chunk, views)
                 del views
                 # Rule 1: the D2H copies what the update wrote.

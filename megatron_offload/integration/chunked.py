@@ -237,7 +237,7 @@ class ChunkedUpdate:
             self.stream.run(
                 chunks,
                 functools.partial(self._update_chunk, streamed),
-                save=None if undo is None else undo.save,
+                save=None if undo is None else functools.partial(self._save_chunk, streamed),
             )
             self._call(rest, empty_groups=True)
             failed = False
@@ -356,8 +356,8 @@ class ChunkedUpdate:
                     view = views[id(tensor)]
                     inner_optimizers.set_place(holder, name, view)
                     swapped.append((holder, name, tensor, view))
-            # The slot's bytes were saved (``run``'s ``save``): the rest of what the call writes is.
-            self._call([streamed[index][0] for index in chunk.units], in_slots={id(v) for *_, v in swapped})
+            # What the call writes was saved with the chunk's prefetch (``_save_chunk``).
+            self._call([streamed[index][0] for index in chunk.units], saved=True)
             failed = False
         finally:
             replaced = []
@@ -382,23 +382,32 @@ class ChunkedUpdate:
                 "does not support the chunked update: leave chunked_update_bytes unset."
             )
 
-    def _call(self, params, *, empty_groups: bool = False, in_slots=frozenset()) -> None:
+    def _written(self, params) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(tensor, tensor)`` for every tensor with device memory an update of ``params``
+        may write (states released to the host have none: their slot is saved instead)."""
+        seen, pairs = set(), []
+        for param in params:
+            for tensor in written_tensors(self.inner, param, self.inner.state.get(param)):
+                if id(tensor) in seen or not tensor.numel() or not tensor.untyped_storage().nbytes():
+                    continue
+                seen.add(id(tensor))
+                pairs.append((tensor, tensor))
+        return pairs
+
+    def _save_chunk(self, streamed, chunk, slot_pairs, after):
+        """``SlotStream.run``'s ``save``: a chunk's slot and what else its update writes."""
+        params = [streamed[index][0] for index in chunk.units]
+        return self.undo.save(list(slot_pairs) + self._written(params), after=after, order_current=False)
+
+    def _call(self, params, *, empty_groups: bool = False, saved: bool = False) -> None:
         """One inner step over ``params`` only (and parameter-less groups if asked).
 
-        With the undo on, everything the call may write (``in_slots``: the ids of the slot
-        views, saved already) is first saved to the host.
+        With the undo on, everything the call may write is first saved to the host, unless
+        it was (``saved``: a chunk, saved with its prefetch).
         """
         inner = self.inner
-        if self.undo is not None and params:
-            seen = set(in_slots)
-            pairs = []
-            for param in params:
-                for tensor in written_tensors(inner, param, inner.state.get(param)):
-                    if id(tensor) in seen or not tensor.numel() or not tensor.untyped_storage().nbytes():
-                        continue
-                    seen.add(id(tensor))
-                    pairs.append((tensor, tensor))
-            self.undo.save(pairs)
+        if self.undo is not None and params and not saved:
+            self.undo.save(self._written(params))
         groups = inner.param_groups
         subsets: dict[int, list] = {}
         for param in params:

@@ -25,8 +25,10 @@ turns it off; a failed step then keeps the update of the calls that ran.
 
 Ordering (rule numbers as in ``engine/engine.py``):
 
-- the copy to the host waits for the current stream, where the slot's H2D was ordered and
-  earlier calls wrote (rule 1: ``D2H_AFTER_WRITERS``);
+- the copy to the host waits for the current stream, where earlier calls wrote (rule 1:
+  ``D2H_AFTER_WRITERS``), and a slot's copy for the H2D that filled it (``USE_AFTER_H2D``);
+  a chunk's copies are issued with its prefetch, so they overlap the update of the chunk
+  before it;
 - the call writes those tensors only after that copy read them (``WRITE_AFTER_D2H``);
 - the journal is rewritten by the next step's copies on the same side stream, so in stream
   order after this step's; the host reads it (``restore``) and frees it only after every
@@ -37,7 +39,13 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.engine import D2H_AFTER_WRITERS, HOST_FREE_AFTER_COPIES, HOST_READ_AFTER_D2H, WRITE_AFTER_D2H
+from ..engine.engine import (
+    D2H_AFTER_WRITERS,
+    HOST_FREE_AFTER_COPIES,
+    HOST_READ_AFTER_D2H,
+    USE_AFTER_H2D,
+    WRITE_AFTER_D2H,
+)
 from ..engine.slots import aligned_bytes
 
 
@@ -112,16 +120,25 @@ class StepUndo:
         if not self._buffers and nbytes > 0:
             self._allocate(nbytes)
 
-    def save(self, pairs) -> None:
-        """Copy each ``(source, target)`` to the host before the current stream writes it:
-        ``source`` is read now (on the device), ``restore`` writes its bytes into ``target``
-        (``source`` itself, or the host copy of a streamed state held in a slot)."""
+    def save(self, pairs, *, after=None, order_current: bool = True):
+        """Copy each ``(source, target)`` to the host before it is written: ``source`` is read
+        on the device, ``restore`` writes its bytes into ``target`` (``source`` itself, or the
+        host copy of a streamed state held in a slot).
+
+        ``after``: an event the copies also wait for (the H2D filling a slot).
+        ``order_current``: the current stream waits for the copies at once; otherwise the
+        caller orders the writer after the returned event (None if nothing was queued).
+        """
         device = self.device
         current = device.current_stream()
         side = self.engine._side_stream("d2h")
         queued = False
-        # Rule 1: the copy reads what the current stream wrote (the slot's H2D, earlier calls).
+        event = None
+        # Rule 1: the copy reads what the current stream wrote (earlier calls, the reload).
         device.wait_stream(side, current, label=D2H_AFTER_WRITERS)
+        if after is not None:
+            # Rules 3 and 4: ... and what the H2D wrote into the slot.
+            device.wait_event(side, after, label=USE_AFTER_H2D)
         try:
             with device.use_stream(side), torch.no_grad():
                 for source, target in pairs:
@@ -137,10 +154,12 @@ class StepUndo:
         finally:
             if queued:
                 # Even when a copy raised: the copies queued before it still run.
-                self._last_event = device.record_event(side)
-                # The call rewrites these tensors: only after the copies read them.
-                device.wait_event(current, self._last_event, label=WRITE_AFTER_D2H)
+                event = self._last_event = device.record_event(side)
+                if order_current:
+                    # The call rewrites these tensors: only after the copies read them.
+                    device.wait_event(current, event, label=WRITE_AFTER_D2H)
         self.peak_bytes = max(self.peak_bytes, self._step_bytes)
+        return event
 
     def restore(self) -> None:
         """Write every saved copy back, newest first: the step's writes are undone.
