@@ -205,8 +205,6 @@ class ChunkedUpdate:
                 )
         self._base_steps = {id(g): g.get("step", _ABSENT) for g in inner.param_groups}
         self._final_steps = {}
-        if self._owner is not None:
-            self._owner._streaming += 1
         staging = _Staging(
             self.engine.device,
             [_planned(inner, param, self.kinds)[0] for param in creating],
@@ -230,6 +228,8 @@ class ChunkedUpdate:
         scales = getattr(inner, "_scales", None)
         scaled = {id(p) for p in stateless if isinstance(scales, dict) and p in scales}
         failed = True
+        if self._owner is not None:
+            self._owner._streaming += 1
         try:
             for index, param in enumerate(creating):
                 self._call([param])

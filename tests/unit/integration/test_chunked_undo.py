@@ -400,3 +400,40 @@ def test_the_undo_copies_overlap_the_update_of_the_chunk_before(isolated):
     # would add every chunk's, 4 x saved_copy).
     extra = on["step"] - off["step"]
     assert 0 < extra <= 1.01 * on["saved_copy"], (on, off)
+
+
+def run_preparation_fails():
+    """The undo's preparation (ordering the reload of what comes back whole) raises: nothing
+    was updated, and the offloader is not left believing a chunked update still runs."""
+    import types
+
+    params, opt = _build("torch", "fp32", False)
+    run = _Run(opt, 4096, _kinds("torch"))
+    owner = types.SimpleNamespace(_streaming=0)
+    run.chunked._owner = owner
+    _grads("torch", params, 0)
+    run.step()
+    _grads("torch", params, 1)
+    run.reload()
+    before = _snapshot(opt)
+    run.engine.offload(skip_unchanged=True)
+    run.engine.release()
+    wait = run.engine.wait
+
+    def failing_wait(*args, **kwargs):
+        raise _Planted("planted: the reload failed")
+    run.engine.wait = failing_wait
+    try:
+        run.step()
+    except _Planted as error:
+        message = str(error)
+    run.engine.wait = wait
+    run.reload()
+    unchanged = _snapshot(opt) == before
+    run.close()
+    return {"message": message, "streaming": owner._streaming, "unchanged": unchanged}
+
+
+def test_a_failure_before_the_first_call_leaves_no_update_running(isolated):
+    out = isolated.run(run_preparation_fails)
+    assert out == {"message": "planted: the reload failed", "streaming": 0, "unchanged": True}
