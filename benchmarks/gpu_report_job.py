@@ -143,28 +143,28 @@ class IterationRecorder:
         self._zero = clock()
 
     def watch(self, offloader, optimizer) -> None:
-        """Wrap the offloader's release of the states (what its step cycle and ``offload()``
-        call) to read ``memory_allocated`` just before and after it."""
+        """Read ``memory_allocated`` just before and after every release of the states (what
+        the offloader's step cycle and ``offload()`` do), through its offload hooks."""
         if getattr(offloader, "_gpu_report_watched", False):
             return
-        original = offloader._offload
         recorder = self
+        pending = {}
 
-        @functools.wraps(original)
-        def _offload(*args, **kwargs):
-            stats = offloader.stats()
-            grads = master_grad_bytes(optimizer) if offloader.config.release_master_grads else 0
-            before = recorder.probe.allocated()
-            result = original(*args, **kwargs)
-            after = recorder.probe.allocated()
-            released = offloader.stats()["offloaded_payload_bytes"] - stats["offloaded_payload_bytes"]
+        def before(offloader):
+            pending["stats"] = offloader.stats()
+            pending["grads"] = master_grad_bytes(optimizer) if offloader.config.release_master_grads else 0
+            pending["before"] = recorder.probe.allocated()
+
+        def after(offloader):
+            allocated = recorder.probe.allocated()
+            released = offloader.stats()["offloaded_payload_bytes"] - pending["stats"]["offloaded_payload_bytes"]
             recorder.offloads.append({
-                "before": before, "after": after, "expected": released + grads,
-                "released_payload": released, "master_grads": grads,
+                "before": pending["before"], "after": allocated, "expected": released + pending["grads"],
+                "released_payload": released, "master_grads": pending["grads"],
             })
-            return result
 
-        offloader._offload = _offload
+        offloader.register_offload_pre_hook(before)
+        offloader.register_offload_post_hook(after)
         offloader._gpu_report_watched = True
 
     def wrap_train_step(self, original):

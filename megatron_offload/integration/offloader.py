@@ -27,9 +27,12 @@ on top.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
+
+from torch.utils.hooks import RemovableHandle
 
 from ..adapters import KINDS, OPTIMIZER_STATES, PRIMARY_WEIGHTS
 from ..adapters import distributed_optimizer as dopt_adapter
@@ -97,6 +100,25 @@ class OptimizerStateOffloader:
         self._cycles = 0
         self._automatic = None  # set by attach()
         self._streaming = 0  # > 0 while a chunked update runs (integration/chunked.py)
+        self._offload_pre_hooks: dict[int, Callable] = collections.OrderedDict()
+        self._offload_post_hooks: dict[int, Callable] = collections.OrderedDict()
+
+    # --------------------------------------------------------------- hooks
+    def register_offload_pre_hook(self, hook: Callable[["OptimizerStateOffloader"], None]) -> RemovableHandle:
+        """Call ``hook(offloader)`` just before the states are copied out and their device
+        memory released: at every ``offload()`` and after every step of an attached
+        optimizer. Returns a handle whose ``remove()`` unregisters it (as torch's hooks).
+        (Measurement tools read the device's memory here, e.g. ``benchmarks/gpu_report``.)"""
+        handle = RemovableHandle(self._offload_pre_hooks)
+        self._offload_pre_hooks[handle.id] = hook
+        return handle
+
+    def register_offload_post_hook(self, hook: Callable[["OptimizerStateOffloader"], None]) -> RemovableHandle:
+        """Call ``hook(offloader)`` just after the copies out were queued and the device
+        memory released (the copies may still run); see ``register_offload_pre_hook``."""
+        handle = RemovableHandle(self._offload_post_hooks)
+        self._offload_post_hooks[handle.id] = hook
+        return handle
 
     # ------------------------------------------------------------- queries
     @property
@@ -371,6 +393,8 @@ class OptimizerStateOffloader:
 
     def _offload(self, selection: list[tuple[str, ...]], *, skip_unchanged: bool = False) -> None:
         """Copy out (unless ``skip_unchanged`` and still valid) and release, per optimizer."""
+        for hook in tuple(self._offload_pre_hooks.values()):
+            hook(self)
         for engine, kinds in zip(self._engines, selection):
             watch = engine.fingerprint
             if kinds and isinstance(watch, StateWatch) and watch.identities:
@@ -383,6 +407,8 @@ class OptimizerStateOffloader:
                 if PRIMARY_WEIGHTS in kinds:
                     _release_master_grads(engine, distrib_optimizer)
         self._ever_offloaded = True
+        for hook in tuple(self._offload_post_hooks.values()):
+            hook(self)
 
     def _make_resident(self, *, changes: bool, replaced: bool = False) -> None:
         """Bring every offloaded state back and order it before the current stream.

@@ -246,18 +246,30 @@ def test_without_a_gpu_the_report_exits_2_and_says_so():
 
 # --------------------------------------------------------------------------- the job
 class _FakeOffloader:
-    """Frees ``released`` bytes of a fake allocator per offload, as the real one's stats say."""
+    """Frees ``released`` bytes of a fake allocator per offload, as the real one's stats say,
+    calling its offload hooks around it as the real one does."""
 
     def __init__(self, probe, released):
         self.probe, self.released, self.payload = probe, released, 0
         self.config = SimpleNamespace(release_master_grads=True)
+        self.hooks = {"pre": [], "post": []}
+
+    def register_offload_pre_hook(self, hook):
+        self.hooks["pre"].append(hook)
+
+    def register_offload_post_hook(self, hook):
+        self.hooks["post"].append(hook)
 
     def stats(self):
         return {"offloaded_payload_bytes": self.payload, "offloaded_bytes": self.payload, "d2h_gbps": 12.5}
 
     def _offload(self, selection, *, skip_unchanged=False):
+        for hook in self.hooks["pre"]:
+            hook(self)
         self.probe.bytes -= self.released
         self.payload = self.released
+        for hook in self.hooks["post"]:
+            hook(self)
 
 
 class _FakeProbe(job.Probe):

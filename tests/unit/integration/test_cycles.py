@@ -232,3 +232,44 @@ def test_rl_blocks_free_what_the_caller_names_and_restore_it(rank_pool, checked)
         # the block's exit reloads only what it had taken (the masters).
         assert seen["after-step-in-block"][0] == {states: released, masters: resident}
         assert seen["after-block-with-step"][0] == {states: released, masters: resident}
+
+
+def offload_hooks_job():
+    import megatron_offload
+    from tests.harness import models
+
+    chunks, optimizer, config = models.build("mlp", "bf16")
+    offloader = megatron_offload.attach(optimizer)
+    calls = []
+
+    def pre(o):
+        calls.append(("pre", o is offloader, o.stats()["offloaded_payload_bytes"]))
+
+    def post(o):
+        calls.append(("post", o is offloader, o.stats()["offloaded_payload_bytes"]))
+
+    handles = [offloader.register_offload_pre_hook(pre), offloader.register_offload_post_hook(post)]
+    for step in range(2):
+        models.train_step(chunks, optimizer, config, step)
+    offloader.reload()
+    offloader.wait()
+    offloader.offload()
+    watched = list(calls)
+    for handle in handles:
+        handle.remove()
+    models.train_step(chunks, optimizer, config, 2)
+    offloader.reload()
+    offloader.wait()
+    offloader.offload()
+    return {"calls": watched, "after_remove": calls[len(watched):]}
+
+
+def test_offload_hooks_run_around_every_release_until_removed(rank_pool):
+    """``register_offload_pre_hook``/``post_hook``: around the release after each step and
+    around ``offload()``, seeing the states resident before and offloaded after."""
+    for rank in rank_pool.run(offload_hooks_job):
+        calls = rank["calls"]
+        assert [c[0] for c in calls] == ["pre", "post"] * 3 and all(c[1] for c in calls)
+        for pre, post in zip(calls[::2], calls[1::2]):
+            assert pre[2] == 0 < post[2]
+        assert rank["after_remove"] == []
