@@ -130,6 +130,7 @@ class StepUndo:
         caller orders the writer after the returned event (None if nothing was queued).
         """
         device = self.device
+        pairs = _coalesced(pairs, device.torch_device)
         current = device.current_stream()
         side = self.engine._side_stream("d2h")
         queued = False
@@ -150,7 +151,8 @@ class StepUndo:
                     saved = _typed(view, source)
                     device.copy(saved, source)
                     queued = True
-                    self._entries.append((target, saved, target.device.type == "cpu" and target is not source))
+                    on_host = isinstance(target, torch.Tensor) and target.device.type == "cpu" and target is not source
+                    self._entries.append((target, saved, on_host))
         finally:
             if queued:
                 # Even when a copy raised: the copies queued before it still run.
@@ -183,6 +185,8 @@ class StepUndo:
                 if on_host:
                     target.copy_(saved)
                 else:
+                    if isinstance(target, _Bytes):
+                        target = target.view()
                     with device.use_stream(current):
                         device.copy(target, saved)
         # The journal is rewritten (next step) or freed only once the copies reading it ran.
@@ -232,6 +236,59 @@ class StepUndo:
         budget = self.engine._host.budget
         if budget is not None:
             budget.release(self)
+
+
+#: Neighbouring tensors of one storage are saved with one copy when at most this many bytes
+#: lie between them (the 16-byte alignment padding of the engine's groups, in which the
+#: master weights it offloads live): one copy per buffer, not per parameter.
+MERGE_GAP_BYTES = 64
+
+
+def _coalesced(pairs, torch_device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``pairs`` with the device tensors saved in place (``target is source``, contiguous)
+    merged into one byte range per run of neighbours in a storage.
+
+    Bytes between two merged tensors are saved and written back too. That is safe: a failed
+    step writes back everything it saved, newest first, so those bytes end as they were
+    before the step, whoever they belong to.
+    """
+    out, runs = [], {}
+    for source, target in pairs:
+        if target is source and source.device == torch_device and source.is_contiguous():
+            start = source.storage_offset() * source.element_size()
+            runs.setdefault(source.untyped_storage().data_ptr(), (source, []))[1].append(
+                (start, start + source.numel() * source.element_size()))
+        else:
+            out.append((source, target))
+    for anchor, ranges in runs.values():
+        ranges.sort()
+        merged = [list(ranges[0])]
+        for start, end in ranges[1:]:
+            if start - merged[-1][1] <= MERGE_GAP_BYTES:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        for start, end in merged:
+            where = _Bytes(anchor, start, end)
+            out.append((where.view(), where))
+    return out
+
+
+class _Bytes:
+    """Bytes ``start:end`` of the storage of ``anchor``, a tensor the optimizer holds anyway.
+
+    Only a view made when the bytes are read or written: a view kept alive would count as one
+    more user of the storage, and the engine reads that count to decide how it frees it.
+    """
+
+    __slots__ = ("anchor", "start", "end")
+
+    def __init__(self, anchor: torch.Tensor, start: int, end: int) -> None:
+        self.anchor, self.start, self.end = anchor, start, end
+
+    def view(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8, device=self.anchor.device).set_(
+            self.anchor.untyped_storage(), self.start, (self.end - self.start,), (1,))
 
 
 def _typed(buffer: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:

@@ -437,3 +437,38 @@ def run_preparation_fails():
 def test_a_failure_before_the_first_call_leaves_no_update_running(isolated):
     out = isolated.run(run_preparation_fails)
     assert out == {"message": "planted: the reload failed", "streaming": 0, "unchanged": True}
+
+
+def test_neighbouring_tensors_of_one_storage_are_saved_with_one_copy():
+    """Master weights consolidated in one of the engine's groups (16-byte aligned views of one
+    storage) are saved with one copy per run of neighbours, not one per parameter; the bytes
+    between them come back as they were."""
+    import torch
+
+    from megatron_offload.engine import OffloadEngine
+    from megatron_offload.integration.step_undo import MERGE_GAP_BYTES, StepUndo, _coalesced
+    from megatron_offload.testing import CheckedDevice
+
+    flat = torch.arange(64, dtype=torch.float32)
+    views = [flat[0:5], flat[8:20], flat[20:24]]  # gaps of 12 bytes and none
+    far = flat[24 + MERGE_GAP_BYTES // 4 + 1:60]  # just beyond the gap merged over
+    strided = flat[0:64:2]  # not contiguous: saved on its own
+    other = torch.ones(7)
+    cpu = torch.device("cpu")
+    pairs = _coalesced([(t, t) for t in views + [far, strided, other]], cpu)
+    ranges = sorted((p[1].start, p[1].end - p[1].start) for p in pairs if p[0].dtype == torch.uint8)
+    assert ranges == [(0, 7 * 4), (0, 96), ((24 + MERGE_GAP_BYTES // 4 + 1) * 4, (60 - 41) * 4)]
+    assert any(p[0] is strided for p in pairs) and len(pairs) == 4
+
+    device = CheckedDevice()
+    undo = StepUndo(OffloadEngine(device, lambda: []))
+    undo.begin()
+    before = flat.clone()
+    undo.save([(t, t) for t in views + [far, strided]])
+    for t in views + [far, strided]:  # the update writes them ...
+        t.add_(1000)
+    flat[5:8] = -1.0  # ... and the bytes between two of them, merged over
+    undo.restore()
+    assert torch.equal(flat, before)
+    undo.close()
+    device.check()
