@@ -148,17 +148,20 @@ class FusedAdamStates(torch.optim.Optimizer):
                 self.set_scaled_state(param, "master_param", param.clone().detach().float())
 
     # ------------------------------------------------------------------ state dicts
+    def _saved_ids_to_params(self, state_dict) -> dict:
+        """The saved parameter ids of ``state_dict``, mapped to this optimizer's parameters."""
+        saved_groups = deepcopy(state_dict["param_groups"])
+        return dict(
+            zip(
+                chain.from_iterable(g["params"] for g in saved_groups),
+                chain.from_iterable(g["params"] for g in self.param_groups),
+            )
+        )
+
     def state_dict(self):
         """torch's state dict with every state replaced by its unscaled (fp32/int16) value."""
         state_dict = super().state_dict()
-        groups = self.param_groups
-        saved_groups = deepcopy(state_dict["param_groups"])
-        id_map = dict(
-            zip(
-                chain.from_iterable(g["params"] for g in saved_groups),
-                chain.from_iterable(g["params"] for g in groups),
-            )
-        )
+        id_map = self._saved_ids_to_params(state_dict)
         for k, v in state_dict["state"].items():
             if k in id_map:
                 param = id_map[k]
@@ -168,14 +171,7 @@ class FusedAdamStates(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         """torch's load, then every state rebuilt (new tensors) through ``set_scaled_state``."""
         super().load_state_dict(state_dict)
-        groups = self.param_groups
-        saved_groups = deepcopy(state_dict["param_groups"])
-        id_map = dict(
-            zip(
-                chain.from_iterable(g["params"] for g in saved_groups),
-                chain.from_iterable(g["params"] for g in groups),
-            )
-        )
+        id_map = self._saved_ids_to_params(state_dict)
         for k, v in state_dict["state"].items():
             if k in id_map:
                 param = id_map[k]
