@@ -32,6 +32,7 @@ import functools
 import torch
 
 from ..adapters import state_access
+from .host_view import HostView, servable
 
 # Public methods (on DistributedOptimizer, ChainedOptimizer and their bases, megatron-core
 # 0.16-0.19) that read or write the offloaded tensors. Names absent on a version are skipped.
@@ -198,11 +199,10 @@ class StateAccessGuard:
         for distrib_optimizer in offloader._distributed:
             inner = distrib_optimizer.optimizer
             if isinstance(inner, torch.optim.Optimizer):
-                bring_back = functools.partial(_inner_pre_hook, offloader)
-                self._hooks.append(inner.register_state_dict_pre_hook(bring_back))
-                self._hooks.append(inner.register_load_state_dict_pre_hook(bring_back))
+                self._hooks.append(inner.register_state_dict_pre_hook(functools.partial(_inner_pre_hook, offloader)))
+                self._hooks.append(inner.register_load_state_dict_pre_hook(functools.partial(_inner_load_pre_hook, offloader)))
                 # torch's load_state_dict() puts a new defaultdict in place of the state.
-                self._hooks.append(inner.register_load_state_dict_post_hook(self._install))
+                self._hooks.append(inner.register_load_state_dict_post_hook(self._after_inner_load))
             # Methods of the inner optimizer itself that touch state outside step() (TE's
             # get_unscaled_state / set_scaled_state / initialize_state): the torch hooks
             # above cover only state_dict and load_state_dict.
@@ -222,7 +222,9 @@ class StateAccessGuard:
                 # they hand out (or write) the live tensors, so the host copy goes stale.
                 # Inside a chunked update, step() calls them for the parameters of the
                 # current chunk, whose states are in a slot: nothing must move then.
-                if not offloader._streaming:
+                # Inside a HostView (a checkpoint served from the host) they read and write
+                # the host copies in its place.
+                if not offloader._streaming and offloader._host_view is None:
                     offloader._make_resident(changes=True, replaced=replaces)
                 return previous(*args, **kwargs)
 
@@ -241,23 +243,42 @@ class StateAccessGuard:
 
         def make(previous):
             def call(*args, **kwargs):
-                changes = name not in READ_ONLY_METHODS
+                loads = name in LOAD_METHODS
+                writes = not (name in READ_ONLY_METHODS or name == "sharded_state_dict") or (
+                    name == "sharded_state_dict" and _is_loading(previous, args, kwargs)
+                )
+                if offloader._host_view is not None or servable(offloader):
+                    # Served from the host copy: nothing comes back to the device.
+                    with HostView(offloader, writes=writes) as view:
+                        result = previous(*args, **kwargs)
+                        if loads:
+                            self._after_load(target, name, args)
+                        elif view.outer and name != "sharded_state_dict":
+                            # What the caller keeps references no host view (see detached).
+                            # A sharded state dict keeps them: dist_checkpointing copies every
+                            # view while it plans the write, inside the save call.
+                            result = view.detached(result)
+                    return result
                 # Loads may put new tensor objects into the state.
+                changes = name not in READ_ONLY_METHODS
                 offloader._make_resident(changes=changes, replaced=changes)
                 result = previous(*args, **kwargs)
-                if name in LOAD_METHODS:
-                    for inner in self._inners:  # a load may have put a new state mapping in
-                        self._install(inner)
-                    for distrib_optimizer in offloader._distributed:
-                        if distrib_optimizer is target and name == "load_state_dict" and args:
-                            restore_step_tensors(distrib_optimizer.optimizer, args[0])
-                        else:
-                            unshare_step_tensors(distrib_optimizer.optimizer)
+                if loads:
+                    self._after_load(target, name, args)
                 return result
 
             return call
 
         return make
+
+    def _after_load(self, target, name: str, args) -> None:
+        for inner in self._inners:  # a load may have put a new state mapping in
+            self._install(inner)
+        for distrib_optimizer in self._offloader._distributed:
+            if distrib_optimizer is target and name == "load_state_dict" and args:
+                restore_step_tensors(distrib_optimizer.optimizer, args[0])
+            else:
+                unshare_step_tensors(distrib_optimizer.optimizer)
 
     # ------------------------------------------------------- the state mapping
     def arm(self, offloaded: bool) -> None:
@@ -274,6 +295,11 @@ class StateAccessGuard:
                 state = inner.state
             if isinstance(state, GuardedState) and state.__dict__.get("_guard") is self:
                 state.__class__ = _ArmedState if armed else GuardedState
+
+    def _after_inner_load(self, inner) -> None:
+        self._install(inner)
+        if self._offloader._host_view is not None:
+            self._offloader._host_view.after_load(inner)
 
     def _install(self, inner) -> None:
         """Put a ``GuardedState`` with the same entries in place of ``inner.state``.
@@ -361,8 +387,30 @@ def _rl_restore(offloader):
 
 def _inner_pre_hook(offloader, optimizer, *args) -> None:
     # torch's state_dict() returns references to the live tensors, which the caller may
-    # write through, and load_state_dict() writes: either way the host copy is stale.
+    # write through: the host copy is stale. Inside a HostView they are the host copies.
+    if offloader._host_view is None:
+        offloader._make_resident(changes=True, replaced=True)
+
+
+def _inner_load_pre_hook(offloader, optimizer, state_dict):
+    # load_state_dict() writes; inside a HostView it writes the host copies.
+    if offloader._host_view is not None:
+        return offloader._host_view.before_load(optimizer, state_dict)
     offloader._make_resident(changes=True, replaced=True)
+    return None
+
+
+def _is_loading(method, args, kwargs) -> bool:
+    """``sharded_state_dict``'s ``is_loading`` argument (positional or keyword)."""
+    if "is_loading" in kwargs:
+        return bool(kwargs["is_loading"])
+    try:
+        import inspect
+
+        bound = inspect.signature(method).bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return True  # unknown: treat as a write, which is always safe
+    return bool(bound.get("is_loading", False))
 
 
 def restore_step_tensors(optimizer, state_dict) -> None:

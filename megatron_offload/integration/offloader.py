@@ -43,6 +43,7 @@ from ..engine import HostBudget, OffloadEngine, OffloadStateError, Place
 from ..engine.figures import gbps
 from .acceptance import distributed_optimizers, is_stub, megatron_optimizers, refuse_unsupported  # noqa: F401 - re-exported
 from .guard import StateAccessGuard
+from .host_view import HostView
 
 
 class OptimizerStateOffloader:
@@ -100,6 +101,10 @@ class OptimizerStateOffloader:
         self._cycles = 0
         self._automatic = None  # set by attach()
         self._streaming = 0  # > 0 while a chunked update runs (integration/chunked.py)
+        # The HostView open on this offloader (checkpoint code served from the host copy,
+        # integration/host_view.py), and whether anything in it may write the states.
+        self._host_view = None
+        self._host_view_writes = False
         self._offload_pre_hooks: dict[int, Callable] = collections.OrderedDict()
         self._offload_post_hooks: dict[int, Callable] = collections.OrderedDict()
 
@@ -323,6 +328,22 @@ class OptimizerStateOffloader:
                     ]
                 self._offload(again, skip_unchanged=True)
                 self._sync_state_guard()
+
+    def host_view(self, *, writes: bool = False) -> "HostView":
+        """Offloaded state seen as its host copy for the duration of the block.
+
+        Inside ``with offloader.host_view():`` every released state tensor and master weight
+        is, where the optimizer keeps it (``optimizer.optimizer.state[p][...]``, the
+        ``param_groups``, the wrapper's master lists), a CPU tensor viewing its host copy:
+        reading it copies nothing to the device. What the block writes into them reaches the
+        next step (the prefetch copies the host copy in). Resident states are seen where they
+        are; ``writes=True`` says the block may write those too (their host copies become
+        stale). On exit the optimizer's own tensor objects are back in place; do not keep the
+        host views past the block (the next offload overwrites the host copy). The
+        optimizer's checkpoint methods run inside one by themselves.
+        """
+        self._check_attached()
+        return HostView(self, writes=writes)
 
     def detach(self) -> None:
         """Stop offloading: bring back whatever is offloaded, give back the host memory,

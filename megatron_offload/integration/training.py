@@ -53,6 +53,7 @@ from ..adapters.distributed_optimizer import PRIMARY_WEIGHTS, master_weights
 from . import coexistence
 from .arguments import add_arguments, config_from_args, offload_enabled, validate_args
 from .attach import attach
+from .host_view import servable
 from .stats_log import (  # noqa: F401  (re-exported: the patches and users call them here)
     _print_rank_last,
     format_offload_stats,
@@ -219,9 +220,13 @@ def save_is_staged_on_return(args) -> bool:
 
 @contextlib.contextmanager
 def checkpoint_residency(optimizer, *, read_only: bool, args=None):
-    """The optimizer's states on the device for a checkpoint save (``read_only=True``) or
-    load, offloaded again right after it (so the next iteration's forward and backward do not
-    run with the states on the device).
+    """A checkpoint save (``read_only=True``) or load of ``optimizer``'s states.
+
+    Where the offloader can serve checkpoints from the host copy (``host_view.servable``:
+    every optimizer but Transformer Engine's with fp16 or FP8 moments), nothing is done here:
+    the optimizer's checkpoint methods read and write the host copy, and nothing comes back
+    to the device. Otherwise the states are on the device for the block and offloaded again
+    right after it (so the next iteration's forward and backward do not run with them).
 
     For a save the host copy stays valid. A save whose writer may keep references after it
     returns (an asynchronous save other than megatron-core's own) is left to the offloader's
@@ -229,6 +234,11 @@ def checkpoint_residency(optimizer, *, read_only: bool, args=None):
     them on the device until the next step's offload.
     """
     offloader = find_offloader(optimizer)
+    if offloader is not None and servable(offloader):
+        # The optimizer's checkpoint methods read and write the host copy themselves
+        # (guard.py, host_view.py): nothing comes back to the device.
+        yield offloader
+        return
     if args is None:
         args = _megatron_args_or_none()
     if offloader is None or (read_only and args is not None

@@ -68,6 +68,12 @@ def _expected_offload_bytes(optimizer) -> int:
     return sum(t.numel() * t.element_size() for _, t in _state_tensors(optimizer))
 
 
+def _state_storage_bytes(optimizer) -> int:
+    """Bytes the storages of the optimizer's state tensors hold now (0 for a released one);
+    reads no data."""
+    return sum(tensor.untyped_storage().nbytes() for _, tensor in _state_tensors(optimizer))
+
+
 def _state_digest(optimizer) -> str:
     import torch
 
@@ -136,12 +142,23 @@ class Recorder:
     def wrap_save_checkpoint(self, original):
         @functools.wraps(original)
         def save_checkpoint(iteration, model, optimizer, *args, **kwargs):
-            # Runs inside the offloader's resident() block (patch_megatron wraps this wrapper).
-            self.data['saves'].append(
-                {'iteration': iteration, 'state_sha256': _state_digest(optimizer)}
-            )
-            self.flush()
-            return original(iteration, model, optimizer, *args, **kwargs)
+            # The digest reads the states as the save does: from the host copy while offloaded.
+            import contextlib
+
+            offloader = _offloader(optimizer)
+            stored = _state_storage_bytes(optimizer)
+            with offloader.host_view() if offloader is not None else contextlib.nullcontext():
+                digest = _state_digest(optimizer)
+            self.data['saves'].append({'iteration': iteration, 'state_sha256': digest})
+            try:
+                return original(iteration, model, optimizer, *args, **kwargs)
+            finally:
+                # Device bytes of the optimizer's own state tensors (their storages) before
+                # and right after the save: what a save brought back to the device.
+                self.data.setdefault('save_storage_bytes', []).append(
+                    {'iteration': iteration, 'before': stored, 'after': _state_storage_bytes(optimizer)}
+                )
+                self.flush()
 
         return save_checkpoint
 

@@ -139,6 +139,15 @@ def test_memory_figures(case_name, device):
     assert lines[-1]['d2h_gbps'] > 0 and lines[-1]['h2d_gbps'] > 0
     assert lines[-1]['exposed_ms'] >= max(lines[-1]['d2h_ms'], lines[-1]['h2d_ms'])
     assert off.offload_lines() == []
+    # Checkpoints are saved from the host copy: no state is on the device before or after a
+    # save (the bytes of the state tensors' own storages), where without offloading all are.
+    if case.save_interval:
+        for rank in range(case.world_size):
+            saved_on = on.ranks[rank]['save_storage_bytes']
+            saved_off = off.ranks[rank]['save_storage_bytes']
+            assert [s['iteration'] for s in saved_on] == [3, 5]
+            assert all(s['before'] == s['after'] == 0 for s in saved_on), saved_on
+            assert all(s['before'] == s['after'] > 0 for s in saved_off), saved_off
 
 
 def test_chunked_update_flag_trains_like_the_plain_script():

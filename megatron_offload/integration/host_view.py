@@ -1,0 +1,354 @@
+"""Checkpoints served from the host copy: ``HostView``.
+
+While the states are offloaded, their only valid copy is in the host arena. A checkpoint save
+reads them and a load writes them; neither needs them on the device. ``HostView`` is the one
+mechanism by which megatron-core's checkpoint code reaches offloaded state: for the duration
+of a call (``sharded_state_dict``, ``state_dict``, ``save_parameter_state``, every load) each
+released tensor is replaced, where the optimizer keeps it, by a CPU tensor that views its
+slice of the host arena:
+
+* the fp32 masters in the inner optimizer's ``param_groups`` and in the wrapper's master
+  lists (``shard_fp32_from_float16_groups`` / ``fp32_from_float16_groups``), and as keys of
+  the inner optimizer's ``state`` (re-keyed in place, in the same order);
+* every state tensor (``exp_avg``, ``momentum_buffer``, ...) in the per-parameter state dicts.
+
+A read is then a read of the host copy (no device byte, no copy in); a write (a load copying
+into the states in place, ``reload_model_params`` copying into the masters) writes the host
+copy, which the next prefetch brings to the device as usual. On exit every original tensor
+object goes back in its place, so the engine's layout, the optimizer's identities and any
+reference a user kept are unchanged. Nothing is marked stale: a save leaves the host copy
+valid, and the next offload copies only what the next step wrote.
+
+Loads that put new tensors in place of the served ones (torch's ``Optimizer.load_state_dict``
+rebuilds every state dict and casts each value to its parameter's device) are folded back:
+a value for a served place is first written into the host copy and stands in the load as a
+zero-element placeholder (so the cast to a device parameter's device copies nothing), and the
+original tensor goes back on exit. A new value of another shape or dtype, or for a place that
+had no tensor (the first load into an optimizer without state), stays as the load made it and
+the engine looks again at the next offload; one that landed on the host because its parameter
+was served is handed to the engine as already offloaded (``adopt``).
+
+Resident tensors (partial offload, a prefetched state) are read where they are; a load
+that writes them marks their host copy stale. Configurations whose states cannot be read on
+the host without the device (Transformer Engine's fp16 moments, whose scales live on the
+device, and FP8 moments, dequantized by a device kernel) are not served: there the guard
+brings the states back as before (``servable``).
+
+Rule 5 of the copy protocol: the host copy is read only after its D2H completed, so entering
+waits for every pending copy out (a host block, at a checkpoint only). The arena is written
+next by the offload after the next step; megatron-core's savers copy what they write before
+the save call returns (``dist_checkpointing`` clones every CPU tensor that views a larger
+storage while planning the write; the torch format pickles synchronously).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from ..adapters import distributed_optimizer as dopt_adapter
+from ..adapters import inner_optimizers
+from ..engine import Place
+
+# TE FusedAdam state dtypes whose values need the device to be read (scales on the device,
+# FP8 dequantization kernels).
+_DEVICE_ONLY_DTYPES = (torch.float16, torch.uint8)
+
+
+def servable(offloader) -> bool:
+    """True if every optimizer of ``offloader`` can have its checkpoints served from the host."""
+    for distrib_optimizer in offloader._distributed:
+        inner = distrib_optimizer.optimizer
+        if inner_optimizers.kind_of(inner) == inner_optimizers.TE_FUSED_ADAM:
+            dtypes = getattr(inner, "name_to_dtype_map", {}) or {}
+            if any(dtypes.get(k) in _DEVICE_ONLY_DTYPES for k in ("exp_avg", "exp_avg_sq", "master_param")):
+                return False
+    return True
+
+
+class HostView:
+    """Context manager: the offloader's released tensors seen as their host copies.
+
+    Re-entrant (a save calls ``state_dict`` inside ``sharded_state_dict``): only the outermost
+    one swaps. ``writes``: the block may write the states (a load): resident tensors' host
+    copies become stale, and values the block put in place of served tensors are folded back.
+    """
+
+    def __init__(self, offloader, *, writes: bool) -> None:
+        self._offloader = offloader
+        self._writes = writes
+        self.outer = False
+        self._served: list[_Served] = []
+
+    def __enter__(self) -> "HostView":
+        offloader = self._offloader
+        self.outer = offloader._host_view is None
+        if self._writes:
+            offloader._host_view_writes = True
+        if not self.outer:
+            return self
+        offloader._host_view = self
+        offloader._guard.arm(False)  # the mapping is served, not guarded, in the block
+        try:
+            for engine, distrib_optimizer in zip(offloader._engines, offloader._distributed):
+                self._served.append(_Served(engine, distrib_optimizer))
+        except BaseException:
+            self._close(False)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.outer:
+            self._close(self._offloader._host_view_writes)
+
+    def _close(self, writes: bool) -> None:
+        offloader = self._offloader
+        try:
+            self._restore(writes)
+        finally:
+            offloader._host_view = None
+            offloader._host_view_writes = False
+            offloader._sync_state_guard()
+
+    # ------------------------------------------------------- torch's load hooks
+    def before_load(self, inner, state_dict: dict) -> dict:
+        """``inner.load_state_dict`` pre-hook inside the block: every value for a served
+        place is written into its host copy and replaced by a zero-element placeholder, so
+        torch's cast to the parameter's device copies nothing to the device."""
+        served = self._for(inner)
+        if served is None or not served.views:
+            return state_dict
+        saved = [i for group in state_dict.get("param_groups", []) for i in group["params"]]
+        current = [p for group in inner.param_groups for p in group["params"]]
+        incoming = state_dict.get("state", {})
+        replaced = {}
+        for saved_id, param in zip(saved, current):
+            entries = incoming.get(saved_id)
+            if not isinstance(entries, dict):
+                continue
+            key = served.originals.get(id(param), param)
+            new_entries = None
+            for name, value in entries.items():
+                original = served.places.get((id(key), name))
+                if original is None or not isinstance(value, torch.Tensor) or not _fits(value, original):
+                    continue
+                view = served.views[id(original)]
+                if value is not view and value.numel():
+                    with torch.no_grad():
+                        view.copy_(value)
+                if new_entries is None:
+                    new_entries = dict(entries)
+                new_entries[name] = value.new_empty(0)
+            if new_entries is not None:
+                replaced[saved_id] = new_entries
+        if not replaced:
+            return state_dict
+        return {**state_dict, "state": {**incoming, **replaced}}
+
+    def after_load(self, inner) -> None:
+        """``inner.load_state_dict`` post-hook inside the block: the placeholders become the
+        host views again, for the rest of the block (a load copies into them next)."""
+        served = self._for(inner)
+        if served is None or not served.views:
+            return
+        for key, entries in dict.items(inner.state):
+            if not isinstance(entries, dict):
+                continue
+            original_key = served.originals.get(id(key), key)
+            for name, value in list(entries.items()):
+                original = served.places.get((id(original_key), name))
+                if original is not None and isinstance(value, torch.Tensor) and value.numel() == 0:
+                    entries[name] = served.views[id(original)]
+
+    def detached(self, result):
+        """``result`` with every served host view in it (in dicts, lists and tuples) replaced
+        by a copy of its own: what a caller keeps (``state_dict()`` pickled by ``torch.save``)
+        never references the host arena, which the next offload overwrites and which torch's
+        serialization would otherwise save whole under one storage of mixed dtypes."""
+        views = {key for served in self._served for key in served.originals}
+        if not views:
+            return result
+        return _replace_views(result, views)
+
+    def _for(self, inner):
+        for served in self._served:
+            if served.owner.optimizer is inner:
+                return served
+        return None
+
+    def _restore(self, writes: bool) -> None:
+        errors = []
+        for served in reversed(self._served):
+            try:
+                served.restore(writes)
+            except BaseException as error:  # restore the others before raising
+                errors.append(error)
+        self._served = []
+        if errors:
+            raise errors[0]
+
+
+class _Served:
+    """The swap for one Megatron optimizer (one engine)."""
+
+    def __init__(self, engine, distrib_optimizer) -> None:
+        self.engine = engine
+        self.owner = distrib_optimizer
+        # Rule 5: the host copies are read (and written) by the host in the block.
+        engine.synchronize_host()
+        self.views: dict[int, torch.Tensor] = {}  # id(original) -> its host view
+        self.originals: dict[int, torch.Tensor] = {}  # id(view) -> original
+        for group in engine.groups:
+            if group.place is Place.RELEASED:
+                for tensor, host in group.host_slices():
+                    view = _like(tensor, host)
+                    self.views[id(tensor)] = view
+                    self.originals[id(view)] = tensor
+        # Where each served tensor sat in the state: (original key, state key) -> original.
+        self.places: dict[tuple[int, object], torch.Tensor] = {}
+        self.param_lists: list[list] = []
+        if not self.views:
+            return
+        inner = distrib_optimizer.optimizer
+        for group in inner.param_groups:
+            self._swap_list(group["params"])
+        for masters in dopt_adapter.master_groups(distrib_optimizer):
+            self._swap_list(masters)
+        state = inner.state
+        items = list(dict.items(state))
+        dict.clear(state)
+        for key, entries in items:
+            if isinstance(entries, dict):
+                for name, value in list(entries.items()):
+                    view = self.views.get(id(value)) if isinstance(value, torch.Tensor) else None
+                    if view is not None:
+                        self.places[(id(key), name)] = value
+                        entries[name] = view
+            dict.__setitem__(state, self.views.get(id(key), key), entries)
+        self.keys = {id(key): key for key, _ in items}
+
+    def _swap_list(self, tensors: list) -> None:
+        swapped = False
+        for index, tensor in enumerate(tensors):
+            view = self.views.get(id(tensor)) if tensor is not None else None
+            if view is not None:
+                tensors[index] = view
+                swapped = True
+        if swapped:
+            self.param_lists.append(tensors)
+
+    def restore(self, writes: bool) -> None:
+        engine = self.engine
+        if writes:
+            # Resident tensors may have been written in place: their host copies are stale.
+            for group in engine.groups:
+                if group.place is not Place.RELEASED:
+                    group.host_valid = False
+        if not self.views:
+            return
+        inner = self.owner.optimizer
+        originals = self.originals
+        # The lists the block sees now (a load may have rebuilt param_groups around them).
+        lists = [group["params"] for group in inner.param_groups] + list(dopt_adapter.master_groups(self.owner))
+        for tensors in lists:
+            for index, tensor in enumerate(tensors):
+                original = originals.get(id(tensor)) if tensor is not None else None
+                if original is not None:
+                    tensors[index] = original
+        state = inner.state
+        items = list(dict.items(state))
+        dict.clear(state)
+        changed = False
+        adopt = []
+        for key, entries in items:
+            key = originals.get(id(key), key)
+            if isinstance(entries, dict):
+                for name, value in list(entries.items()):
+                    if not isinstance(value, torch.Tensor):
+                        continue
+                    original = originals.get(id(value))
+                    if original is not None:
+                        entries[name] = original
+                        continue
+                    if not writes:
+                        continue
+                    original = self.places.get((id(key), name))
+                    if original is not None and _fits(value, original):
+                        if value.numel():
+                            # A new value for a served place: into the host copy, the tensor stays.
+                            with torch.no_grad():
+                                self.views[id(original)].copy_(value)
+                        entries[name] = original
+                    elif original is not None or _has_state_place(key, name, value):
+                        changed = True
+                        if value.device != key.device and value.device.type == "cpu" and value.numel():
+                            adopt.append((entries, name, value))
+            dict.__setitem__(state, key, entries)
+        if adopt:
+            self._adopt(adopt)
+        if changed or adopt:
+            engine.invalidate()
+
+    def _adopt(self, places) -> None:
+        """States the block created on the host (their parameter was served): the engine
+        takes them as offloaded, their bytes in a host buffer of its device."""
+        device = self.engine.device
+        items = []
+        for entries, name, value in places:
+            nbytes = value.numel() * value.element_size()
+            buffer = device.host_buffer(nbytes)
+            buffer.copy_(value.contiguous().view(-1).view(torch.uint8))
+            tensor = device.empty(value.numel(), value.dtype).view(value.shape)
+            device.release(tensor)  # one tensor at a time: never more than the largest
+            entries[name] = tensor
+            items.append((tensor, buffer, None))
+        self.engine.adopt(items)
+
+
+def _replace_views(value, views: set[int]):
+    """``value`` with the tensors whose id is in ``views`` cloned; a container is rebuilt only
+    if something in it changed (shared objects stay shared, as a pickle sees them)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone() if id(value) in views else value
+    if isinstance(value, dict) and _plain_dict(value):
+        items = [(k, _replace_views(v, views)) for k, v in value.items()]
+        if all(new is old for (_, new), old in zip(items, value.values())):
+            return value
+        return type(value)(items)
+    if isinstance(value, list) or (isinstance(value, tuple) and type(value) is tuple):
+        items = [_replace_views(v, views) for v in value]
+        if all(new is old for new, old in zip(items, value)):
+            return value
+        return type(value)(items)
+    return value
+
+
+def _plain_dict(value) -> bool:
+    return type(value) in (dict, collections.OrderedDict)
+
+
+def _like(tensor: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+    """The host view standing in for ``tensor``: its class and Python attributes (Megatron's
+    tensor-parallel attributes on masters), over the host copy."""
+    if isinstance(tensor, torch.nn.Parameter):
+        view = torch.nn.Parameter(host, requires_grad=tensor.requires_grad)
+    else:
+        view = host.view(host.shape)
+    view.__dict__.update(tensor.__dict__)
+    return view
+
+
+def _fits(value: torch.Tensor, original: torch.Tensor) -> bool:
+    return type(value) in (torch.Tensor, torch.nn.Parameter) and value.dtype == original.dtype and (
+        value.numel() == 0 or value.shape == original.shape
+    )
+
+
+def _has_state_place(key, name, value) -> bool:
+    """A per-element state tensor the engine would track (not ``step``, not a scalar)."""
+    return (
+        isinstance(key, torch.Tensor)
+        and name not in inner_optimizers.NEVER_MOVED
+        and (value.numel() == key.numel() or value.numel() > 1)
+    )
