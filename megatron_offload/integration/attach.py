@@ -98,6 +98,7 @@ class _AutomaticCycle:
         # update reads it while its states are still on the host: the mapping is not
         # guarded until the offload after the step. The update orders itself after the
         # copy-back (pre-hook) and reads no state before it.
+        offloader._end_reads()  # states served to a reader since the last step go back in place
         guard.stepping += 1
         guard.arm(False)
         try:

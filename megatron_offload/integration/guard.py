@@ -150,6 +150,15 @@ _ARMED_ACCESSORS = {
 }
 
 
+# Accessors served from the host copy (the rest, which print, copy or pickle the whole
+# mapping with its keys, bring every state back), and those among them that hand out keys.
+_SERVED_ACCESSORS = frozenset(
+    {"__getitem__", "get", "keys", "values", "items", "__iter__", "__reversed__", "__eq__", "__ne__",
+     "__setitem__", "__delitem__", "setdefault", "pop", "popitem", "update", "__ior__", "clear"}
+)
+_KEY_ACCESSORS = frozenset({"keys", "items", "__iter__", "__reversed__", "popitem"})
+
+
 def _armed_accessor(name: str, writes: bool):
     plain = getattr(GuardedState, name)
 
@@ -158,7 +167,7 @@ def _armed_accessor(name: str, writes: bool):
         if guard is None:  # not attached to any offloader (never expected)
             self.__class__ = GuardedState
         else:
-            guard._accessed(self, writes)
+            guard._accessed(self, writes, name)
         return plain(self, *args, **kwargs)
 
     accessor.__name__ = accessor.__qualname__ = name
@@ -319,14 +328,21 @@ class StateAccessGuard:
         inner.state = mapping
         self._originals[id(inner)] = state
 
-    def _accessed(self, state: "GuardedState", writes: bool) -> None:
-        """An access to an armed mapping: bring every state back before it proceeds."""
+    def _accessed(self, state: "GuardedState", writes: bool, name: str = "") -> None:
+        """An access to an armed mapping (accessor ``name``): serve it from the host copy,
+        or bring every state back, before it proceeds."""
         # The plain class first, so that nothing the reload does comes back here.
         state.__class__ = GuardedState
         offloader = self._offloader
         if offloader.detached:
             return
         try:
+            if name in _SERVED_ACCESSORS and servable(offloader):
+                # Values served from the host copy (host_view.py) until the next step; an
+                # accessor that hands out keys (the masters of a bf16/fp16 model) brings
+                # those back.
+                offloader._serve_reads(masters=name in _KEY_ACCESSORS)
+                return
             # The mapping hands out the live tensors (the caller may write through them),
             # so the host copy is stale from now on; a write may put new tensors in.
             offloader._make_resident(changes=True, replaced=writes)

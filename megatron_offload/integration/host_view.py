@@ -73,11 +73,15 @@ class HostView:
     Re-entrant (a save calls ``state_dict`` inside ``sharded_state_dict``): only the outermost
     one swaps. ``writes``: the block may write the states (a load): resident tensors' host
     copies become stale, and values the block put in place of served tensors are folded back.
+    ``keys=False``: only the state values are served; parameters (and so the state's keys)
+    stay the optimizer's own objects, so ``state[p]`` with a parameter taken from
+    ``param_groups`` before the block still finds its entry (reads between steps).
     """
 
-    def __init__(self, offloader, *, writes: bool) -> None:
+    def __init__(self, offloader, *, writes: bool, keys: bool = True) -> None:
         self._offloader = offloader
         self._writes = writes
+        self._keys = keys
         self.outer = False
         self._served: list[_Served] = []
 
@@ -92,7 +96,7 @@ class HostView:
         offloader._guard.arm(False)  # the mapping is served, not guarded, in the block
         try:
             for engine, distrib_optimizer in zip(offloader._engines, offloader._distributed):
-                self._served.append(_Served(engine, distrib_optimizer))
+                self._served.append(_Served(engine, distrib_optimizer, self._keys))
         except BaseException:
             self._close(False)
             raise
@@ -192,7 +196,7 @@ class HostView:
 class _Served:
     """The swap for one Megatron optimizer (one engine)."""
 
-    def __init__(self, engine, distrib_optimizer) -> None:
+    def __init__(self, engine, distrib_optimizer, keys: bool = True) -> None:
         self.engine = engine
         self.owner = distrib_optimizer
         # Rule 5: the host copies are read (and written) by the host in the block.
@@ -211,10 +215,11 @@ class _Served:
         if not self.views:
             return
         inner = distrib_optimizer.optimizer
-        for group in inner.param_groups:
-            self._swap_list(group["params"])
-        for masters in dopt_adapter.master_groups(distrib_optimizer):
-            self._swap_list(masters)
+        if keys:
+            for group in inner.param_groups:
+                self._swap_list(group["params"])
+            for masters in dopt_adapter.master_groups(distrib_optimizer):
+                self._swap_list(masters)
         state = inner.state
         items = list(dict.items(state))
         dict.clear(state)
@@ -225,8 +230,7 @@ class _Served:
                     if view is not None:
                         self.places[(id(key), name)] = value
                         entries[name] = view
-            dict.__setitem__(state, self.views.get(id(key), key), entries)
-        self.keys = {id(key): key for key, _ in items}
+            dict.__setitem__(state, self.views.get(id(key), key) if keys else key, entries)
 
     def _swap_list(self, tensors: list) -> None:
         swapped = False

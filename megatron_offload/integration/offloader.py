@@ -105,6 +105,9 @@ class OptimizerStateOffloader:
         # integration/host_view.py), and whether anything in it may write the states.
         self._host_view = None
         self._host_view_writes = False
+        # The HostView a read of the state mapping between steps opened (guard.py): open
+        # until the next call that moves states (``_end_reads``).
+        self._reads = None
         self._offload_pre_hooks: dict[int, Callable] = collections.OrderedDict()
         self._offload_post_hooks: dict[int, Callable] = collections.OrderedDict()
 
@@ -191,6 +194,7 @@ class OptimizerStateOffloader:
         the copy has read it.
         """
         self._check_attached()
+        self._end_reads()
         self._offload(self._selection(offload_optimizer_states, offload_primary_weights))
         self._sync_state_guard()
 
@@ -206,6 +210,7 @@ class OptimizerStateOffloader:
         step of an attached optimizer waits by itself.
         """
         self._check_attached()
+        self._end_reads()
         if not self._ever_offloaded:
             raise OffloadStateError(
                 "reload() before offload(): nothing has been offloaded yet. Call offload() "
@@ -219,12 +224,14 @@ class OptimizerStateOffloader:
         """Start reloading what the step needs whole (asynchronous): everything, except
         the states a chunked update (``chunked_update_bytes``) streams through its slots
         during the step. What ``attach``'s cycle and the training hooks call."""
+        self._end_reads()
         for engine in self._engines:
             engine.reload(streamed=False)
         self._sync_state_guard()
 
     def wait(self) -> None:
         """Order every pending copy-back before the current stream (no host block)."""
+        self._end_reads()
         for engine in self._engines:
             engine.wait()
         self._sync_state_guard()
@@ -257,6 +264,7 @@ class OptimizerStateOffloader:
         offloads is reloaded, and ready for the current stream, on exit.
         """
         self._check_attached()
+        self._end_reads()
         selection = self._selection(offload_optimizer_states, offload_primary_weights)
         taken = [
             tuple(kind for kind in kinds if not _all_released(engine, kind))
@@ -299,6 +307,7 @@ class OptimizerStateOffloader:
         host (reading it still brings it back, through the state-access guard).
         """
         self._check_attached()
+        self._end_reads()
         selection = self._resident_selection(kinds)
         taken = [
             tuple(kind for kind in chosen if engine.is_released((kind,)))
@@ -354,6 +363,7 @@ class OptimizerStateOffloader:
         """
         if self._detached:
             return
+        self._end_reads()
         # The host copies may be the only copies: every engine regrows and copies back
         # what it released (and waits for any copy-out still reading device memory) before
         # its host arena is given back; the waits order the copies before the current
@@ -414,6 +424,7 @@ class OptimizerStateOffloader:
 
     def _offload(self, selection: list[tuple[str, ...]], *, skip_unchanged: bool = False) -> None:
         """Copy out (unless ``skip_unchanged`` and still valid) and release, per optimizer."""
+        self._end_reads()
         for hook in tuple(self._offload_pre_hooks.values()):
             hook(self)
         for engine, kinds in zip(self._engines, selection):
@@ -438,6 +449,7 @@ class OptimizerStateOffloader:
         may write them, so the next offload must copy them out again. ``replaced``: the
         caller may put new tensor objects into the state (a load).
         """
+        self._end_reads()
         for engine in self._engines:
             if engine.is_released():
                 engine.reload()
@@ -448,10 +460,35 @@ class OptimizerStateOffloader:
                 engine.invalidate()
         self._sync_state_guard()
 
+    def _serve_reads(self, *, masters: bool) -> None:
+        """A read of a guarded state mapping between steps (guard.py): its values are served
+        from the host copy until the next call that moves states (no copy to the device).
+        ``masters``: the access hands out the mapping's keys, which are the master weights
+        of a bf16/fp16 model; those come back to the device (the moments stay on the host)."""
+        if masters:
+            for engine in self._engines:
+                kinds = (PRIMARY_WEIGHTS,)
+                if engine.is_released(kinds):
+                    engine.reload(kinds)
+                engine.wait(kinds)
+                for group in engine.groups:  # handed out: the caller may write them
+                    if group.kind == PRIMARY_WEIGHTS:
+                        group.host_valid = False
+        if self._reads is None and self._host_view is None:
+            view = HostView(self, writes=True, keys=False)
+            view.__enter__()
+            self._reads = view
+
+    def _end_reads(self) -> None:
+        """Close the view ``_serve_reads`` opened: what the reader wrote is in the host copy."""
+        view, self._reads = self._reads, None
+        if view is not None:
+            view.__exit__(None, None, None)
+
     def _sync_state_guard(self) -> None:
         """Guard the inner optimizers' state mappings while some state is not on the device
         (released, or still being copied), and not otherwise (see ``guard.GuardedState``)."""
-        if not self._detached:
+        if not self._detached and self._host_view is None:
             self._guard.arm(
                 any(group.place is not Place.RESIDENT for engine in self._engines for group in engine.groups)
             )

@@ -19,17 +19,43 @@ def _sharded_state_dict(chunks, optimizer, is_loading=False):
     return {"model": model, "optimizer": optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=SHARDING)}
 
 
+WRITER_DELAY_S = 1.5
+
+
 def _save(chunks, optimizer, directory, async_save):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     state = _sharded_state_dict(chunks, optimizer)
     if not async_save:
         dist_checkpointing.save(state, directory)
         return None
     queue = AsyncCallsQueue()
-    queue.schedule_async_request(dist_checkpointing.save(state, directory, async_sharded_save=True, async_strategy="mcore"))
+    # A throttled writer: the forked writer process sleeps before it writes a byte, so the
+    # next steps (and their offloads, which overwrite the host copy the save was served
+    # from) run while the checkpoint is being written.
+    write = FileSystemWriterAsync.write_preloaded_data_multithread
+
+    def slow_write(*args, **kwargs):
+        import time
+
+        time.sleep(WRITER_DELAY_S)
+        return write(*args, **kwargs)
+
+    FileSystemWriterAsync.write_preloaded_data_multithread = staticmethod(slow_write)
+    try:
+        request = dist_checkpointing.save(state, directory, async_sharded_save=True, async_strategy="mcore")
+        queue.schedule_async_request(request)
+    finally:
+        FileSystemWriterAsync.write_preloaded_data_multithread = staticmethod(write)
     return queue
+
+
+def _writing(queue):
+    """Whether the forked writer of ``queue`` is still running."""
+    return any(call.async_caller.process is not None and call.async_caller.process.is_alive()
+               for call in queue.async_calls)
 
 
 @torch.no_grad()
@@ -112,6 +138,7 @@ def checkpoint_job(offload, dtype, async_save, directory, checked=False, chunked
                 out["save"] = watch.figures()
                 out["offloaded_after_save"] = _all_released(offloader)
     if pending is not None:
+        out["written_while_training"] = _writing(pending)  # the steps after the save ran meanwhile
         pending.maybe_finalize_async_calls(blocking=True)
     out["uninterrupted"] = results
     out["uninterrupted_snapshot"] = _final_snapshot(chunks, optimizer, offloader)
@@ -246,6 +273,8 @@ def test_save_while_offloaded_then_resume_is_bitwise(rank_pool, tmp_path, dtype,
     assert all(rank["checked"] == (3 if checked else 0) for rank in offloaded)
     assert all((rank["update_chunks"] >= 2) == chunked for rank in offloaded)
     for ref, off in zip(reference, offloaded):
+        if async_save:  # the writer was still writing when the run had stepped past the save
+            assert ref["written_while_training"] and off["written_while_training"]
         # Saved and loaded from the host copy: no state storage regrown, no allocation, and
         # offloaded right after (measured inside megatron-core's per-parameter accesses).
         assert off["offloaded_at_save"] and off["offloaded_after_save"]

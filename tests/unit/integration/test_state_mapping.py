@@ -16,6 +16,10 @@ import torch
 
 # Reads that touch no tensor (tensors hash by identity): they leave the states offloaded.
 TOUCH_NO_TENSOR = ("len", "in")
+# Reads that print, copy or pickle the whole mapping with its keys: every state comes back.
+WHOLE_MAPPING = ("repr", "reduce", "copy", "copy.copy")
+# Reads that hand out the keys (the fp32 masters of a bf16 model): the masters come back.
+HAND_OUT_KEYS = ("items", "keys", "iteration", "dict")
 
 
 def _reads(optimizer, distrib, param):
@@ -80,13 +84,20 @@ def reads_job(offload, dtype, checked=False, options=None):
     results = [models.train_step(chunks, optimizer, config, step) for step in range(2)]
     chunks_per_step = [offloader.stats()["update_chunks"]] if offloader else []
     param = inner.param_groups[0]["params"][0]
-    values, seen = {}, {}
+    values, seen, on_device = {}, {}, {}
+    tracked = {kind: [t for e in offloader.engines for g in e.groups if g.kind == kind for t in g.tensors]
+               for kind in ("optimizer_states", "primary_weights")} if offloader else {}
     for name, read in _reads(optimizer, distrib, param):
         if offloader and not offloader.is_offloaded:
             offloader.offload()  # every read starts from offloaded states
         before = offloader.is_offloaded if offloader else None
         values[name] = read()
         seen[name] = (before, offloader.is_offloaded if offloader else None)
+        # What the read brought to the device: the bytes of the tracked tensors' own storages.
+        on_device[name] = {kind: sum(t.untyped_storage().nbytes() for t in tensors)
+                           for kind, tensors in tracked.items()}
+        if offloader:
+            offloader.offload()  # ends the read (the next step would)
     raw = {}
     if offloader:
         # The offloader's own walks read the mapping raw: they bring nothing back.
@@ -111,7 +122,8 @@ def reads_job(offload, dtype, checked=False, options=None):
     if offloader:
         offloader.detach()
     check_devices(devices)
-    return {"results": results, "values": values, "seen": seen, "raw": raw, "pattern": pattern,
+    return {"results": results, "values": values, "seen": seen, "on_device": on_device, "raw": raw,
+            "pattern": pattern,
             "plain_is_guarded_state": plain_type is GuardedState, "chunks_per_step": chunks_per_step,
             "after_detach": type(inner.state).__name__, "snapshot": models.snapshot(chunks, optimizer)}
 
@@ -135,13 +147,23 @@ def test_reads_through_the_state_mapping_are_safe_and_training_stays_bitwise(ran
         for key, value in ref["snapshot"]["optimizer"].items():
             assert torch.equal(value, off["snapshot"]["optimizer"][key]), key
         assert set(off["seen"]) >= set(TOUCH_NO_TENSOR) | {"index", "get", "values", "items", "keys"}
+        masters = dtype != "fp32"  # an fp32 model's parameters are the keys: never offloaded
         for name, (before, after) in off["seen"].items():
             assert before, name  # the read met released states...
-            # ...and brought them back, unless it touches no tensor (len, in).
-            assert after == (name in TOUCH_NO_TENSOR), name
+            # ...and was served from the host copy: the moments stayed there; a read that hands
+            # out the keys brought the masters back; one of the whole mapping (print, copy,
+            # pickle) brought everything back.
+            assert after == (name not in WHOLE_MAPPING), name
+            brought = off["on_device"][name]
+            if name in WHOLE_MAPPING:
+                assert brought["optimizer_states"] > 0, name
+            else:
+                assert brought["optimizer_states"] == 0, name
+                assert (brought["primary_weights"] > 0) == (masters and name in HAND_OUT_KEYS), (name, brought)
         assert off["raw"] == {"bring_backs": 0, "offloaded": True, "armed_type": "_ArmedState"}
         for after_step, value, after_read, state_type in off["pattern"]:
-            assert after_step and not after_read and state_type == "GuardedState"
+            # Served from the host copy: still offloaded after the read.
+            assert after_step and after_read and state_type == "GuardedState"
         assert [v for _, v, _, _ in off["pattern"]] == [v for _, v, _, _ in ref["pattern"]]
         assert off["plain_is_guarded_state"] and off["after_detach"] == "defaultdict"
         if options:
