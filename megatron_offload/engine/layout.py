@@ -40,6 +40,13 @@ class LayoutMixin:
         """The tracked tensors may have been replaced: look at them again at the next offload."""
         self._last_fingerprint = _NEVER
 
+    def rescan(self) -> None:
+        """Look at the tensors ``collect`` returns now (after ``invalidate`` or ``adopt``) and
+        lay the groups out anew if they changed, instead of at the next offload: adopted
+        tensors then belong to released groups, which the next reload brings back."""
+        self._check_open()
+        self._rescan()
+
     def _rescan(self) -> None:
         """Pick up tensors created or replaced since the last offload."""
         if self._fingerprint is not None:

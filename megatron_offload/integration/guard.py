@@ -253,9 +253,10 @@ class StateAccessGuard:
         def make(previous):
             def call(*args, **kwargs):
                 loads = name in LOAD_METHODS
-                writes = not (name in READ_ONLY_METHODS or name == "sharded_state_dict") or (
-                    name == "sharded_state_dict" and _is_loading(previous, args, kwargs)
-                )
+                if name.startswith("sharded_"):  # sharded_state_dict, sharded_param_state_*
+                    writes = _is_loading(previous, args, kwargs)
+                else:  # loads and reload_model_params write; state dicts and getters read
+                    writes = loads or name == "reload_model_params"
                 if offloader._host_view is not None or servable(offloader):
                     # Served from the host copy: nothing comes back to the device.
                     with HostView(offloader, writes=writes) as view:

@@ -44,12 +44,14 @@ storage while planning the write; the torch format pickles synchronously).
 from __future__ import annotations
 
 import collections
+import time
 
 import torch
 
 from ..adapters import distributed_optimizer as dopt_adapter
 from ..adapters import inner_optimizers
 from ..engine import Place
+from ..engine.groups import ALIGN_BYTES
 
 # TE FusedAdam state dtypes whose values need the device to be read (scales on the device,
 # FP8 dequantization kernels).
@@ -94,9 +96,17 @@ class HostView:
             return self
         offloader._host_view = self
         offloader._guard.arm(False)  # the mapping is served, not guarded, in the block
+        figures = offloader._host_view_figures
+        figures["host_view_calls"] += 1
+        # State the block finds on the device (partial offload, a prefetch): read there.
+        figures["host_view_device_bytes"] = max(
+            figures["host_view_device_bytes"], sum(e.stats()["resident_bytes"] for e in offloader._engines)
+        )
+        start = time.perf_counter()
         try:
             for engine, distrib_optimizer in zip(offloader._engines, offloader._distributed):
                 self._served.append(_Served(engine, distrib_optimizer, self._keys))
+            figures["host_view_wait_ms"] += (time.perf_counter() - start) * 1e3
         except BaseException:
             self._close(False)
             raise
@@ -137,10 +147,8 @@ class HostView:
                 original = served.places.get((id(key), name))
                 if original is None or not isinstance(value, torch.Tensor) or not _fits(value, original):
                     continue
-                view = served.views[id(original)]
-                if value is not view and value.numel():
-                    with torch.no_grad():
-                        view.copy_(value)
+                if value is not served.views[id(original)] and value.numel():
+                    served.write(original, value)
                 if new_entries is None:
                     new_entries = dict(entries)
                 new_entries[name] = value.new_empty(0)
@@ -182,12 +190,17 @@ class HostView:
         return None
 
     def _restore(self, writes: bool) -> None:
+        figures = self._offloader._host_view_figures
+        key = "host_view_load_bytes" if writes else "host_view_save_bytes"
+        for served in self._served:
+            figures[key] += served.served_bytes
         errors = []
         for served in reversed(self._served):
             try:
                 served.restore(writes)
             except BaseException as error:  # restore the others before raising
                 errors.append(error)
+            figures["host_view_load_bytes"] += served.written_bytes
         self._served = []
         if errors:
             raise errors[0]
@@ -203,15 +216,30 @@ class _Served:
         engine.synchronize_host()
         self.views: dict[int, torch.Tensor] = {}  # id(original) -> its host view
         self.originals: dict[int, torch.Tensor] = {}  # id(view) -> original
+        # Views that are copies, with the host copy they are written back to (see below).
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.served_bytes = 0  # host-copy bytes in place of released tensors
+        self.written_bytes = 0  # bytes folded into the host copy beyond them (new tensors)
         for group in engine.groups:
             if group.place is Place.RELEASED:
                 for tensor, host in group.host_slices():
-                    view = _like(tensor, host)
-                    self.views[id(tensor)] = view
-                    self.originals[id(view)] = tensor
+                    if host.numel() * host.element_size() == host.untyped_storage().nbytes():
+                        # A view of the whole arena (an engine with one tensor): savers copy
+                        # only views of a larger storage, and a persistent writer would move a
+                        # whole storage it is sent into shared memory, the arena with it. It
+                        # gets a copy, written back on exit if the block may write.
+                        served = _like(tensor, host.clone())
+                        self.copies.append((served, host))
+                    else:
+                        served = _like(tensor, host)
+                    self.views[id(tensor)] = served
+                    self.originals[id(served)] = tensor
+                    self.served_bytes += host.numel() * host.element_size()
         # Where each served tensor sat in the state: (original key, state key) -> original.
         self.places: dict[tuple[int, object], torch.Tensor] = {}
-        self.param_lists: list[list] = []
+        # The entry dicts changed here: restored even if a load put other dicts in the state
+        # (someone may still hold these: the optimizer's state watch does).
+        self.swapped: list[tuple[dict, object, torch.Tensor, torch.Tensor]] = []
         if not self.views:
             return
         inner = distrib_optimizer.optimizer
@@ -229,18 +257,15 @@ class _Served:
                     view = self.views.get(id(value)) if isinstance(value, torch.Tensor) else None
                     if view is not None:
                         self.places[(id(key), name)] = value
+                        self.swapped.append((entries, name, value, view))
                         entries[name] = view
             dict.__setitem__(state, self.views.get(id(key), key) if keys else key, entries)
 
     def _swap_list(self, tensors: list) -> None:
-        swapped = False
         for index, tensor in enumerate(tensors):
             view = self.views.get(id(tensor)) if tensor is not None else None
             if view is not None:
                 tensors[index] = view
-                swapped = True
-        if swapped:
-            self.param_lists.append(tensors)
 
     def restore(self, writes: bool) -> None:
         engine = self.engine
@@ -251,6 +276,9 @@ class _Served:
                     group.host_valid = False
         if not self.views:
             return
+        if writes:
+            for served, host in self.copies:
+                host.copy_(served)
         inner = self.owner.optimizer
         originals = self.originals
         # The lists the block sees now (a load may have rebuilt param_groups around them).
@@ -260,12 +288,16 @@ class _Served:
                 original = originals.get(id(tensor)) if tensor is not None else None
                 if original is not None:
                     tensors[index] = original
+        for entries, name, original, view in self.swapped:
+            if entries.get(name) is view:
+                entries[name] = original
         state = inner.state
         items = list(dict.items(state))
         dict.clear(state)
         changed = False
         adopt = []
         for key, entries in items:
+            served_key = id(key) in originals
             key = originals.get(id(key), key)
             if isinstance(entries, dict):
                 for name, value in list(entries.items()):
@@ -275,39 +307,56 @@ class _Served:
                     if original is not None:
                         entries[name] = original
                         continue
-                    if not writes:
-                        continue
                     original = self.places.get((id(key), name))
+                    if not writes or value is original:  # (put back above, with its dict)
+                        continue
                     if original is not None and _fits(value, original):
                         if value.numel():
                             # A new value for a served place: into the host copy, the tensor stays.
-                            with torch.no_grad():
-                                self.views[id(original)].copy_(value)
+                            self.write(original, value)
                         entries[name] = original
                     elif original is not None or _has_state_place(key, name, value):
                         changed = True
-                        if value.device != key.device and value.device.type == "cpu" and value.numel():
+                        if served_key and value.device.type == "cpu" and _plain(value) and value.numel():
+                            # Made in the block for a served parameter (torch's load casts to
+                            # the parameter's device): already on the host.
                             adopt.append((entries, name, value))
             dict.__setitem__(state, key, entries)
         if adopt:
             self._adopt(adopt)
         if changed or adopt:
             engine.invalidate()
+        if adopt:
+            # Laid out now: the next prefetch must bring the adopted states in with the rest.
+            engine.rescan()
 
     def _adopt(self, places) -> None:
         """States the block created on the host (their parameter was served): the engine
         takes them as offloaded, their bytes in a host buffer of its device."""
         device = self.engine.device
-        items = []
-        for entries, name, value in places:
-            nbytes = value.numel() * value.element_size()
-            buffer = device.host_buffer(nbytes)
-            buffer.copy_(value.contiguous().view(-1).view(torch.uint8))
+        sizes = [value.numel() * value.element_size() for _, _, value in places]
+        # One staging buffer for all of them (one pinned allocation, not one per tensor); the
+        # engine moves them into its arena at the next offload and gives it back then.
+        buffer = device.host_buffer(sum(-(-n // ALIGN_BYTES) * ALIGN_BYTES for n in sizes))
+        items, offset = [], 0
+        for (entries, name, value), nbytes in zip(places, sizes):
+            host = buffer[offset : offset + nbytes]
+            host.copy_(value.contiguous().view(-1).view(torch.uint8))
+            offset += -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES  # each one aligned for its dtype
+            # The device tensor the optimizer will use: allocated and released at once, one at
+            # a time (never more than the largest of them on the device).
             tensor = device.empty(value.numel(), value.dtype).view(value.shape)
-            device.release(tensor)  # one tensor at a time: never more than the largest
+            device.release(tensor)
             entries[name] = tensor
-            items.append((tensor, buffer, None))
+            items.append((tensor, host, None, buffer))
+            self.written_bytes += nbytes
         self.engine.adopt(items)
+
+    def write(self, original: torch.Tensor, value: torch.Tensor) -> None:
+        """``value`` into the host copy of the served ``original``."""
+        with torch.no_grad():
+            self.views[id(original)].copy_(value)
+        self.written_bytes += value.numel() * value.element_size()
 
 
 def _replace_views(value, views: set[int]):
@@ -341,6 +390,10 @@ def _like(tensor: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
         view = host.view(host.shape)
     view.__dict__.update(tensor.__dict__)
     return view
+
+
+def _plain(value) -> bool:
+    return type(value) in (torch.Tensor, torch.nn.Parameter)
 
 
 def _fits(value: torch.Tensor, original: torch.Tensor) -> bool:

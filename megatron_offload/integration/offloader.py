@@ -108,6 +108,14 @@ class OptimizerStateOffloader:
         # The HostView a read of the state mapping between steps opened (guard.py): open
         # until the next call that moves states (``_end_reads``).
         self._reads = None
+        # What the host views served (host_view.py), for stats().
+        self._host_view_figures = {
+            "host_view_calls": 0,
+            "host_view_save_bytes": 0,
+            "host_view_load_bytes": 0,
+            "host_view_wait_ms": 0.0,
+            "host_view_device_bytes": 0,
+        }
         self._offload_pre_hooks: dict[int, Callable] = collections.OrderedDict()
         self._offload_post_hooks: dict[int, Callable] = collections.OrderedDict()
 
@@ -163,6 +171,14 @@ class OptimizerStateOffloader:
         CPU they are the measured copy times, all of them exposed. The chunked update's slot
         copies are in the ``update_*`` figures only.
         ``per_optimizer`` has the same per optimizer.
+
+        Checkpoints and reads served from the host copy (``host_view``; since attach):
+        ``host_view_calls``; ``host_view_save_bytes``, the host-copy bytes handed to code that
+        only reads them (a save) in place of released tensors; ``host_view_load_bytes``, those
+        handed to code that may write them (a load, a read between steps), plus the bytes of
+        new state a load put on the host; ``host_view_wait_ms``, host time spent waiting for
+        copies out to complete before serving them; ``host_view_device_bytes``, the most state
+        found on the device when one opened (0 in whole mode).
         """
         per = [engine.stats() for engine in self._engines]
         total = {}
@@ -180,6 +196,7 @@ class OptimizerStateOffloader:
         for direction in ("d2h", "h2d"):  # of the summed bytes and times, not a sum of rates
             total[f"{direction}_gbps"] = gbps(total.get(f"{direction}_timed_bytes", 0), total.get(f"{direction}_ms", 0.0))
         total["cycles"] = self._cycles
+        total.update(self._host_view_figures)
         total["per_optimizer"] = per
         return total
 

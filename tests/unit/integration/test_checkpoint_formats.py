@@ -108,6 +108,10 @@ def formats_job(offload, sharding, directory, modes=("whole", "chunked"), serve=
             figures["load"] = {**watch.figures(), "released_after": _all_released(offloader)}
         again = [models.train_step(chunks, optimizer, config, step) for step in range(SAVE_AFTER, SAVE_AFTER + MORE)] \
             if loaded == "ok" else []
+        if offloader:
+            stats = offloader.stats()
+            figures["stats"] = {k: v for k, v in stats.items() if k.startswith("host_view")}
+            figures["stats"]["tracked_bytes"] = stats["tracked_bytes"]
         out[mode] = {"saved": saved, "results": results + after, "again": again, "loaded": loaded, "figures": figures,
                      "snapshot": _final_snapshot(chunks, optimizer, offloader),
                      "checkpoint": _read_back(where, sharding)}
@@ -152,6 +156,12 @@ def test_every_sharding_type_is_saved_and_loaded_from_the_host(rank_pool, tmp_pa
                 assert run["results"] == ref["results"]
                 continue
             assert run["figures"]["save"]["probes"] > 2
+            # stats(): what was served from the host copy to the save and to the load, and no
+            # state on the device when it was served.
+            stats = run["figures"]["stats"]
+            assert stats["host_view_calls"] >= 2 and stats["host_view_device_bytes"] == 0, stats
+            assert stats["host_view_save_bytes"] >= stats["tracked_bytes"] > 0, stats
+            assert stats["host_view_load_bytes"] >= stats["tracked_bytes"], stats
             if ref["loaded"] == "ok":
                 assert run["figures"]["load"]["probes"] > 2
             # The checkpoint written from the host copy is the one written without offloading.

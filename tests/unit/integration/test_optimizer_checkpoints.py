@@ -13,7 +13,7 @@ import pytest
 import torch
 
 # Resident snapshots and a directory every rank sees, as the DistributedOptimizer checkpoint tests take them.
-from tests.unit.integration.test_checkpoint import _final_snapshot, _shared_directory
+from tests.unit.integration.test_checkpoint import DeviceWatch, _all_released, _final_snapshot, _shared_directory
 
 STEPS, SAVE_AFTER = 5, 3
 HAVE_EMERGING = importlib.util.find_spec("emerging_optimizers") is not None
@@ -81,7 +81,10 @@ def checkpoint_job(offload, fmt, directory, build_kw):
         results.append(models.train_step(chunks, optimizer, config, step))
         if step == SAVE_AFTER - 1:
             out["offloaded_at_save"] = bool(offloader and offloader.is_offloaded)
-            saved = _save(chunks, optimizer, directory, fmt)
+            with DeviceWatch(offloader) as watch:
+                saved = _save(chunks, optimizer, directory, fmt)
+            if offloader:  # served from the host copy: nothing came back
+                out["save"] = {**watch.figures(), "released_after": _all_released(offloader)}
     out["uninterrupted"] = results
     out["uninterrupted_snapshot"] = _final_snapshot(chunks, optimizer, offloader)
 
@@ -91,7 +94,11 @@ def checkpoint_job(offload, fmt, directory, build_kw):
     if offloader:
         offloader.offload()  # a restarted job: the masters are on the host before the load
         out["offloaded_before_load"] = offloader.is_offloaded
-    _load(chunks, optimizer, directory, fmt, saved)
+    with DeviceWatch(offloader) as watch:
+        _load(chunks, optimizer, directory, fmt, saved)
+    if offloader:
+        # The states the load creates (this optimizer had none) are put on the host at once.
+        out["load"] = {**watch.figures(), "released_after": _all_released(offloader)}
     out["resumed"] = [models.train_step(chunks, optimizer, config, s) for s in range(SAVE_AFTER, STEPS)]
     out["resumed_snapshot"] = _final_snapshot(chunks, optimizer, offloader)
     if offloader:
@@ -131,6 +138,9 @@ def test_checkpoint_while_offloaded_then_resume_is_bitwise(rank_pool, tmp_path, 
     offloaded = rank_pool.run(checkpoint_job, True, fmt, str(tmp_path / "off"), build_kw)
     for ref, off in zip(reference, offloaded):
         assert off["offloaded_at_save"] and off["offloaded_before_load"] and off["all_offloaded"]
+        assert off["save"]["peak_state_bytes"] == 0 and off["save"]["allocations"] == 0, off["save"]
+        assert off["save"]["released_after"] and off["load"]["released_after"], (off["save"], off["load"])
+        assert off["load"]["peak_state_bytes"] == 0, off["load"]
         for phase in ("uninterrupted", "resumed"):
             assert off[phase] == ref[phase], phase
             for section in ("params", "optimizer"):
