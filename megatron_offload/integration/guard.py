@@ -233,7 +233,7 @@ class StateAccessGuard:
                 # current chunk, whose states are in a slot: nothing must move then.
                 # Inside a HostView (a checkpoint served from the host) they read and write
                 # the host copies in its place.
-                if not offloader._streaming and offloader._host_view is None:
+                if not offloader._streaming and offloader._serving_checkpoint() is None:
                     offloader._make_resident(changes=True, replaced=replaces)
                 return previous(*args, **kwargs)
 
@@ -257,7 +257,7 @@ class StateAccessGuard:
                     writes = _is_loading(previous, args, kwargs)
                 else:  # loads and reload_model_params write; state dicts and getters read
                     writes = loads or name == "reload_model_params"
-                if offloader._host_view is not None or servable(offloader):
+                if offloader._serving_checkpoint() is not None or servable(offloader):
                     # Served from the host copy: nothing comes back to the device.
                     with HostView(offloader, writes=writes) as view:
                         result = previous(*args, **kwargs)
@@ -308,8 +308,9 @@ class StateAccessGuard:
 
     def _after_inner_load(self, inner) -> None:
         self._install(inner)
-        if self._offloader._host_view is not None:
-            self._offloader._host_view.after_load(inner)
+        view = self._offloader._serving_checkpoint()
+        if view is not None:
+            view.after_load(inner)
 
     def _install(self, inner) -> None:
         """Put a ``GuardedState`` with the same entries in place of ``inner.state``.
@@ -405,14 +406,15 @@ def _rl_restore(offloader):
 def _inner_pre_hook(offloader, optimizer, *args) -> None:
     # torch's state_dict() returns references to the live tensors, which the caller may
     # write through: the host copy is stale. Inside a HostView they are the host copies.
-    if offloader._host_view is None:
+    if offloader._serving_checkpoint() is None:
         offloader._make_resident(changes=True, replaced=True)
 
 
 def _inner_load_pre_hook(offloader, optimizer, state_dict):
     # load_state_dict() writes; inside a HostView it writes the host copies.
-    if offloader._host_view is not None:
-        return offloader._host_view.before_load(optimizer, state_dict)
+    view = offloader._serving_checkpoint()
+    if view is not None:
+        return view.before_load(optimizer, state_dict)
     offloader._make_resident(changes=True, replaced=True)
     return None
 

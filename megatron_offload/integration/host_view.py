@@ -147,7 +147,7 @@ class HostView:
                 original = served.places.get((id(key), name))
                 if original is None or not isinstance(value, torch.Tensor) or not _fits(value, original):
                     continue
-                if value is not served.views[id(original)] and value.numel():
+                if value.numel():
                     served.write(original, value)
                 if new_entries is None:
                     new_entries = dict(entries)
@@ -353,9 +353,15 @@ class _Served:
         self.engine.adopt(items)
 
     def write(self, original: torch.Tensor, value: torch.Tensor) -> None:
-        """``value`` into the host copy of the served ``original``."""
+        """``value`` into the host copy of the served ``original``. A value that is itself a
+        served tensor (a state dict taken earlier holds the optimizer's own tensors) is read
+        from its host copy: its device memory is released."""
+        target = self.views[id(original)]
+        source = self.views.get(id(value), value)
+        if source is target:
+            return
         with torch.no_grad():
-            self.views[id(original)].copy_(value)
+            target.copy_(source)
         self.written_bytes += value.numel() * value.element_size()
 
 

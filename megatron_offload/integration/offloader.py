@@ -496,6 +496,14 @@ class OptimizerStateOffloader:
             view.__enter__()
             self._reads = view
 
+    def _serving_checkpoint(self):
+        """The HostView a checkpoint method opened (its calls into the inner optimizer read
+        and write the host copies), or None. A view that reads between steps opened is not
+        one: calls made under it (a user's own ``inner.state_dict()``) take the old path."""
+        if self._host_view is not None and self._host_view is self._reads:
+            self._end_reads()
+        return self._host_view
+
     def _end_reads(self) -> None:
         """Close the view ``_serve_reads`` opened: what the reader wrote is in the host copy."""
         view, self._reads = self._reads, None

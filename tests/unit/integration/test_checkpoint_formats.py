@@ -54,7 +54,7 @@ def _load(chunks, optimizer, directory, sharding):
             restore_step_tensors(distrib.optimizer, {"optimizer": {"param_groups": distrib.optimizer.param_groups}})
 
 
-def formats_job(offload, sharding, directory, modes=("whole", "chunked"), serve=True):
+def formats_job(offload, sharding, directory, modes=("whole", "chunked"), serve=True, read_first=False):
     """Per mode: train, save while offloaded, train on, load into the running optimizer,
     train the same steps again. The reference (no offloader) runs the same sequence per mode
     in the same process, so every process-wide generator advances alike. ``serve=False``
@@ -68,7 +68,7 @@ def formats_job(offload, sharding, directory, modes=("whole", "chunked"), serve=
     if not serve:
         guard.servable = lambda offloader: False  # this rank process only; restored below
         try:
-            return formats_job(offload, sharding, directory, modes)
+            return formats_job(offload, sharding, directory, modes, read_first=read_first)
         finally:
             from megatron_offload.integration.host_view import servable
 
@@ -83,6 +83,9 @@ def formats_job(offload, sharding, directory, modes=("whole", "chunked"), serve=
         offloader = megatron_offload.attach(optimizer, **options) if offload else None
         results = [models.train_step(chunks, optimizer, config, step) for step in range(SAVE_AFTER)]
         figures = {}
+        if read_first:  # research code reads a state between steps, then the run saves
+            inner = models.distributed_optimizers(optimizer)[0].optimizer
+            figures["read"] = float(inner.state[inner.param_groups[0]["params"][0]]["exp_avg"].sum())
         try:
             with DeviceWatch(offloader) as watch:
                 dist_checkpointing.save(_sharded(chunks, optimizer, sharding), where)
@@ -178,6 +181,21 @@ def test_every_sharding_type_is_saved_and_loaded_from_the_host(rank_pool, tmp_pa
                 assert ref["loaded"] == "ok" and ref["again"] == ref["results"][SAVE_AFTER:]
             for section in ("params", "optimizer"):
                 assert _equal(ref["snapshot"][section], run["snapshot"][section]), (mode, section)
+
+
+def test_a_save_after_a_read_between_steps(rank_pool, tmp_path):
+    """A read of the state mapping between steps serves the values from the host copy until
+    the next step; a save in that time serves the masters too (the read's view gives way to
+    the save's), and the checkpoint is the one written without offloading."""
+    reference = rank_pool.run(formats_job, False, "dp_reshardable", str(tmp_path / "ref"), ("whole",), True, True)
+    offloaded = rank_pool.run(formats_job, True, "dp_reshardable", str(tmp_path / "off"), ("whole",), True, True)
+    for ref, off in zip(reference, offloaded):
+        ref, run = ref["whole"], off["whole"]
+        assert run["figures"]["read"] == ref["figures"]["read"]
+        assert run["figures"]["save"]["peak_state_bytes"] == 0 and run["figures"]["save"]["released_after"]
+        assert ref["checkpoint"].keys() == run["checkpoint"].keys()
+        assert all(torch.equal(value, run["checkpoint"][key]) for key, value in ref["checkpoint"].items())
+        assert run["results"] == ref["results"] and run["again"] == ref["again"]
 
 
 def test_a_device_side_save_and_load_are_flagged(rank_pool, tmp_path):
