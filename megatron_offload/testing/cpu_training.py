@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from . import cpu_megatron
 
 _installed = False
@@ -96,6 +98,27 @@ def install() -> None:
         return original_queue('fork')
 
     _patch(filesystem_async, 'get_write_results_queue', fork_results_queue)
+
+    # Needed for a resumed run to train as the run that never stopped: with the CPU generator
+    # standing in for the CUDA RNG tracker, building the data iterators draws from the
+    # generator the checkpoint load just restored (on a GPU that draw hits the CPU generator,
+    # not the CUDA one the dropout masks come from). In a resumed run only (iteration > 0),
+    # the generator is set back after the build; a run from scratch is unchanged.
+    original_build = training.build_train_valid_test_data_iterators
+
+    @functools.wraps(original_build)
+    def build_iterators(*args, **kwargs):
+        from megatron.training.global_vars import get_args
+
+        if not getattr(get_args(), 'iteration', 0):
+            return original_build(*args, **kwargs)
+        state = torch.random.get_rng_state()
+        try:
+            return original_build(*args, **kwargs)
+        finally:
+            torch.random.set_rng_state(state)
+
+    _patch(training, 'build_train_valid_test_data_iterators', build_iterators)
     _installed = True
 
 

@@ -163,6 +163,31 @@ class Recorder:
         return save_checkpoint
 
 
+def wrap_load_checkpoint(original):
+    """megatron-core (0.16-0.19) cannot load a ``torch_dist`` checkpoint into torch AdamW (the
+    optimizer of this CPU environment: no TE, no apex) before it has states (``assert
+    len(steps) == 1``), and after the load every parameter shares one stale ``step`` tensor.
+    Both are megatron-core's own, with or without offloading: here the states are created
+    first (as its TE/apex path expects) and, in a run without the offloader (which repairs the
+    steps itself), the steps are repaired by hand, so that a resumed run can be compared."""
+
+    @functools.wraps(original)
+    def load_checkpoint(ddp_model, optimizer, *args, **kwargs):
+        for dopt in _distributed_optimizers(optimizer) if optimizer is not None else ():
+            if hasattr(dopt, '_init_optimizer_states_with_dummy_values') and not len(dopt.optimizer.state):
+                dopt._init_optimizer_states_with_dummy_values()
+        result = original(ddp_model, optimizer, *args, **kwargs)
+        if optimizer is not None and _offloader(optimizer) is None:
+            from megatron_offload.integration.guard import restore_step_tensors
+
+            for dopt in _distributed_optimizers(optimizer):
+                groups = dopt.optimizer.param_groups
+                restore_step_tensors(dopt.optimizer, {'optimizer': {'param_groups': groups}})
+        return result
+
+    return load_checkpoint
+
+
 def main(argv: list[str]) -> None:
     route, script_argv = argv[0], argv[1:]
     out_dir = os.environ['MO_RECORD_DIR']
@@ -184,6 +209,7 @@ def main(argv: list[str]) -> None:
     recorder.data['megatron_training_file'] = training.__file__
     training.train_step = recorder.wrap_train_step(training.train_step)
     training.save_checkpoint = recorder.wrap_save_checkpoint(training.save_checkpoint)
+    training.load_checkpoint = wrap_load_checkpoint(training.load_checkpoint)
     if route == 'launch':
         from megatron_offload import launch
 

@@ -144,26 +144,29 @@ def environment(device: str, pythonpath_prefix: str | None = None) -> dict:
 
 
 def run(case: Case | str, *, offload: bool, device: str = 'cpu', route: str | None = None,
-        pythonpath_prefix: str | None = None, script: str | Path = EXAMPLE) -> Run:
+        pythonpath_prefix: str | None = None, script: str | Path = EXAMPLE,
+        save_dir: str | None = None, extra_flags: tuple = ()) -> Run:
     """Launch ``case`` (cached per session). ``route``: 'launch' (through
     ``megatron_offload.launch``) or 'direct' (the plain script); default: 'launch' with
     offloading, 'direct' (a stock run, no megatron_offload hooks at all) without.
     ``script``: the pretrain script (default examples/pretrain_gpt.py; a Megatron-LM tree's
-    own pretrain_gpt.py runs the same way, with the tree as ``pythonpath_prefix``)."""
+    own pretrain_gpt.py runs the same way, with the tree as ``pythonpath_prefix``).
+    ``save_dir``: where the checkpoints go, kept after the run (default: a temporary
+    directory removed with it); ``extra_flags``: added to the case's flags (``--load ...``)."""
     case = CASES[case] if isinstance(case, str) else case
     route = route or ('launch' if offload else 'direct')
-    key = (case.name, offload, device, route, pythonpath_prefix, str(script))
+    key = (case.name, offload, device, route, pythonpath_prefix, str(script), save_dir, tuple(extra_flags))
     if key in _CACHE:
         return _CACHE[key]
     workdir = tempfile.mkdtemp(prefix=f'mo_functional_{case.name}_')
     try:
         record_dir = os.path.join(workdir, 'records')
         os.makedirs(record_dir)
-        save_dir = os.path.join(workdir, 'checkpoints')
+        save_dir = save_dir or os.path.join(workdir, 'checkpoints')
         command = [
             *TORCHRUN, '--standalone', f'--nproc-per-node={case.world_size}',
             str(RECORDER), route, str(script),
-            *flags(case, offload=offload, device=device, save_dir=save_dir),
+            *flags(case, offload=offload, device=device, save_dir=save_dir), *extra_flags,
         ]
         env = environment(device, pythonpath_prefix)
         env['MO_RECORD_DIR'] = record_dir
