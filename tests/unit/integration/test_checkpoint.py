@@ -263,6 +263,7 @@ def _equal(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.line  # also on the other megatron-core lines (0.17, 0.18): saves and loads from the host copy
 @pytest.mark.parametrize("dtype,async_save,checked,chunked", [
     ("fp32", False, False, False), ("bf16", False, False, False), ("bf16", True, False, False),
     ("bf16", True, True, False), ("bf16", True, True, True),
