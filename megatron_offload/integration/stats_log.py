@@ -14,6 +14,7 @@ SCALAR_NAMES = {
     'h2d_gbps': 'optimizer-offload/h2d-GBps',
     'exposed_ms': 'optimizer-offload/exposed-ms',
     'issue_ms': 'optimizer-offload/issue-ms',
+    'checkpoint_wait_ms': 'optimizer-offload/checkpoint-wait-ms',
 }
 #: Figures reduced with the minimum over ranks (the slowest link), not the maximum.
 MIN_OVER_RANKS = ('d2h_gbps', 'h2d_gbps')
@@ -22,7 +23,9 @@ MIN_OVER_RANKS = ('d2h_gbps', 'h2d_gbps')
 def offload_figures(stats: dict) -> dict:
     """The logged figures from ``OptimizerStateOffloader.stats()``: transfer milliseconds and
     GB/s measured on the device, the milliseconds the compute stream waited for a copy
-    (exposed), and the host milliseconds spent issuing the offload and reload (issue)."""
+    (exposed), the host milliseconds spent issuing the offload and reload (issue), and those
+    checkpoints and reads served from the host copy waited for copies out to complete, since
+    attach (checkpoint wait)."""
     return {
         'offloaded_gib': stats['offloaded_bytes'] / GIB,
         'host_gib': stats['host_bytes'] / GIB,
@@ -32,6 +35,7 @@ def offload_figures(stats: dict) -> dict:
         'h2d_gbps': stats['h2d_gbps'],
         'exposed_ms': stats['exposed_ms'],
         'issue_ms': (stats['offload_seconds'] + stats['reload_seconds']) * 1e3,
+        'checkpoint_wait_ms': stats.get('host_view_wait_ms', 0.0),
     }
 
 
@@ -45,7 +49,8 @@ def format_offload_stats(iteration: int, figures: dict, *, ranks: int = 1) -> st
         f' D2H: {figures["d2h_ms"]:.3f} ms ({figures["d2h_gbps"]:.2f} GB/s) |'
         f' H2D: {figures["h2d_ms"]:.3f} ms ({figures["h2d_gbps"]:.2f} GB/s) |'
         f' exposed: {figures["exposed_ms"]:.3f} ms |'
-        f' issue: {figures["issue_ms"]:.3f} ms |{scope}'
+        f' issue: {figures["issue_ms"]:.3f} ms |'
+        f' checkpoint wait: {figures["checkpoint_wait_ms"]:.3f} ms |{scope}'
     )
 
 

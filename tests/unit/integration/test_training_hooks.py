@@ -49,7 +49,7 @@ class FakeOffloader:
         return {'offloaded_bytes': 3 << 29, 'host_bytes': 3 << 29,
                 'offload_seconds': 0.0005, 'reload_seconds': 0.00025,
                 'd2h_ms': 12.5, 'h2d_ms': 3.1, 'd2h_gbps': 128.85, 'h2d_gbps': 519.53,
-                'exposed_ms': 0.4}
+                'exposed_ms': 0.4, 'host_view_wait_ms': 2.5}
 
 
 class FakeOptimizer:
@@ -348,15 +348,17 @@ def test_log_line_and_scalars():
                                       printer=printed.append)
     assert figures == {'offloaded_gib': 1.5, 'host_gib': 1.5, 'd2h_ms': 12.5, 'd2h_gbps': 128.85,
                        'h2d_ms': 3.1, 'h2d_gbps': 519.53, 'exposed_ms': 0.4,
-                       'issue_ms': pytest.approx(0.75)}
+                       'issue_ms': pytest.approx(0.75), 'checkpoint_wait_ms': 2.5}
     assert printed == [' [optimizer-state offload] iteration       10 | offloaded: 1.500000 GiB'
                        ' | host: 1.500000 GiB | D2H: 12.500 ms (128.85 GB/s)'
-                       ' | H2D: 3.100 ms (519.53 GB/s) | exposed: 0.400 ms | issue: 0.750 ms |']
+                       ' | H2D: 3.100 ms (519.53 GB/s) | exposed: 0.400 ms | issue: 0.750 ms |'
+                       ' checkpoint wait: 2.500 ms |']
     assert [(name, iteration) for name, _, iteration in writer.scalars] == [
         ('optimizer-offload/offloaded-GiB', 10), ('optimizer-offload/host-GiB', 10),
         ('optimizer-offload/d2h-ms', 10), ('optimizer-offload/d2h-GBps', 10),
         ('optimizer-offload/h2d-ms', 10), ('optimizer-offload/h2d-GBps', 10),
-        ('optimizer-offload/exposed-ms', 10), ('optimizer-offload/issue-ms', 10)]
+        ('optimizer-offload/exposed-ms', 10), ('optimizer-offload/issue-ms', 10),
+        ('optimizer-offload/checkpoint-wait-ms', 10)]
     assert wandb.logged == [({name: value for name, value, _ in writer.scalars}, 10)]
 
 
