@@ -190,12 +190,13 @@ class DeviceWatch:
     """What a checkpoint call does to the device, measured apart from ``stats()``: the bytes
     of the offloaded tensors' own storages, probed inside megatron-core's per-parameter
     state access (every save and load of the DistributedOptimizer goes through it) and
-    after the call, and every regrow or allocation the offloader's devices make."""
+    after the call, and every regrow, allocation and copy the offloader's devices make."""
 
     def __init__(self, offloader):
         self.offloader = offloader
         self.peak = 0
         self.allocations = 0
+        self.copies = 0
         self.probes = 0
 
     def probe(self):
@@ -223,11 +224,14 @@ class DeviceWatch:
             setattr(DistributedOptimizer, name, probed)
             self.patches.append((DistributedOptimizer, name, original))
         for engine in self.offloader.engines:
-            for name in ("regrow", "empty"):
+            for name in ("regrow", "empty", "copy"):
                 original = getattr(engine.device, name)
 
-                def counted(*args, _original=original, **kwargs):
-                    self.allocations += 1
+                def counted(*args, _original=original, _name=name, **kwargs):
+                    if _name == "copy":
+                        self.copies += 1
+                    else:
+                        self.allocations += 1
                     return _original(*args, **kwargs)
 
                 setattr(engine.device, name, counted)
@@ -244,7 +248,8 @@ class DeviceWatch:
             self.probe()
 
     def figures(self):
-        return {"peak_state_bytes": self.peak, "allocations": self.allocations, "probes": self.probes}
+        return {"peak_state_bytes": self.peak, "allocations": self.allocations, "copies": self.copies,
+                "probes": self.probes}
 
 
 def _final_snapshot(chunks, optimizer, offloader):
@@ -282,7 +287,7 @@ def test_save_while_offloaded_then_resume_is_bitwise(rank_pool, tmp_path, dtype,
         assert off["offloaded_before_load"] and off["offloaded_after_load"] and off["host_equals_tracked"]
         for call in ("save", "load"):
             assert off[call]["probes"] > 2 and off[call]["peak_state_bytes"] == 0, (call, off[call])
-            assert off[call]["allocations"] == 0, (call, off[call])
+            assert off[call]["allocations"] == off[call]["copies"] == 0, (call, off[call])
         # Offloading changes nothing, in any phase.
         for phase in ("uninterrupted", "resumed", "loaded_running"):
             assert off[phase] == ref[phase], phase
