@@ -57,16 +57,19 @@ class OffloadConfig:
     2, the copies of one chunk overlap the update of the next; 1 uses the whole budget for
     one slot, without overlap."""
 
-    chunked_update_undo: bool = True
-    """Make a chunked step that fails part-way (an update call or a copy raises, for example
-    out of memory for the optimizer's temporaries) change nothing: before each update call,
-    what it may write (its parameters, the slot with their states, the scales and step
-    counts kept on the device) is copied to the host, and written back if the step fails.
-    Parameters, group steps and states are then byte for byte as before the step, which can
-    be retried. Costs one more device-to-host copy of those bytes per step and a pinned host
-    buffer as large (pinned at attach, counted in ``host_memory_budget``). False: a failed
-    step keeps the update of the calls that ran (a step refused for its budget still changes
-    nothing)."""
+    chunked_update_undo: bool = False
+    """Opt in to making a chunked step that fails part-way (an update call or a copy raises,
+    for example out of memory for the optimizer's temporaries) change nothing: before each
+    update call, what it may write (its parameters, the slot with their states, the scales
+    and step counts kept on the device) is copied to the host, and written back if the step
+    fails. Parameters, group steps and states are then byte for byte as before the step,
+    which can be retried. Costs one more device-to-host copy of those bytes per step (1.5x
+    the bytes over the link of the default) and a pinned host buffer as large as everything
+    the update writes (about 2x the host memory of the default; pinned at attach, counted in
+    ``host_memory_budget`` and in ``stats()["host_bytes"]``). Off (the default): a step that
+    does not fit its budget is still refused before anything is touched; a failure the plan
+    cannot foresee leaves the update of the calls that ran, and the step is not retried
+    safely (load the last checkpoint)."""
 
     max_piece_bytes: int = 256 << 20
     """Largest device storage the offloader frees and regrows as one (default 256 MiB). The

@@ -191,7 +191,8 @@ class OffloadEngine(LayoutMixin):
             "offloaded_bytes": on_host,
             "offloaded_payload_bytes": payload,
             "resident_bytes": tracked - on_host + kept,
-            "host_bytes": self._host.nbytes,
+            # The arena, and host buffers handed over with ``adopt`` until the arena takes them.
+            "host_bytes": self._host.nbytes + sum({id(b): b.numel() for *_, b in self._adopted.values()}.values()),
             "kept_resident_bytes": kept,
             "unreleasable_bytes": self.unreleasable_bytes,
             "groups": len(self._groups),

@@ -32,8 +32,8 @@ TUNING_FLAGS = (
     ('--no-offload-release-master-grads', 'offload_release_master_grads'),
     ('--no-offload-prefetch', 'offload_prefetch'),
     ('--no-log-offload-stats', 'log_offload_stats'),
-    ('--no-offload-chunked-update-undo', 'offload_chunked_update_undo'),
 )
+UNDO_FLAG = '--offload-chunked-update-undo'
 
 __all__ = [
     'OFFLOAD_FLAG',
@@ -100,14 +100,15 @@ def _flags() -> list:
             'needs BYTES of device memory for them instead of their whole size. Bitwise the same '
             'results. Each parameter shard\'s moments must fit in half of BYTES.',
         )),
-        ('--no-offload-chunked-update-undo', dict(
-            action='store_false',
+        (UNDO_FLAG, dict(
+            action='store_true',
             dest='offload_chunked_update_undo',
-            help=f'With {CHUNKED_FLAG}: do not keep host copies of what each update call writes. '
-            'By default a chunked step that fails part-way (out of memory for the optimizer\'s '
-            'temporaries, a failed copy) is undone, leaving parameters and optimizer states as '
-            'before it, at the cost of one more device-to-host copy of them per step and as much '
-            'pinned host memory; without it such a failure leaves the step half done.',
+            help=f'With {CHUNKED_FLAG}: keep host copies of what each update call writes, so that '
+            'a chunked step that fails part-way (out of memory for the optimizer\'s temporaries, a '
+            'failed copy) is undone, leaving parameters and optimizer states as before it, at the '
+            'cost of one more device-to-host copy of them per step and as much pinned host memory. '
+            'Without it (the default) such a failure leaves the step half done; a step that does '
+            'not fit its budget is refused before anything is touched either way.',
         )),
         (PIECE_FLAG, dict(
             type=int,
@@ -179,6 +180,8 @@ def validate_args(args) -> None:
     enabled = offload_enabled(args)
     if not enabled:
         used = [flag for flag, dest in TUNING_FLAGS if getattr(args, dest, True) is False]
+        if getattr(args, 'offload_chunked_update_undo', False) is True:
+            used.append(UNDO_FLAG)
         if getattr(args, 'offload_chunked_update_bytes', None) is not None:
             used.append(CHUNKED_FLAG)
         if getattr(args, 'offload_max_piece_mb', None) is not None:
@@ -273,9 +276,9 @@ def validate_args(args) -> None:
     if piece is not None and (isinstance(piece, bool) or not isinstance(piece, int) or piece <= 0):
         _refuse(f'{PIECE_FLAG} must be a whole number of MiB > 0 (default 256), got {piece!r}.')
     chunked = getattr(args, 'offload_chunked_update_bytes', None)
-    if chunked is None and getattr(args, 'offload_chunked_update_undo', True) is False:
+    if chunked is None and getattr(args, 'offload_chunked_update_undo', False) is True:
         _refuse(
-            f'--no-offload-chunked-update-undo has no effect without {CHUNKED_FLAG}: add '
+            f'{UNDO_FLAG} has no effect without {CHUNKED_FLAG}: add '
             f'{CHUNKED_FLAG} BYTES, or drop it.'
         )
     if chunked is not None and chunked <= 0:
@@ -365,7 +368,7 @@ def config_from_args(args) -> OffloadConfig:
         offload_primary_weights=bool(getattr(args, 'offload_master_weights', True)),
         release_master_grads=bool(getattr(args, 'offload_release_master_grads', True)),
         chunked_update_bytes=getattr(args, 'offload_chunked_update_bytes', None),
-        chunked_update_undo=bool(getattr(args, 'offload_chunked_update_undo', True)),
+        chunked_update_undo=bool(getattr(args, 'offload_chunked_update_undo', False)),
         **_piece_option(args),
     )
 

@@ -128,6 +128,11 @@ class _AutomaticCycle:
         offloader._cycles += 1
         offloader._sync_state_guard()
 
+    @property
+    def chunked(self) -> tuple:
+        """The chunked updates, one per engine (empty without ``chunked_update_bytes``)."""
+        return tuple(self._chunked)
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()

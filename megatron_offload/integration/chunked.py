@@ -112,7 +112,7 @@ class ChunkedUpdate:
 
     def __init__(
         self, engine: OffloadEngine, distrib_optimizer, *, total_bytes: int, slots: int, kinds, owner=None,
-        undo: bool = True,
+        undo: bool = False,
     ) -> None:
         self.engine = engine
         self._owner = owner  # the offloader, told while a chunked update runs

@@ -157,7 +157,8 @@ class OptimizerStateOffloader:
         ``offloaded_bytes``: device bytes currently released (each tensor padded to 16 bytes,
         as it is laid out); ``offloaded_payload_bytes``: the same without that padding;
         ``resident_bytes``: bytes of tracked (or unmovable) state on the device;
-        ``host_bytes``: host memory held; ``d2h_copies``/``h2d_copies`` and ``*_bytes``: copy
+        ``host_bytes``: every host buffer held: the arena, buffers handed to it that it has not
+        taken yet, and the chunked update's undo buffer (``chunked_update_undo``); ``d2h_copies``/``h2d_copies`` and ``*_bytes``: copy
         operations of the last offload and reload; ``offload_seconds``/``reload_seconds``: host
         time spent issuing them (the copies themselves on a CPU); ``update_chunks``,
         ``update_copies``, ``update_bytes``: chunks and copies of the last chunked update;
@@ -181,6 +182,10 @@ class OptimizerStateOffloader:
         found on the device when one opened (0 in whole mode).
         """
         per = [engine.stats() for engine in self._engines]
+        chunked = getattr(self._automatic, "chunked", ()) or ()
+        for figures, update in zip(per, chunked):
+            if update.undo is not None:  # the chunked update's undo buffer (opt-in)
+                figures["host_bytes"] += update.undo.nbytes
         total = {}
         for key in per[0] if per else {}:
             if isinstance(per[0][key], dict):  # counts per kind (``pieces``)

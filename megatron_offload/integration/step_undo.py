@@ -20,8 +20,9 @@ be retried.
 Cost: one more device-to-host copy, per step, of the bytes the calls write (the streamed
 states once more, and the parameters), and one pinned host buffer as large, pinned when the
 chunked update is attached (``reserve``), kept from step to step and counted in
-``host_memory_budget``. ``OffloadConfig.chunked_update_undo=False``
-turns it off; a failed step then keeps the update of the calls that ran.
+``host_memory_budget`` and ``stats()["host_bytes"]``. Opt-in, for that cost
+(``OffloadConfig.chunked_update_undo=True``); without it a failed step keeps the update of the
+calls that ran.
 
 Ordering (rule numbers as in ``engine/engine.py``):
 

@@ -14,6 +14,7 @@ from megatron_offload.integration.arguments import (
     OFFLOAD_FLAG,
     PIECE_FLAG,
     TUNING_FLAGS,
+    UNDO_FLAG,
     OffloadArgumentError,
     add_arguments,
     config_from_args,
@@ -46,9 +47,10 @@ def test_add_arguments_is_an_extra_args_provider():
     assert args.offload_optimizer_states is False
     for _, dest in TUNING_FLAGS:
         assert getattr(args, dest) is True
+    assert args.offload_chunked_update_undo is False  # opt-in
     assert args.offload_chunked_update_bytes is None
     assert args.offload_max_piece_mb is None
-    flags = [OFFLOAD_FLAG, CHUNKED_FLAG, PIECE_FLAG] + [flag for flag, _ in TUNING_FLAGS]
+    flags = [OFFLOAD_FLAG, CHUNKED_FLAG, PIECE_FLAG, UNDO_FLAG] + [flag for flag, _ in TUNING_FLAGS]
     for flag in flags:
         action = parser._option_string_actions[flag]
         assert action.help and len(action.help) > 40, flag
@@ -74,9 +76,9 @@ def test_config_from_args():
     assert config_from_args(argparse.Namespace()) == OffloadConfig()
     chunked = argparse.Namespace(offload_optimizer_states=True, offload_chunked_update_bytes=1 << 20)
     assert config_from_args(chunked).chunked_update_bytes == 1 << 20
-    assert config_from_args(chunked).chunked_update_undo is True
-    chunked.offload_chunked_update_undo = False
     assert config_from_args(chunked).chunked_update_undo is False
+    chunked.offload_chunked_update_undo = True
+    assert config_from_args(chunked).chunked_update_undo is True
     pieces = argparse.Namespace(offload_optimizer_states=True, offload_max_piece_mb=64)
     assert config_from_args(pieces).max_piece_bytes == 64 << 20
     assert config_from_args(argparse.Namespace()).max_piece_bytes == 256 << 20  # the default
@@ -110,7 +112,7 @@ def test_max_piece_bytes_option_is_validated_before_anything_is_touched():
     OK_BASE + ['--use-precision-aware-optimizer'],
     OK_BASE + [CHUNKED_FLAG, '1073741824'],
     OK_BASE + [CHUNKED_FLAG, '1073741824', '--no-offload-master-weights'],
-    OK_BASE + [CHUNKED_FLAG, '1073741824', '--no-offload-chunked-update-undo'],
+    OK_BASE + [CHUNKED_FLAG, '1073741824', '--offload-chunked-update-undo'],
     OK_BASE + [PIECE_FLAG, '64'],
     # megatron-core's offload_to_cpu/restore_from_cpu are routed to the offloader.
     OK_BASE + ['--rl-offload-optimizer-during-inference'],
@@ -244,8 +246,8 @@ REFUSED = [
         [CHUNKED_FLAG, '--no-offload-moments', 'Drop one'],
         id='chunked-update-without-moments'),
     pytest.param(
-        OK_BASE + ['--no-offload-chunked-update-undo'],
-        ['--no-offload-chunked-update-undo has no effect without ' + CHUNKED_FLAG],
+        OK_BASE + ['--offload-chunked-update-undo'],
+        ['--offload-chunked-update-undo has no effect without ' + CHUNKED_FLAG],
         id='chunked-undo-flag-without-chunked-update'),
     pytest.param(
         ['--use-distributed-optimizer', PIECE_FLAG, '64'],

@@ -293,7 +293,8 @@ def test_a_step_failing_part_way_is_undone_and_can_be_run_again(rank_pool, kind,
     parameters twice)."""
     job = dict(chunk_fraction=0.25, kind=kind, overrides=overrides, build=dict(num_layers=4))
     reference = rank_pool.run(chunked_job, "mlp", "bf16", offload=False, **job)
-    failed = rank_pool.run(chunked_job, "mlp", "bf16", fail=(2, 3, when), **job)
+    failed = rank_pool.run(chunked_job, "mlp", "bf16", fail=(2, 3, when), options={"chunked_update_undo": True},
+                           **job)
     _assert_bitwise(reference, failed)
     for rank in failed:
         assert [f["step"] for f in rank["failures"]] == [2]

@@ -23,6 +23,7 @@ from megatron_offload.integration.arguments import (
     OFFLOAD_FLAG,
     PIECE_FLAG,
     TUNING_FLAGS,
+    UNDO_FLAG,
     OffloadArgumentError,
     add_arguments,
     config_from_args,
@@ -31,7 +32,7 @@ from megatron_offload.integration.arguments import (
 
 MEGATRON_FLAG = '--chunked-optimizer-state-offload'
 OK_BASE = [OFFLOAD_FLAG, '--use-distributed-optimizer', '--bf16']
-OUR_FLAGS = [OFFLOAD_FLAG, CHUNKED_FLAG, PIECE_FLAG] + [flag for flag, _ in TUNING_FLAGS]
+OUR_FLAGS = [OFFLOAD_FLAG, CHUNKED_FLAG, PIECE_FLAG, UNDO_FLAG] + [flag for flag, _ in TUNING_FLAGS]
 
 
 # --------------------------------------------------------------------- dev, as dev defines it

@@ -195,7 +195,7 @@ def test_config_refuses_bad_values_naming_the_option():
     for bad in (0, 1, "yes", None):
         with pytest.raises(ValueError, match="chunked_update_undo must be True or False"):
             OffloadConfig(chunked_update_bytes=1 << 20, chunked_update_undo=bad)
-    assert OffloadConfig().chunked_update_undo is True
+    assert OffloadConfig().chunked_update_undo is False  # opt-in: it costs a copy and host memory
 
 
 def test_offload_state_error_is_a_runtime_error():
