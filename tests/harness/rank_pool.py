@@ -482,11 +482,14 @@ class RankPool:
 
     def _kill(self) -> None:
         for proc in self._procs:
-            if proc.is_alive():
-                try:
-                    # Each rank leads its own process group (see _rank_main).
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
+            # Each rank leads its own process group (see _rank_main), which also holds what a
+            # job started (dist_checkpointing's Manager, a checkpoint writer): the group is
+            # killed even when the rank itself has exited (closed, or died), or those would
+            # outlive the pool as orphans.
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                if proc.is_alive():
                     proc.kill()
         for proc in self._procs:
             proc.join(10.0)

@@ -61,6 +61,14 @@ def sleep_forever():
     time.sleep(3600)
 
 
+def start_child_job():
+    """Start a process that would run for minutes (as a checkpoint writer or a Manager may)."""
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']).pid
+
+
 def pid_job():
     return os.getpid()
 
@@ -155,6 +163,39 @@ def test_dead_rank_breaks_the_pool_and_the_next_run_starts_fresh(rank_pool):
     assert not rank_pool.broken
     assert not set(new_pids) & set(pids)
     assert rank_pool.run(raise_on_rank, -1) == ['fine', 'fine']
+
+
+def _alive(pid):
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            return f.read().split()[2] != 'Z'  # a zombie is dead, only not yet reaped
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize('how', ['close', 'dead-rank'])
+def test_nothing_a_job_started_outlives_the_pool(how):
+    """A process a job started (and left running) is ended with the pool: when the pool is
+    closed (the ranks exit normally first), and when a rank died and the pool was killed."""
+    import time
+
+    from tests.harness.rank_pool import RankPool
+
+    pool = RankPool(world_size=2)
+    try:
+        children = pool.run(start_child_job)
+        assert all(_alive(pid) for pid in children)
+        if how == 'close':
+            pool.close()
+        else:
+            with pytest.raises(RankPoolBroken):
+                pool.run(exit_on_rank, 1, 139, timeout=60)
+    finally:
+        pool.close()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in children), children
 
 
 def test_job_timeout_breaks_the_pool(rank_pool):
