@@ -51,13 +51,12 @@ class AcceleratorDevice(Device):
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         # torch's pinned-memory allocator rounds every request up to a power of two (up to
         # 2x the host RAM for one large arena). Registering an exactly sized pageable buffer
-        # pins what is asked for, rounded to whole pages: the buffer starts on a page of its
-        # own, so no page is shared with another allocation (or another registration).
+        # pins what is asked for, rounded to whole pages, in a mapping of its own (no page
+        # shared with another allocation or registration), mapped shared so that a fork
+        # after attach copies none of the pinned pages (pinned.shared_host_buffer).
         page = pinned.page_size()
         span = -(-nbytes // page) * page
-        raw = torch.empty(span + page, dtype=torch.uint8)
-        offset = (-raw.data_ptr()) % page
-        whole = raw[offset : offset + span]
+        whole = pinned.shared_host_buffer(span)
         buffer = whole[:nbytes]
         if not nbytes:
             return buffer
@@ -95,7 +94,7 @@ class AcceleratorDevice(Device):
                 stacklevel=2,
             )
             return buffer
-        self._pinned[buffer.data_ptr()] = (raw, ranges)
+        self._pinned[buffer.data_ptr()] = (whole, ranges)  # the mapping stays until unregistered
         return buffer
 
     def free_host_buffer(self, buffer: torch.Tensor) -> None:

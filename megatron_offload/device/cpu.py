@@ -2,7 +2,7 @@
 
 On a CPU there is nothing to overlap, so streams and events are inert tokens and the
 ordering calls are no-ops. Host buffers are ordinary memory (torch cannot pin memory
-without an accelerator).
+without an accelerator), mapped shared as the accelerator's are.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from . import pinned
 from .base import NULL_CONTEXT, Device
 
 
@@ -23,7 +24,9 @@ class CPUDevice(Device):
         self.torch_device = torch.device("cpu")
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
+        # Mapped shared, as on an accelerator (see pinned.shared_host_buffer): a fork after
+        # attach copies none of it, which the tests show on this device.
+        return pinned.shared_host_buffer(nbytes)
 
     def current_stream(self):
         return None

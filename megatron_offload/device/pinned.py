@@ -20,6 +20,7 @@ logic runs on the CPU with fakes.
 
 from __future__ import annotations
 
+import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
@@ -34,6 +35,23 @@ Unregister = Callable[[int], int]
 DEFAULT_THREADS = min(8, os.cpu_count() or 1)
 #: A range smaller than this is not worth a thread of its own.
 MIN_RANGE_BYTES = 64 << 20
+
+
+def shared_host_buffer(nbytes: int) -> torch.Tensor:
+    """A 1-D uint8 host tensor of ``nbytes`` in its own anonymous mapping, mapped shared.
+
+    Why shared: the driver pins registered memory (``pin_user_pages``), and since Linux 5.9
+    ``fork()`` copies pinned pages of a PRIVATE mapping into the child at once instead of
+    sharing them copy-on-write: every DataLoader worker or checkpoint process Megatron forks
+    after attach would get a copy of the whole arena (and the fork would take as long as the
+    copy). Pages of a shared mapping are shared by the child, pinned or not, so a fork copies
+    none of them. The mapping starts on a page boundary, so no page of it is shared with
+    another allocation (or another registration). The tensor keeps the mapping alive.
+    """
+    if nbytes <= 0 or not hasattr(mmap, "MAP_ANONYMOUS"):  # pragma: no cover - non-POSIX hosts
+        return torch.empty(max(nbytes, 0), dtype=torch.uint8)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
 def page_size() -> int:
