@@ -214,7 +214,7 @@ def planned_state_bytes(optimizer, param, *, moments: bool, masters: bool) -> tu
             if dtype == torch.uint8:
                 total += 2 * _aligned(numel, 1)  # _data and _transpose
             else:
-                total += _aligned(numel, torch.empty((), dtype=dtype).element_size())
+                total += _aligned(numel, torch.empty((), dtype=dtype, device="meta").element_size())
         return total, True
     return (2 * _aligned(numel, 1) if moments else 0), False
 

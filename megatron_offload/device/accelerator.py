@@ -48,7 +48,7 @@ class AcceleratorDevice(Device):
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         if self.torch_device.type != "cuda":
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
         # torch's pinned-memory allocator rounds every request up to a power of two (up to
         # 2x the host RAM for one large arena). Registering an exactly sized pageable buffer
         # pins what is asked for, rounded to whole pages, in a mapping of its own (no page

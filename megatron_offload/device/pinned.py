@@ -49,7 +49,7 @@ def shared_host_buffer(nbytes: int) -> torch.Tensor:
     another allocation (or another registration). The tensor keeps the mapping alive.
     """
     if nbytes <= 0 or not hasattr(mmap, "MAP_ANONYMOUS"):  # pragma: no cover - non-POSIX hosts
-        return torch.empty(max(nbytes, 0), dtype=torch.uint8)
+        return torch.empty(max(nbytes, 0), dtype=torch.uint8, device="cpu")
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(mapping, dtype=torch.uint8)
 

@@ -57,7 +57,7 @@ def owns_storage(tensor: torch.Tensor) -> bool:
 @functools.lru_cache(maxsize=None)
 def itemsize_of(dtype: torch.dtype) -> int:
     # Asked per tensor when chunks are laid out: computed once per dtype.
-    return torch.empty((), dtype=dtype).element_size()
+    return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
 def aligned_numel(numel: int, itemsize: int) -> int:

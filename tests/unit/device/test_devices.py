@@ -28,3 +28,28 @@ def test_cpu_device_copies_synchronously_and_releases_storage():
     device.regrow(src, 16)
     assert src.untyped_storage().nbytes() == 16
     device.free_host_buffer(host)
+
+
+def cycle_under_another_default_device():
+    """Offload and reload with torch's default device set elsewhere (as ``set_default_device
+    ("cuda")`` in a user's script): every host-side allocation names its device."""
+    torch.set_default_device("meta")
+    try:
+        from megatron_offload.engine import OffloadEngine
+
+        tensors = [torch.randn(1000, device="cpu"), torch.randn(10, dtype=torch.float64, device="cpu")]
+        expected = [t.clone() for t in tensors]
+        engine = OffloadEngine(CPUDevice(), lambda: [("optimizer_states", t) for t in tensors])
+        engine.offload(release=True)
+        released = [t.untyped_storage().nbytes() for t in tensors]
+        host = CPUDevice().host_buffer(64)
+        engine.reload()
+        engine.wait()
+        return released, host.device.type, all(torch.equal(a, b) for a, b in zip(tensors, expected))
+    finally:
+        torch.set_default_device(None)
+
+
+def test_host_allocations_name_their_device(isolated):
+    released, host_device, equal = isolated.run(cycle_under_another_default_device)
+    assert released == [0, 0] and host_device == "cpu" and equal
