@@ -114,6 +114,8 @@ def rank_figures(on: list[dict], off: list[dict], bench: dict | None, warmup: in
     fig["step_off"] = _median(step_times(off, warmup))
     for key in ("d2h_ms", "h2d_ms", "d2h_gbps", "h2d_gbps", "exposed_ms", "d2h_bytes", "h2d_bytes"):
         fig[key] = _median(s.get(key) for s in stats)
+    # Where the arena's pages are (device/numa.py): the node, whether bound, and why not.
+    fig["numa"] = {key: stats[-1].get(key) for key in ("numa_node", "numa_bound", "numa_note")} if stats else None
     fig["bench"] = bench
     fig["losses_on"] = {r["iteration"]: (r["lm_loss"], r["grad_norm"]) for r in on}
     fig["losses_off"] = {r["iteration"]: (r["lm_loss"], r["grad_norm"]) for r in off}
@@ -249,6 +251,12 @@ def format_report(label: str, fig: dict, rows: list) -> str:
         share = f" ({exposed / (f['step_on'] * 1e3) * 100:.1f}% of the step)" if exposed is not None and f["step_on"] else ""
         lines.append(f"    step: on {_ms(f['step_on'], 1e3)}, off {_ms(f['step_off'], 1e3)}; "
                      f"exposed copy time {_ms(exposed)}{share}")
+        place = f.get("numa") or {}
+        if place:
+            node = place.get("numa_node")
+            lines.append(f"    host arena NUMA node: {'n/a' if node in (None, -1) else node}, "
+                         f"{'bound' if place.get('numa_bound') else 'not bound'}"
+                         + (f" ({place['numa_note']})" if place.get("numa_note") else ""))
     overhead = fig["overhead_pct"]
     lines.append(f"  step time (slowest rank, median): on {_ms(fig['step_on'], 1e3)}, off {_ms(fig['step_off'], 1e3)}"
                  f", overhead {'n/a' if overhead is None else f'{overhead:+.1f}%'}")

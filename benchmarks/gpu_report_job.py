@@ -37,6 +37,7 @@ MARKER = "[gpu-report]"
 STATS_KEYS = (
     "offloaded_bytes", "offloaded_payload_bytes", "host_bytes", "d2h_bytes", "h2d_bytes",
     "d2h_ms", "h2d_ms", "d2h_gbps", "h2d_gbps", "exposed_ms", "offload_seconds", "reload_seconds",
+    "numa_node", "numa_bound", "numa_note",
 )
 COPY_REPEATS = 5
 

@@ -17,7 +17,7 @@ import weakref
 
 import torch
 
-from . import pinned
+from . import numa, pinned
 from .base import Device
 
 
@@ -38,6 +38,11 @@ class AcceleratorDevice(Device):
         # buffer here keeps its memory alive until ``free_host_buffer`` unregisters it, so
         # pinned memory is never handed back to the allocator by the garbage collector.
         self._pinned: dict[int, tuple[torch.Tensor, tuple[tuple[int, int], ...]]] = {}
+        #: The NUMA node host buffers are bound to (``numa.py``), found at the first one.
+        self.placement: numa.Placement | None = None
+        #: Whether the last host buffer's pages were bound to that node, and if not, why.
+        self.numa_bound = False
+        self.numa_note = ""
 
     # ----------------------------------------------------------------- memory
     #: What a failed pin does: False (the default) raises a clear error; True warns and
@@ -60,6 +65,10 @@ class AcceleratorDevice(Device):
         buffer = whole[:nbytes]
         if not nbytes:
             return buffer
+        # Bound to the accelerator's NUMA node before any page is touched (numa.py).
+        place = self._placement()
+        self.numa_note = place.note or numa.bind(whole.data_ptr(), span, place.node)
+        self.numa_bound = place.binds and not self.numa_note
         register, unregister = _host_register_calls()
         module, torch_device = self._module, self.torch_device
 
@@ -74,7 +83,8 @@ class AcceleratorDevice(Device):
                 return unregister(address)
 
         try:
-            ranges = pinned.pin(whole, register=register_here, unregister=unregister_here, threads=self.pin_threads)
+            ranges = pinned.pin(whole, register=register_here, unregister=unregister_here, threads=self.pin_threads,
+                                cpus=place.cpus if self.numa_bound else ())
         except pinned.PinError as error:
             # A failed cudaHostRegister leaves the error as CUDA's last error, where the next
             # unrelated error check (torch's, after any kernel) would report it.
@@ -96,6 +106,16 @@ class AcceleratorDevice(Device):
             return buffer
         self._pinned[buffer.data_ptr()] = (whole, ranges)  # the mapping stays until unregistered
         return buffer
+
+    def _placement(self) -> numa.Placement:
+        if self.placement is None:
+            try:
+                props = self._module.get_device_properties(self.torch_device)
+                bus_id = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+            except (AttributeError, RuntimeError, TypeError):
+                bus_id = None
+            self.placement = numa.placement(bus_id)
+        return self.placement
 
     def free_host_buffer(self, buffer: torch.Tensor) -> None:
         """Unregister a buffer from ``host_buffer``; safe to call again, or on a buffer that

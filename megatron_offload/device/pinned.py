@@ -112,10 +112,12 @@ def pin(
     per_range: bool = False,
     min_range_bytes: int = MIN_RANGE_BYTES,
     page: int | None = None,
+    cpus: tuple[int, ...] = (),
 ) -> tuple[tuple[int, int], ...]:
     """Fault in and register the 1-D uint8 ``buffer``; returns the registered ranges
     ``((address, nbytes), ...)`` to give to ``unpin``. Raises ``PinError`` (with nothing
-    left registered) if a registration fails."""
+    left registered) if a registration fails. ``cpus``: the pool threads run on these CPUs
+    (the accelerator's NUMA node, ``numa.py``); the calling thread is left as it is."""
     if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
         raise ValueError("pin() takes a contiguous 1-D uint8 buffer.")
     nbytes = buffer.numel()
@@ -130,6 +132,14 @@ def pin(
         touch(buffer, base, start, size, page)
         return register(start, size) if per_range else 0
 
+    def work_on_node(item: tuple[int, int]) -> int:
+        if cpus and hasattr(os, "sched_setaffinity"):
+            try:
+                os.sched_setaffinity(0, cpus)  # this pool thread only (0: the calling thread)
+            except OSError:  # CPUs outside this process's cgroup: run where allowed
+                pass
+        return work(item)
+
     if len(ranges) == 1:
         codes = [work(ranges[0])]
     else:
@@ -137,7 +147,7 @@ def pin(
         # every page is faulted in, and every per-range registration has finished, before
         # the buffer is handed to anyone who may queue a copy into it.
         with ThreadPoolExecutor(max_workers=len(ranges), thread_name_prefix="pin-host") as pool:
-            futures = [pool.submit(work, item) for item in ranges]
+            futures = [pool.submit(work_on_node, item) for item in ranges]
             codes, raised = [], None
             for future in futures:
                 try:

@@ -171,7 +171,8 @@ class OptimizerStateOffloader:
         compute stream waited for a copy-back at the last ``wait`` that had one pending. On a
         CPU they are the measured copy times, all of them exposed. The chunked update's slot
         copies are in the ``update_*`` figures only.
-        ``per_optimizer`` has the same per optimizer.
+        ``per_optimizer`` has the same per optimizer. ``numa_node``, ``numa_bound`` and
+        ``numa_note``: the NUMA node host buffers were bound to (-1: none), and why not.
 
         Checkpoints and reads served from the host copy (``host_view``; since attach):
         ``host_view_calls``; ``host_view_save_bytes``, the host-copy bytes handed to code that
@@ -201,6 +202,13 @@ class OptimizerStateOffloader:
         for direction in ("d2h", "h2d"):  # of the summed bytes and times, not a sum of rates
             total[f"{direction}_gbps"] = gbps(total.get(f"{direction}_timed_bytes", 0), total.get(f"{direction}_ms", 0.0))
         total["cycles"] = self._cycles
+        # Where the host buffers' pages are (accelerators; device/numa.py): the node (-1:
+        # unknown or nothing chosen), whether they were bound to it, and if not, why.
+        placement = next((e.device.placement for e in self._engines if getattr(e.device, "placement", None)), None)
+        total["numa_node"] = -1 if placement is None or placement.node is None else placement.node
+        total["numa_bound"] = any(getattr(e.device, "numa_bound", False) for e in self._engines)
+        total["numa_note"] = next((e.device.numa_note for e in self._engines if getattr(e.device, "numa_note", "")),
+                                  "" if placement is not None else "host memory is not placed (no accelerator)")
         total.update(self._host_view_figures)
         total["per_optimizer"] = per
         return total
