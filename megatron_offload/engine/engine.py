@@ -162,6 +162,12 @@ class OffloadEngine(LayoutMixin):
         return tuple(self._groups)
 
     @property
+    def host_arena(self) -> torch.Tensor | None:
+        """The host arena (a 1-D uint8 tensor; None before the first layout or reservation),
+        for inspection: its pages, its mapping. The engine owns what is in it."""
+        return self._host.buffer
+
+    @property
     def fingerprint(self) -> Callable[[], object] | None:
         """The fingerprint callable given at construction (None once closed)."""
         return self._fingerprint
