@@ -237,6 +237,7 @@ class _Served:
                     self.served_bytes += host.numel() * host.element_size()
         # Where each served tensor sat in the state: (original key, state key) -> original.
         self.places: dict[tuple[int, object], torch.Tensor] = {}
+        self.existing: dict[int, torch.Tensor] = {}
         # The entry dicts changed here: restored even if a load put other dicts in the state
         # (someone may still hold these: the optimizer's state watch does).
         self.swapped: list[tuple[dict, object, torch.Tensor, torch.Tensor]] = []
@@ -250,6 +251,10 @@ class _Served:
                 self._swap_list(masters)
         state = inner.state
         items = list(dict.items(state))
+        # Every tensor the state holds now (held, so that no id is reused in the block): on
+        # exit, a tensor found in the state that is none of these was made in the block.
+        self.existing = {id(v): v for _, e in items if isinstance(e, dict) for v in e.values()
+                         if isinstance(v, torch.Tensor)}
         dict.clear(state)
         for key, entries in items:
             if isinstance(entries, dict):
@@ -308,8 +313,8 @@ class _Served:
                         entries[name] = original
                         continue
                     original = self.places.get((id(key), name))
-                    if not writes or value is original:  # (put back above, with its dict)
-                        continue
+                    if not writes or value is original or id(value) in self.existing:
+                        continue  # put back above with its dict, or the optimizer's own (resident)
                     if original is not None and _fits(value, original):
                         if value.numel():
                             # A new value for a served place: into the host copy, the tensor stays.

@@ -201,7 +201,9 @@ class DeviceWatch:
 
     def probe(self):
         self.probes += 1
-        self.peak = max(self.peak, sum(t.untyped_storage().nbytes() for t in self.tensors))
+        # Each storage once (a consolidated group's tensors share one).
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.tensors}
+        self.peak = max(self.peak, sum(storages.values()))
 
     def __enter__(self):
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer

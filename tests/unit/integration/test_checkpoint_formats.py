@@ -80,6 +80,8 @@ def formats_job(offload, sharding, directory, modes=("whole", "chunked"), serve=
         torch.manual_seed(5)
         chunks, optimizer, config = models.build("mlp", "bf16")
         options = _chunked_options(optimizer, {}) if mode == "chunked" else {}
+        if mode == "partial":  # the largest tensors making up half the bytes; the rest resident
+            options = {"offload_fraction": 0.5}
         offloader = megatron_offload.attach(optimizer, **options) if offload else None
         results = [models.train_step(chunks, optimizer, config, step) for step in range(SAVE_AFTER)]
         figures = {}
@@ -182,6 +184,26 @@ def test_every_sharding_type_is_saved_and_loaded_from_the_host(rank_pool, tmp_pa
                 assert ref["loaded"] == "ok" and ref["again"] == ref["results"][SAVE_AFTER:]
             for section in ("params", "optimizer"):
                 assert _equal(ref["snapshot"][section], run["snapshot"][section]), (mode, section)
+
+
+def test_partial_offload_saves_and_loads_from_both_places(rank_pool, tmp_path):
+    """offload_fraction=0.5: the offloaded half is served from the host copy (its storages stay
+    at 0 bytes), the resident half is read and written where it is; the checkpoint and the
+    run after the load are those without offloading."""
+    reference = rank_pool.run(formats_job, False, "dp_reshardable", str(tmp_path / "ref"), ("partial",))
+    offloaded = rank_pool.run(formats_job, True, "dp_reshardable", str(tmp_path / "off"), ("partial",))
+    for ref, off in zip(reference, offloaded):
+        ref, run = ref["partial"], off["partial"]
+        stats = run["figures"]["stats"]
+        assert 0 < stats["host_view_device_bytes"]  # the resident half, found on the device
+        for call in ("save", "load"):
+            figures = run["figures"][call]
+            assert figures["peak_state_bytes"] == 0 and figures["allocations"] == figures["copies"] == 0, figures
+        assert ref["checkpoint"].keys() == run["checkpoint"].keys()
+        assert all(torch.equal(value, run["checkpoint"][key]) for key, value in ref["checkpoint"].items())
+        assert run["results"] == ref["results"] and run["again"] == ref["again"] == ref["results"][SAVE_AFTER:]
+        for section in ("params", "optimizer"):
+            assert _equal(ref["snapshot"][section], run["snapshot"][section]), section
 
 
 def test_a_save_after_a_read_between_steps(rank_pool, tmp_path):
