@@ -77,6 +77,18 @@ def placement(pci_bus_id: str | None, *, sysfs: str = SYSFS) -> Placement:
     return Placement(node, len(nodes), tuple(parse_list(cpus or "")))
 
 
+def figures(devices) -> dict:
+    """``numa_node`` (-1: unknown, or nothing chosen), ``numa_bound`` and ``numa_note`` (why
+    nothing is bound) of the devices' host buffers, for ``stats()``."""
+    placement = next((d.placement for d in devices if getattr(d, "placement", None)), None)
+    note = next((d.numa_note for d in devices if getattr(d, "numa_note", "")), "")
+    return {
+        "numa_node": -1 if placement is None or placement.node is None else placement.node,
+        "numa_bound": any(getattr(d, "numa_bound", False) for d in devices),
+        "numa_note": note if placement is not None else "host memory is not placed (no accelerator)",
+    }
+
+
 def bind(address: int, nbytes: int, node: int) -> str:
     """Bind the pages of ``[address, address + nbytes)`` (page-aligned, not yet touched) to
     ``node``; returns '' on success, else why not (the pages then go where they are touched)."""

@@ -32,7 +32,7 @@ import functools
 import torch
 
 from ..adapters import state_access
-from .host_view import HostView, servable
+from .host_view import HostView, checkpoint_view, serve_reads, servable
 
 # Public methods (on DistributedOptimizer, ChainedOptimizer and their bases, megatron-core
 # 0.16-0.19) that read or write the offloaded tensors. Names absent on a version are skipped.
@@ -233,7 +233,7 @@ class StateAccessGuard:
                 # current chunk, whose states are in a slot: nothing must move then.
                 # Inside a HostView (a checkpoint served from the host) they read and write
                 # the host copies in its place.
-                if not offloader._streaming and offloader._serving_checkpoint() is None:
+                if not offloader._streaming and checkpoint_view(offloader) is None:
                     offloader._make_resident(changes=True, replaced=replaces)
                 return previous(*args, **kwargs)
 
@@ -257,7 +257,7 @@ class StateAccessGuard:
                     writes = _is_loading(previous, args, kwargs)
                 else:  # loads and reload_model_params write; state dicts and getters read
                     writes = loads or name == "reload_model_params"
-                if offloader._serving_checkpoint() is not None or servable(offloader):
+                if checkpoint_view(offloader) is not None or servable(offloader):
                     # Served from the host copy: nothing comes back to the device.
                     with HostView(offloader, writes=writes) as view:
                         result = previous(*args, **kwargs)
@@ -308,7 +308,7 @@ class StateAccessGuard:
 
     def _after_inner_load(self, inner) -> None:
         self._install(inner)
-        view = self._offloader._serving_checkpoint()
+        view = checkpoint_view(self._offloader)
         if view is not None:
             view.after_load(inner)
 
@@ -343,7 +343,7 @@ class StateAccessGuard:
                 # Values served from the host copy (host_view.py) until the next step; an
                 # accessor that hands out keys (the masters of a bf16/fp16 model) brings
                 # those back.
-                offloader._serve_reads(masters=name in _KEY_ACCESSORS)
+                serve_reads(offloader, masters=name in _KEY_ACCESSORS)
                 return
             # The mapping hands out the live tensors (the caller may write through them),
             # so the host copy is stale from now on; a write may put new tensors in.
@@ -406,13 +406,13 @@ def _rl_restore(offloader):
 def _inner_pre_hook(offloader, optimizer, *args) -> None:
     # torch's state_dict() returns references to the live tensors, which the caller may
     # write through: the host copy is stale. Inside a HostView they are the host copies.
-    if offloader._serving_checkpoint() is None:
+    if checkpoint_view(offloader) is None:
         offloader._make_resident(changes=True, replaced=True)
 
 
 def _inner_load_pre_hook(offloader, optimizer, state_dict):
     # load_state_dict() writes; inside a HostView it writes the host copies.
-    view = offloader._serving_checkpoint()
+    view = checkpoint_view(offloader)
     if view is not None:
         return view.before_load(optimizer, state_dict)
     offloader._make_resident(changes=True, replaced=True)

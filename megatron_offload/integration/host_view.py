@@ -49,7 +49,7 @@ import time
 import torch
 
 from ..adapters import distributed_optimizer as dopt_adapter
-from ..adapters import inner_optimizers
+from ..adapters import PRIMARY_WEIGHTS, inner_optimizers
 from ..engine import Place
 from ..engine.groups import ALIGN_BYTES
 
@@ -67,6 +67,35 @@ def servable(offloader) -> bool:
             if any(dtypes.get(k) in _DEVICE_ONLY_DTYPES for k in ("exp_avg", "exp_avg_sq", "master_param")):
                 return False
     return True
+
+
+def serve_reads(offloader, *, masters: bool) -> None:
+    """A read of a guarded state mapping between steps (guard.py): its values are served from
+    the host copy until the next call that moves states (``offloader._end_reads``), with no
+    copy to the device. ``masters``: the access hands out the mapping's keys, which are the
+    master weights of a bf16/fp16 model; those come back to the device (the moments stay)."""
+    if masters:
+        for engine in offloader._engines:
+            kinds = (PRIMARY_WEIGHTS,)
+            if engine.is_released(kinds):
+                engine.reload(kinds)
+            engine.wait(kinds)
+            for group in engine.groups:  # handed out: the caller may write them
+                if group.kind == PRIMARY_WEIGHTS:
+                    group.host_valid = False
+    if offloader._reads is None and offloader._host_view is None:
+        view = HostView(offloader, writes=True, keys=False)
+        view.__enter__()
+        offloader._reads = view
+
+
+def checkpoint_view(offloader):
+    """The HostView a checkpoint method opened (its calls into the inner optimizer read and
+    write the host copies), or None. A read's view (``serve_reads``) is not one: it is closed
+    first, and calls made under it (a user's own ``inner.state_dict()``) take the old path."""
+    if offloader._host_view is not None and offloader._host_view is offloader._reads:
+        offloader._end_reads()
+    return offloader._host_view
 
 
 class HostView:

@@ -38,7 +38,7 @@ from ..adapters import KINDS, OPTIMIZER_STATES, PRIMARY_WEIGHTS
 from ..adapters import distributed_optimizer as dopt_adapter
 from ..adapters.state_watch import StateWatch
 from ..config import OffloadConfig
-from ..device import device_for
+from ..device import device_for, numa
 from ..engine import HostBudget, OffloadEngine, OffloadStateError, Place
 from ..engine.figures import gbps
 from .acceptance import distributed_optimizers, is_stub, megatron_optimizers, refuse_unsupported  # noqa: F401 - re-exported
@@ -106,7 +106,7 @@ class OptimizerStateOffloader:
         self._host_view = None
         self._host_view_writes = False
         # The HostView a read of the state mapping between steps opened (guard.py): open
-        # until the next call that moves states (``_end_reads``).
+        # until the next call that moves states (``_end_reads``; host_view.serve_reads).
         self._reads = None
         # What the host views served (host_view.py), for stats().
         self._host_view_figures = {
@@ -202,13 +202,7 @@ class OptimizerStateOffloader:
         for direction in ("d2h", "h2d"):  # of the summed bytes and times, not a sum of rates
             total[f"{direction}_gbps"] = gbps(total.get(f"{direction}_timed_bytes", 0), total.get(f"{direction}_ms", 0.0))
         total["cycles"] = self._cycles
-        # Where the host buffers' pages are (accelerators; device/numa.py): the node (-1:
-        # unknown or nothing chosen), whether they were bound to it, and if not, why.
-        placement = next((e.device.placement for e in self._engines if getattr(e.device, "placement", None)), None)
-        total["numa_node"] = -1 if placement is None or placement.node is None else placement.node
-        total["numa_bound"] = any(getattr(e.device, "numa_bound", False) for e in self._engines)
-        total["numa_note"] = next((e.device.numa_note for e in self._engines if getattr(e.device, "numa_note", "")),
-                                  "" if placement is not None else "host memory is not placed (no accelerator)")
+        total.update(numa.figures([engine.device for engine in self._engines]))
         total.update(self._host_view_figures)
         total["per_optimizer"] = per
         return total
@@ -490,35 +484,8 @@ class OptimizerStateOffloader:
                 engine.invalidate()
         self._sync_state_guard()
 
-    def _serve_reads(self, *, masters: bool) -> None:
-        """A read of a guarded state mapping between steps (guard.py): its values are served
-        from the host copy until the next call that moves states (no copy to the device).
-        ``masters``: the access hands out the mapping's keys, which are the master weights
-        of a bf16/fp16 model; those come back to the device (the moments stay on the host)."""
-        if masters:
-            for engine in self._engines:
-                kinds = (PRIMARY_WEIGHTS,)
-                if engine.is_released(kinds):
-                    engine.reload(kinds)
-                engine.wait(kinds)
-                for group in engine.groups:  # handed out: the caller may write them
-                    if group.kind == PRIMARY_WEIGHTS:
-                        group.host_valid = False
-        if self._reads is None and self._host_view is None:
-            view = HostView(self, writes=True, keys=False)
-            view.__enter__()
-            self._reads = view
-
-    def _serving_checkpoint(self):
-        """The HostView a checkpoint method opened (its calls into the inner optimizer read
-        and write the host copies), or None. A view that reads between steps opened is not
-        one: calls made under it (a user's own ``inner.state_dict()``) take the old path."""
-        if self._host_view is not None and self._host_view is self._reads:
-            self._end_reads()
-        return self._host_view
-
     def _end_reads(self) -> None:
-        """Close the view ``_serve_reads`` opened: what the reader wrote is in the host copy."""
+        """Close the view ``host_view.serve_reads`` opened: what the reader wrote is in the host copy."""
         view, self._reads = self._reads, None
         if view is not None:
             view.__exit__(None, None, None)

@@ -13,7 +13,6 @@ undo (opt-in):
 """
 
 import pytest
-import torch
 
 STEPS = 4
 
