@@ -2,12 +2,12 @@
 
 Every public method of megatron-core's optimizers that reads or writes the moments or the
 master weights (state dicts, checkpoint save and load, parameter-state exchange, reloading
-master weights from the model) first brings the states back to the device. They then stay
-resident until the next automatic offload (after the next step) or an explicit
-``offload()``: checkpoint code keeps references to the tensors (sharded state dicts,
-asynchronous saves), so they must not be released again behind its back. The states are
-marked changed, so the next offload copies them out again and the host copy can never be
-stale after a load.
+master weights from the model) runs inside a ``HostView`` (``host_view.py``): the released
+tensors are seen as their host copies for the call, so a save reads the host copy and a load
+writes it, and nothing comes back to the device. Where the states cannot be read on the host
+(``host_view.servable``: Transformer Engine's fp16 and FP8 moments) the method first brings
+them back to the device instead; they then stay resident until the next automatic offload
+(after the next step) or an explicit ``offload()``, and are marked changed.
 
 megatron-core's own RL helpers ``offload_to_cpu()`` / ``restore_from_cpu()`` are routed
 to the offloader (asynchronous, coalesced, and consistent with it) instead of moving the
@@ -21,7 +21,8 @@ value; each parameter gets its own tensor with the saved step back here.
 
 The inner optimizer's ``state`` mapping itself is guarded too, for code that reads the
 states the way research code does (``optimizer.optimizer.state[p]["exp_avg"].sum()``
-between steps): see ``GuardedState``.
+between steps): see ``GuardedState``. Such a read is served from the host copy until the
+next step (``host_view.serve_reads``).
 """
 
 from __future__ import annotations
