@@ -13,7 +13,7 @@ from .config import OffloadConfig
 from .engine import HostMemoryBudgetError, OffloadStateError, SlotSizeError
 from .integration import OptimizerStateOffloader, attach
 from .integration.arguments import OffloadArgumentError, add_arguments, validate_args
-from .integration.training import patch_megatron, unpatch_megatron
+from .integration.training import find_offloader, patch_megatron, unpatch_megatron
 
 __version__ = "0.1.0"
 
@@ -26,6 +26,7 @@ __all__ = [
     "SlotSizeError",
     "add_arguments",
     "attach",
+    "find_offloader",
     "patch_megatron",
     "unpatch_megatron",
     "validate_args",

@@ -96,7 +96,6 @@ class OptimizerStateOffloader:
         for distrib_optimizer in distributed:
             distrib_optimizer._state_offloader = self
         self._guard = StateAccessGuard(self)
-        self._ever_offloaded = False
         self._detached = False
         self._cycles = 0
         self._automatic = None  # set by attach()
@@ -231,15 +230,12 @@ class OptimizerStateOffloader:
         """Regrow the offloaded states and start copying them back.
 
         Call ``wait()`` (or ``sync_before_step()``) before reading them outside a step; a
-        step of an attached optimizer waits by itself.
+        step of an attached optimizer waits by itself. Idempotent, and safe in any order: with
+        nothing offloaded (before the first offload, or twice in a row) it does nothing, so RL
+        frameworks may call their "to the device" phase unconditionally.
         """
         self._check_attached()
         self._end_reads()
-        if not self._ever_offloaded:
-            raise OffloadStateError(
-                "reload() before offload(): nothing has been offloaded yet. Call offload() "
-                "first (or let an attached optimizer's step() do it)."
-            )
         for engine in self._engines:
             engine.reload()
         self._sync_state_guard()
@@ -462,7 +458,6 @@ class OptimizerStateOffloader:
             for engine, distrib_optimizer, kinds in zip(self._engines, self._distributed, selection):
                 if PRIMARY_WEIGHTS in kinds:
                     _release_master_grads(engine, distrib_optimizer)
-        self._ever_offloaded = True
         for hook in tuple(self._offload_post_hooks.values()):
             hook(self)
 
