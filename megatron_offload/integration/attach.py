@@ -33,6 +33,7 @@ def attach(optimizer, config: OffloadConfig | None = None, **options) -> Optimiz
     DistributedOptimizer). Options are the fields of ``OffloadConfig``. Attach to the object
     whose ``step()`` the training loop calls.
     """
+    _refuse_backward_prefetch_under_cuda_graphs(optimizer, OffloadConfig.from_options(config, **options))
     offloader = OptimizerStateOffloader(optimizer, config, **options)
     try:
         offloader._automatic = _AutomaticCycle(offloader)
@@ -141,6 +142,30 @@ class _AutomaticCycle:
             self._target.step = self._previous_step
         else:
             del self._target.step
+
+
+# TransformerConfig.cuda_graph_impl values that capture layers' forward and backward.
+_LAYER_GRAPHS = ("local", "transformer_engine")
+
+
+def _refuse_backward_prefetch_under_cuda_graphs(optimizer, config: OffloadConfig) -> None:
+    """``prefetch`` as a fraction of the backward pass hooks a parameter's gradient
+    accumulator, which a replayed CUDA graph of the layers never calls: the reload would
+    silently move to the step. Refused before anything is touched."""
+    if config.prefetch == "step":
+        return
+    from .acceptance import megatron_optimizers
+
+    for wrapper in megatron_optimizers(optimizer):
+        for chunk in getattr(wrapper, "model_chunks", None) or ():
+            model_config = getattr(chunk, "config", None)
+            impl = getattr(model_config, "cuda_graph_impl", "none")
+            if impl in _LAYER_GRAPHS or getattr(model_config, "enable_cuda_graph", False):
+                raise ValueError(
+                    f"prefetch={config.prefetch!r} starts the reload from a hook on the backward "
+                    f"pass, which the model's CUDA graphs (cuda_graph_impl={impl!r}) replay without "
+                    'calling: use prefetch="step" (the default) with CUDA-graphed layers.'
+                )
 
 
 def _backward_prefetch_hooks(offloader, fraction: float) -> list:

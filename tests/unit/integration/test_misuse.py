@@ -205,3 +205,31 @@ def test_config_refuses_bad_values_naming_the_option():
 
 def test_offload_state_error_is_a_runtime_error():
     assert issubclass(OffloadStateError, RuntimeError)
+
+
+def graphs_job():
+    """prefetch as a fraction of the backward pass with CUDA-graphed layers: refused before
+    anything is touched; the same model without graphs attaches."""
+    import megatron_offload
+    from tests.harness import models
+
+    chunks, optimizer, config = models.build("mlp", "bf16")
+    distrib = models.distributed_optimizers(optimizer)[0]
+    chunks[0].config.cuda_graph_impl = "local"  # what --cuda-graph-impl local sets
+    found = {"refused": _error(lambda: megatron_offload.attach(optimizer, prefetch=0.5)),
+             "untouched": getattr(distrib, "_state_offloader", None) is None and "step" not in vars(optimizer)}
+    offloader = megatron_offload.attach(optimizer)  # prefetch="step" works with graphs
+    found["step_prefetch_attaches"] = offloader.config.prefetch == "step"
+    offloader.detach()
+    chunks[0].config.cuda_graph_impl = "none"
+    offloader = megatron_offload.attach(optimizer, prefetch=0.5)
+    found["fraction_without_graphs"] = offloader.config.prefetch == 0.5
+    offloader.detach()
+    return found
+
+
+def test_backward_prefetch_is_refused_with_cuda_graphed_layers(rank_pool):
+    found = rank_pool.run(graphs_job)[0]
+    kind, message = found["refused"]
+    assert kind == "ValueError" and 'prefetch="step"' in message and "cuda_graph_impl='local'" in message
+    assert found["untouched"] and found["step_prefetch_attaches"] and found["fraction_without_graphs"]
