@@ -241,6 +241,9 @@ class _Served:
     def __init__(self, engine, distrib_optimizer, keys: bool = True) -> None:
         self.engine = engine
         self.owner = distrib_optimizer
+        # Rules 3 and 4: what is on the device (a prefetch may have started its copy back) is
+        # read and written in place by the block, after that copy (no host block).
+        engine.wait()
         # Rule 5: the host copies are read (and written) by the host in the block.
         engine.synchronize_host()
         self.views: dict[int, torch.Tensor] = {}  # id(original) -> its host view

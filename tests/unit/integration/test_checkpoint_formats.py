@@ -54,7 +54,8 @@ def _load(chunks, optimizer, directory, sharding):
             restore_step_tensors(distrib.optimizer, {"optimizer": {"param_groups": distrib.optimizer.param_groups}})
 
 
-def formats_job(offload, sharding, directory, modes=("whole", "chunked"), serve=True, read_first=False):
+def formats_job(offload, sharding, directory, modes=("whole", "chunked"), serve=True, read_first=False,
+                prefetch_first=False):
     """Per mode: train, save while offloaded, train on, load into the running optimizer,
     train the same steps again. The reference (no offloader) runs the same sequence per mode
     in the same process, so every process-wide generator advances alike. ``serve=False``
@@ -64,11 +65,13 @@ def formats_job(offload, sharding, directory, modes=("whole", "chunked"), serve=
 
     from megatron_offload.integration import guard
     from tests.harness import models
+    from tests.support.checked import check_devices, checked_device_options
 
     if not serve:
         guard.servable = lambda offloader: False  # this rank process only; restored below
         try:
-            return formats_job(offload, sharding, directory, modes, read_first=read_first)
+            return formats_job(offload, sharding, directory, modes, read_first=read_first,
+                               prefetch_first=prefetch_first)
         finally:
             from megatron_offload.integration.host_view import servable
 
@@ -79,12 +82,17 @@ def formats_job(offload, sharding, directory, modes=("whole", "chunked"), serve=
         where = _shared_directory(os.path.join(directory, mode))
         torch.manual_seed(5)
         chunks, optimizer, config = models.build("mlp", "bf16")
-        options = _chunked_options(optimizer, {}) if mode == "chunked" else {}
+        options, devices = checked_device_options() if prefetch_first else ({}, [])
+        if mode == "chunked":
+            options = _chunked_options(optimizer, options)
         if mode == "partial":  # the largest tensors making up half the bytes; the rest resident
             options = {"offload_fraction": 0.5}
         offloader = megatron_offload.attach(optimizer, **options) if offload else None
         results = [models.train_step(chunks, optimizer, config, step) for step in range(SAVE_AFTER)]
         figures = {}
+        if prefetch_first and offloader:
+            # A save between the prefetch (copies back queued, not yet ordered) and the step.
+            offloader.prefetch()
         if read_first:  # research code reads a state between steps, then the run saves
             inner = models.distributed_optimizers(optimizer)[0].optimizer
             figures["read"] = float(inner.state[inner.param_groups[0]["params"][0]]["exp_avg"].sum())
@@ -122,6 +130,7 @@ def formats_job(offload, sharding, directory, modes=("whole", "chunked"), serve=
                      "checkpoint": _read_back(where, sharding)}
         if offloader:
             offloader.detach()
+        check_devices(devices)
         torch.distributed.barrier()
     return out
 
@@ -204,6 +213,20 @@ def test_partial_offload_saves_and_loads_from_both_places(rank_pool, tmp_path):
         assert run["results"] == ref["results"] and run["again"] == ref["again"] == ref["results"][SAVE_AFTER:]
         for section in ("params", "optimizer"):
             assert _equal(ref["snapshot"][section], run["snapshot"][section]), section
+
+
+def test_a_save_between_the_prefetch_and_the_step(rank_pool, tmp_path):
+    """On the checked device, whose copies run only once something waits for them: a save
+    right after the prefetch (the copies back queued, not yet ordered before the save) reads
+    the states after their copy, and the checkpoint is the one written without offloading."""
+    reference = rank_pool.run(formats_job, False, "dp_reshardable", str(tmp_path / "ref"), ("whole",))
+    offloaded = rank_pool.run(formats_job, True, "dp_reshardable", str(tmp_path / "off"), ("whole",), True, False,
+                              True)
+    for ref, off in zip(reference, offloaded):
+        ref, run = ref["whole"], off["whole"]
+        assert ref["checkpoint"].keys() == run["checkpoint"].keys()
+        assert all(torch.equal(value, run["checkpoint"][key]) for key, value in ref["checkpoint"].items())
+        assert run["results"] == ref["results"] and run["again"] == ref["again"]
 
 
 def test_a_save_after_a_read_between_steps(rank_pool, tmp_path):
