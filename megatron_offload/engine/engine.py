@@ -31,7 +31,11 @@ The copy protocol (numbers refer to the rules in the project's design notes):
    (``synchronize_host``).
 6. A group whose host copy is still valid (nothing wrote the device copy since it was last
    copied) is released without copying again when ``skip_unchanged`` is set.
-7. Regrowth happens on the current stream, the one that will use the memory.
+7. Regrowth happens on the states' home stream: the one the update first ran on (where an
+   optimizer allocates its states), else the one current at the first offload. A reload
+   issued from another stream (a backward hook, a ``torch.cuda.stream`` block in an RL
+   loop) still regrows there, so that a released piece goes back to the pool the
+   activations allocate from; the caching allocator keeps one pool per stream.
 
 Any stream (the rules above, when the caller's current stream changes between calls): the
 stream current at ``wait`` is the one the update runs on (a step pre-hook), which need not
@@ -151,6 +155,9 @@ class OffloadEngine(LayoutMixin):
         # Streams ``wait`` made the states usable on since the last full offload: any of
         # them may have written the states (the step), so the D2H waits for each.
         self._users: list = []
+        # Rule 7: the stream the states are allocated on (the first user, else the stream
+        # current at the first offload); every regrowth happens on it.
+        self._home_stream = None
         self._closed = False
         self.unreleasable_bytes = 0  # memory other references kept alive at consolidation
         self.last = CycleStats()
@@ -242,6 +249,8 @@ class OffloadEngine(LayoutMixin):
         self.last.d2h_copies = self.last.d2h_bytes = 0
         if to_copy:
             current = self.device.current_stream()
+            if self._home_stream is None:
+                self._home_stream = current
             side = self._side_stream("d2h")
             users = [stream for stream in self._users if stream != current]
             timed = None
@@ -342,20 +351,23 @@ class OffloadEngine(LayoutMixin):
         if not released:
             self.last.reload_seconds = time.perf_counter() - start
             return
-        # Rule 7: memory is regrown on the current stream (the allocator's stream of the
-        # block); ``wait`` announces any other stream that uses it.
-        for group in released:
-            if group.flat is not None:
-                self.device.regrow(group.flat, group.nbytes)
-            else:
-                group.consolidate(self.device.empty(group.numel, group.dtype))
-            group.alloc_stream = current
-            group.used_on = []
+        # Rule 7: memory is regrown on the home stream (the allocator's stream of the
+        # block, whose pool the memory goes back to when it is released again); ``wait``
+        # announces any other stream that uses it.
+        home = self._home_stream if self._home_stream is not None else current
+        with self.device.use_stream(home):
+            for group in released:
+                if group.flat is not None:
+                    self.device.regrow(group.flat, group.nbytes)
+                else:
+                    group.consolidate(self.device.empty(group.numel, group.dtype))
+                group.alloc_stream = home
+                group.used_on = []
         side = self._side_stream("h2d")
-        # The regrown blocks may have been used by work still queued on the current stream
+        # The regrown blocks may have been used by work still queued on the home stream
         # (the allocator reuses memory in stream order): the H2D must come after it. The
         # D2H that filled the host copy must also be complete before the H2D reads it.
-        self.device.wait_stream(side, current, label=H2D_AFTER_ALLOCATION)
+        self.device.wait_stream(side, home, label=H2D_AFTER_ALLOCATION)
         for group in released:
             if group.d2h_event is not None:
                 self.device.wait_event(side, group.d2h_event, label=H2D_AFTER_D2H)
@@ -382,6 +394,8 @@ class OffloadEngine(LayoutMixin):
         current = self.device.current_stream()
         if current not in self._users:
             self._users.append(current)
+        if self._home_stream is None:
+            self._home_stream = current  # the update runs here: it allocates its states here
         for group in groups:
             if group.place is Place.RELEASED:
                 continue

@@ -130,6 +130,11 @@ class ModelledDevice(CheckedDevice):
             self._block(tensor)
 
     # ----------------------------------------------------------------- streams
+    def compute_stream(self) -> _Stream:
+        stream = super().compute_stream()
+        self._streams_of[stream] = self.model.new_stream(name=stream.name)
+        return stream
+
     def new_stream(self) -> _Stream:
         stream = super().new_stream()
         self._streams_of[stream] = self.model.new_stream(name=stream.name)

@@ -48,10 +48,11 @@ def run_two_streams(skip_labels=(), raise_violations=True) -> dict:
 
     raised = None
     try:
-        # Adam makes its states on `other`; the offload after the step runs on `default`.
+        # Adam makes its states on `other` (their home stream: every regrowth happens there);
+        # the offload after the step runs on `default`.
         step_on(other, 0)
         engine.offload(release=True)
-        # Regrown on `default` (a prefetch), used by the step on `other`.
+        # Reloaded from `default` (a prefetch), used by the step on `other`.
         engine.reload()
         step_on(other, 1)
         engine.offload(release=True)
@@ -77,6 +78,12 @@ def run_two_streams(skip_labels=(), raise_violations=True) -> dict:
             engine.reload()
         step_on(default, 5)
         engine.offload(release=True)
+        # Regrown on `other`, the home stream (rule 7), then read on `default` alone and
+        # released without a copy: only the allocator protects `default`'s reads.
+        engine.reload()
+        engine.wait()
+        device.note_compute(writes=False)
+        engine.offload(skip_unchanged=True, release=True)
         engine.reload()
         engine.wait()
         engine.close()

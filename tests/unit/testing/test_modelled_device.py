@@ -166,6 +166,42 @@ def test_reuse_before_the_copy_is_reported_when_record_stream_is_missing(isolate
     assert REUSE_BEFORE_COPY in broken["kinds"]
 
 
+def _reload_from_another_stream():
+    """Steps on the compute stream; every reload is issued from a second stream (an RL
+    framework's ``torch.cuda.stream`` block, a backward hook on autograd's stream)."""
+    device = new_device()
+    model = device.model
+    other = device.compute_stream()
+    net = Net()
+    engine = OffloadEngine(device, net.collect)
+    for index in range(3):
+        if engine.is_released():
+            with device.use_stream(other):
+                engine.reload()
+        engine.wait()  # the step's pre-hook, on the compute stream
+        engine.mark_dirty()
+        net.step(index)
+        model.compute(STEP)
+        engine.offload(release=True)
+        model.compute(1.0)  # long after the copy out
+    return {
+        "offloaded": engine.stats()["offloaded_bytes"],
+        "compute": model.reusable_bytes(),
+        "other": model.reusable_bytes(device._streams_of[other]),
+    }
+
+
+def test_a_reload_from_another_stream_regrows_on_the_states_home_stream(isolated):
+    """The caching allocator keeps one pool per stream: memory regrown under another
+    stream goes back to that stream's pool when released, where the compute stream's
+    activations cannot use it. Regrown on the home stream, it goes back to the compute
+    stream's pool (rule 7)."""
+    out = isolated.run(_reload_from_another_stream)
+    assert out["offloaded"] > 0
+    assert out["compute"] >= out["offloaded"], out
+    assert out["other"] == 0, out
+
+
 # ------------------------------------------------------------ the device API
 def test_copies_are_timed_by_direction_and_ordered_by_waits():
     device = new_device(compute_copy_bandwidth=4e9)
