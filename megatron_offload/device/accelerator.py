@@ -17,7 +17,7 @@ import weakref
 
 import torch
 
-from . import numa, pinned
+from . import allocator, numa, pinned
 from .base import Device
 
 
@@ -45,6 +45,13 @@ class AcceleratorDevice(Device):
         self.numa_note = ""
 
     # ----------------------------------------------------------------- memory
+    def piece_bound(self) -> int | None:
+        return allocator.piece_bound() if self.torch_device.type == "cuda" else None
+
+    @property
+    def frees_wait_for_copies(self) -> bool:
+        return self.torch_device.type == "cuda" and allocator.backend() == "cudaMallocAsync"
+
     #: What a failed pin does: False (the default) raises a clear error; True warns and
     #: returns pageable memory, whose copies are then synchronous with the host.
     pageable_fallback = False

@@ -37,7 +37,17 @@ class Device(abc.ABC):
     #: The torch device whose tensors are offloaded.
     torch_device: torch.device
 
+    #: True when freeing device memory a side stream was announced on (``record_stream``)
+    #: makes the memory's allocation stream wait for that stream (``cudaMallocAsync``): the
+    #: compute stream then waits for the copy out of every released piece.
+    frees_wait_for_copies: bool = False
+
     # ----------------------------------------------------------------- memory
+    def piece_bound(self) -> int | None:
+        """The largest storage the device's allocator can split again for smaller requests
+        once it is freed, or None when any size can (see ``allocator.py``)."""
+        return None
+
     @abc.abstractmethod
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         """A 1-D uint8 host tensor of exactly ``nbytes`` (pinned on accelerators)."""

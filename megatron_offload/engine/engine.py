@@ -107,7 +107,8 @@ class OffloadEngine(LayoutMixin):
             (a larger tensor gets a storage of its own). Each piece is copied, released and
             regrown on its own, so the allocator can hand a piece's memory out again as soon
             as that piece's copy is done, not when the whole group's is. None: one storage
-            per kind and dtype.
+            per kind and dtype. Lowered to the device's ``piece_bound()`` (the allocator's
+            ``max_split_size_mb``) where that is smaller.
     """
 
     def __init__(
@@ -137,6 +138,11 @@ class OffloadEngine(LayoutMixin):
             isinstance(max_piece_bytes, bool) or not isinstance(max_piece_bytes, int) or max_piece_bytes <= 0
         ):
             raise ValueError(f"max_piece_bytes must be a positive number of bytes or None, got {max_piece_bytes!r}.")
+        # The allocator cannot split a freed block above its bound (``max_split_size_mb``):
+        # such a piece would serve nothing else once released, so pieces stay under it.
+        bound = device.piece_bound()
+        if bound is not None and (max_piece_bytes is None or max_piece_bytes > bound):
+            max_piece_bytes = bound
         self._max_piece_bytes = max_piece_bytes
         self._streamed = streamed
         self._adopted: dict[int, tuple[torch.Tensor, torch.Tensor, object]] = {}
@@ -211,6 +217,7 @@ class OffloadEngine(LayoutMixin):
             "groups": len(self._groups),
             "pieces": count_by_kind(self._groups),
             "largest_piece_bytes": max((g.nbytes for g in self._groups), default=0),
+            "max_piece_bytes": self._max_piece_bytes,
             "tensors": sum(len(g.tensors) for g in self._groups),
             "d2h_copies": self.last.d2h_copies,
             "h2d_copies": self.last.h2d_copies,

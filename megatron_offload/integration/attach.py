@@ -22,6 +22,7 @@ import functools
 
 from ..adapters import distributed_optimizer as dopt_adapter
 from ..config import OffloadConfig
+from . import allocator_warnings
 from .chunked import ChunkedUpdate
 from .offloader import OptimizerStateOffloader
 
@@ -40,6 +41,7 @@ def attach(optimizer, config: OffloadConfig | None = None, **options) -> Optimiz
     except BaseException:
         offloader.detach()  # leave the optimizer as it was: a later attach must work
         raise
+    allocator_warnings.warn_where_frees_wait(offloader)
     return offloader
 
 

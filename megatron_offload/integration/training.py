@@ -50,7 +50,7 @@ import inspect
 import weakref
 
 from ..adapters.distributed_optimizer import PRIMARY_WEIGHTS, master_weights
-from . import coexistence
+from . import allocator_warnings, coexistence
 from .arguments import add_arguments, config_from_args, offload_enabled, validate_args
 from .attach import attach
 from .host_view import servable
@@ -135,6 +135,9 @@ def attach_for_training(optimizer, args):
         if coexistence.megatron_has_own_offloader(args, optimizer=optimizer):
             line += '. ' + coexistence.KEPT_OFF_NOTE
         _print_rank_0(line)
+        allocator_warnings.warn_where_empty_cache_follows_the_step(
+            offloader, int(getattr(args, 'empty_unused_memory_level', 0) or 0)
+        )
     if not any(o is offloader for o in _active_offloaders()):
         _ATTACHED.append(weakref.ref(offloader))
     return offloader

@@ -16,6 +16,7 @@ SMALL_SEGMENT = 2 * MiB  # segment size of the small pool
 MID_SEGMENT = 20 * MiB  # segment for large requests below LARGE_REQUEST
 LARGE_REQUEST = 10 * MiB  # from here on a segment is the request rounded up to SEGMENT_ROUND
 SEGMENT_ROUND = 2 * MiB
+LARGE_BUFFER = 20 * MiB  # an oversize request takes a cached block at most this much larger
 
 DIRECTIONS = ("d2h", "h2d")
 
@@ -126,6 +127,10 @@ class AllocatorModel:
     - Segments: 2 MiB for requests <= 1 MiB, 20 MiB below 10 MiB, else the request rounded up to 2 MiB.
     - Best fit: the smallest cached free block that fits, then the lowest address.
     - Splitting: large-pool remainders > 1 MiB and small-pool ones >= 512 bytes are split off.
+    - ``backend="cudaMallocAsync"``: a free with recorded streams makes the allocation stream wait
+      for them (the compute stream: ``now`` moves), then the block is reusable at once.
+    - ``max_split_size`` (when set): a large block of that size or more is never split; a request
+      below it never takes such a block, one at or above it only a block < its size + 20 MiB.
     - Merging: adjacent blocks of a segment merge once both are free (reusable).
     - Capacity: a segment is ``cudaMalloc``-ed only if reserved + its size <= ``capacity``.
     - Stall: no block, no capacity -> wait for all deferred frees, ``cudaFree`` free segments, retry.
@@ -152,6 +157,8 @@ class AllocatorModel:
         d2h_bandwidth: float,
         h2d_bandwidth: float,
         compute_copy_bandwidth: float | None = None,
+        max_split_size: int | None = None,
+        backend: str = "native",
     ) -> None:
         for name, value in (("d2h_bandwidth", d2h_bandwidth), ("h2d_bandwidth", h2d_bandwidth)):
             if not value > 0:
@@ -159,6 +166,10 @@ class AllocatorModel:
         if compute_copy_bandwidth is not None and not compute_copy_bandwidth > 0:
             raise ValueError(f"compute_copy_bandwidth must be positive, got {compute_copy_bandwidth!r}")
         self.capacity = capacity
+        self.max_split_size = max_split_size  # PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb, in bytes
+        if backend not in ("native", "cudaMallocAsync"):
+            raise ValueError(f"backend must be 'native' or 'cudaMallocAsync', got {backend!r}")
+        self.backend = backend
         self.bandwidth = {"d2h": float(d2h_bandwidth), "h2d": float(h2d_bandwidth)}
         self.compute_copy_bandwidth = compute_copy_bandwidth
         self.now = 0.0
@@ -283,6 +294,14 @@ class AllocatorModel:
                 # Nobody told the allocator this stream still uses the memory.
                 self._unprotected.append((block.address, block.end, end, stream.name))
         recorded, block.recorded, block.uses = block.recorded, set(), {}
+        if recorded and self.backend == "cudaMallocAsync":
+            # cudaFreeAsync on the allocation stream after it waited for every recorded one.
+            end = max(self._tail(s) for s in recorded)
+            if block.stream is self.compute_stream:
+                self.now = max(self.now, end)
+            else:
+                block.stream.tail = max(block.stream.tail, end)
+            recorded = set()
         if recorded:
             # insert_events: one event per recorded stream, recorded now (at free time).
             block.state = "deferred"
@@ -341,9 +360,19 @@ class AllocatorModel:
 
     def _best_fit(self, stream: ModelStream, small: bool, size: int) -> Block | None:
         fits = [
-            b for b in self._free if b.stream is stream and b.segment.small == small and b.size >= size
+            b for b in self._free
+            if b.stream is stream and b.segment.small == small and b.size >= size and self._may_take(b, size)
         ]
         return min(fits, key=lambda b: (b.size, b.address), default=None)
+
+    def _may_take(self, block: Block, size: int) -> bool:
+        """``max_split_size``: oversize blocks serve only requests of about their own size."""
+        bound = self.max_split_size
+        if bound is None or block.segment.small:
+            return True
+        if size < bound:
+            return block.size < bound
+        return block.size < size + LARGE_BUFFER
 
     def _new_segment(self, stream: ModelStream, small: bool, size: int) -> Block | None:
         """``cudaMalloc`` a segment for ``size``; None if it does not fit the capacity."""
@@ -362,7 +391,8 @@ class AllocatorModel:
     def _hand_out(self, block: Block, size: int, requested: int) -> Block:
         self._free.remove(block)
         remainder = block.size - size
-        if remainder > SMALL_REQUEST or (block.segment.small and remainder >= MIN_BLOCK):
+        oversize = self.max_split_size is not None and not block.segment.small and size >= self.max_split_size
+        if not oversize and (remainder > SMALL_REQUEST or (block.segment.small and remainder >= MIN_BLOCK)):
             rest = Block(block.address + size, remainder, block.segment, block.stream, state="free")
             rest.ready, rest.prev, rest.next = block.ready, block, block.next
             if block.next is not None:

@@ -31,6 +31,7 @@ from typing import Iterable
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..device.allocator import splittable_piece_bytes
 from .allocator_model import AllocatorModel, Block, ModelEvent, ModelStream
 from .checked_device import CheckedDevice, _Event, _Stream
 
@@ -113,6 +114,17 @@ class ModelledDevice(CheckedDevice):
         if block is not None:
             self.model.free(block)
             self._owned[tensor.untyped_storage()._cdata].block = None
+
+    @property
+    def frees_wait_for_copies(self) -> bool:
+        return self.model.backend == "cudaMallocAsync"
+
+    def piece_bound(self) -> int | None:
+        # The model's max_split_size, as the accelerator reads it from PYTORCH_CUDA_ALLOC_CONF
+        # (in real bytes: the model sees ``scale`` times each).
+        if self.model.max_split_size is None or self.model.backend != "native":
+            return None
+        return splittable_piece_bytes(self.model.max_split_size) // self.scale
 
     def memory_allocated(self) -> int:
         return self.model.allocated_bytes

@@ -25,6 +25,11 @@ stalls under the same capacity and workload; dropping ``record_stream`` is repor
 before the copy.
 """
 
+import argparse
+import dataclasses
+import re
+import warnings
+
 import pytest
 import torch
 
@@ -57,7 +62,19 @@ class _Forward:
             self.model.free(self.blocks.pop())
 
 
-def modelled_job(max_piece_bytes, *, offload=True, capacity=None, skip_labels=(), chunked=None):
+def modelled_job(max_piece_bytes, *, offload=True, capacity=None, skip_labels=(), chunked=None,
+                 max_split=None, honour_split=True, backend="native", empty_cache_level=None):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = _modelled_job(max_piece_bytes, offload=offload, capacity=capacity, skip_labels=skip_labels,
+                            chunked=chunked, max_split=max_split, honour_split=honour_split, backend=backend,
+                            empty_cache_level=empty_cache_level)
+    out["warnings"] = [str(w.message) for w in caught if "megatron-offload" in str(w.message)]
+    return out
+
+
+def _modelled_job(max_piece_bytes, *, offload, capacity, skip_labels, chunked, max_split, honour_split, backend,
+                  empty_cache_level):
     from megatron_offload import attach
     from megatron_offload.testing import ModelledDevice
     from megatron_offload.testing.allocator_model import segment_size
@@ -68,13 +85,29 @@ def modelled_job(max_piece_bytes, *, offload=True, capacity=None, skip_labels=()
 
     def factory(torch_device):
         devices.append(ModelledDevice(capacity=1 << 62, d2h_bandwidth=LINK, h2d_bandwidth=LINK, scale=SCALE,
-                                      skip_labels=skip_labels, raise_violations=not skip_labels))
+                                      skip_labels=skip_labels, raise_violations=not skip_labels,
+                                      max_split_size=max_split, backend=backend))
+        if not honour_split:  # negative control: pieces as if the allocator had no bound
+            devices[-1].piece_bound = lambda: None
         return devices[-1]
 
     options = {"device_factory": factory, "max_piece_bytes": max_piece_bytes}
     if chunked:
         options["chunked_update_bytes"] = chunked
-    offloader = attach(optimizer, **options) if offload else None
+    if empty_cache_level is not None:
+        # Megatron's route: attach_for_training with the run's arguments.
+        from megatron_offload.config import OffloadConfig
+        from megatron_offload.integration import training as hooks
+
+        args = argparse.Namespace(offload_optimizer_states=True, empty_unused_memory_level=empty_cache_level)
+        offload_config = OffloadConfig(**{**dataclasses.asdict(hooks.config_from_args(args)), **options})
+        original, hooks.config_from_args = hooks.config_from_args, lambda _args: offload_config
+        try:
+            offloader = hooks.attach_for_training(optimizer, args)
+        finally:
+            hooks.config_from_args = original
+    else:
+        offloader = attach(optimizer, **options) if offload else None
     results, figures = [], []
     forward = None
     for step in range(STEPS):
@@ -206,6 +239,57 @@ def test_one_storage_per_group_stalls_under_the_same_capacity(rank_pool, pieces_
         steady = rank["figures"][1:]
         assert sum(f["stalls"] for f in steady) >= len(steady) - 1, rank["stall_log"]
         assert all(count == 1 for count in rank["pieces_per_kind"].values())
+
+
+def test_pieces_stay_splittable_under_max_split_size(rank_pool):
+    """``PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:160`` on the model: a freed block of 160 MiB
+    or more is never split, and a smaller request never takes one, so the activations
+    cannot use a released piece of that size. The engine lowers its pieces (256 MiB asked
+    for) to the device's bound, 158 MiB, whose segments stay under 160 MiB: no stall in
+    steady state. Negative control: the same run with the bound ignored stalls under the
+    same capacity."""
+    split = 160 * MIB
+    run = rank_pool.run(modelled_job, 4 * PIECE, max_split=split)
+    control = rank_pool.run(modelled_job, 4 * PIECE, max_split=split, honour_split=False,
+                            capacity=run[0]["figures"][0]["capacity"])
+    for rank in run:
+        assert max(rank["pieces"]) <= split - 2 * MIB, rank["pieces"]
+        steady = rank["figures"][1:]
+        assert [f["stalls"] for f in steady] == [0] * len(steady), rank["stall_log"]
+        assert all(f["ooms"] == 0 for f in steady)
+    for rank in control:
+        assert max(rank["pieces"]) > split
+        steady = rank["figures"][1:]
+        assert sum(f["stalls"] + f["ooms"] for f in steady) >= len(steady) - 1, rank["stall_log"]
+
+
+def test_cuda_malloc_async_is_said_once_with_the_wait_it_costs(rank_pool, reference, pieces_run):
+    """``backend:cudaMallocAsync`` on the model: a piece freed under ``record_stream`` goes back
+    once the compute stream waited for its copy out. Nothing avoids that wait, so the
+    offloader says so once, with the measured copy time. The native run says nothing."""
+    run = rank_pool.run(modelled_job, PIECE, backend="cudaMallocAsync")
+    _same(reference, run)
+    for rank, native in zip(run, pieces_run):
+        assert native["warnings"] == []
+        assert len(rank["warnings"]) == 1, rank["warnings"]
+        (message,) = rank["warnings"]
+        assert "backend:cudaMallocAsync" in message
+        ms = float(re.search(r"([0-9.]+) ms per step for [0-9.]+ GiB", message).group(1))
+        # The modelled copy out of the whole state (the bytes the model sees) over the link.
+        assert ms == pytest.approx(rank["figures"][0]["state"] / LINK * 1e3, rel=0.02), message
+
+
+def test_empty_cache_after_the_step_is_said_once_with_the_host_wait(rank_pool):
+    """``--empty-unused-memory-level 2`` through ``attach_for_training``: one warning, at the
+    first steady offload, with the measured host wait; level 1 says nothing."""
+    two = rank_pool.run(modelled_job, PIECE, empty_cache_level=2)
+    one = rank_pool.run(modelled_job, PIECE, empty_cache_level=1)
+    for rank in two:
+        assert len(rank["warnings"]) == 1, rank["warnings"]
+        assert re.search(r"--empty-unused-memory-level 2 .* \([0-9.]+ ms measured at the offload after step 2\)",
+                         rank["warnings"][0]), rank["warnings"]
+    for rank in one:
+        assert rank["warnings"] == []
 
 
 def test_dropped_record_stream_is_reported_as_reuse_before_the_copy(rank_pool):

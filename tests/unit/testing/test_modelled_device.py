@@ -231,6 +231,24 @@ def test_copies_are_timed_by_direction_and_ordered_by_waits():
     assert device.violations == []
 
 
+@pytest.mark.parametrize("backend", ["native", "cudaMallocAsync"])
+def test_a_free_under_record_stream_waits_on_the_compute_stream_only_with_cuda_malloc_async(backend):
+    model = AllocatorModel(capacity=1 << 30, d2h_bandwidth=D2H, h2d_bandwidth=H2D, backend=backend)
+    side = model.new_stream("d2h")
+    block = model.malloc(8 * MiB)
+    rest = model.reusable_bytes()  # the remainder of its segment
+    model.compute(1.0)
+    end = model.copy(side, 8 * MiB, uses=(block,))
+    model.record_stream(block, side)
+    model.free(block)
+    if backend == "native":
+        assert model.now == 1.0  # the block waits for the copy, the compute stream does not
+        assert model.reusable_bytes() == rest and model.reusable_bytes(at=end) == rest + 8 * MiB
+    else:
+        assert model.now == pytest.approx(end)  # cudaFreeAsync after the compute stream waited
+        assert model.reusable_bytes() == rest + 8 * MiB
+
+
 def _h2d_after_d2h(skip, how):
     """A D2H, then an H2D of the same host memory ordered after it by ``how``: its end."""
     device = new_device(skip_labels=skip, raise_violations=False)
