@@ -158,6 +158,12 @@ class AcceleratorDevice(Device):
         _warn_shared_pool(reason)
         return self._module.Stream(device=self.torch_device, priority=self.stream_priority)
 
+    def retire_stream(self, stream, *, announced: bool) -> None:
+        if announced:
+            # Memory still names this stream in its record_stream set: never destroy it (the
+            # wrapper is held until exit, as torch holds its own pool's streams).
+            _RETAINED_STREAMS.append(stream)
+
     def use_stream(self, stream):
         return self._module.stream(stream)
 
@@ -227,13 +233,17 @@ def current_device(device_type: str | None = None) -> torch.device:
 # Lifetime: the stream belongs to its ExternalStream wrapper, which the engine keeps for its
 # whole life. When the last reference goes (the offloader was detached and dropped), a
 # finalizer first waits until everything queued on the stream has run, then destroys it.
-# The caching allocator may still record an event on a stream a block was announced to with
-# ``record_stream`` when that block is freed; the engine frees every block right after
-# announcing it (rule 2), so no announced block outlives the stream. At interpreter exit the
+# The caching allocator records an event on every stream a block was announced to with
+# ``record_stream`` when that block is freed. The engine frees the blocks it announces (rule
+# 2); where one outlives the engine (a storage another owner shares, states offloaded and
+# never released), the engine's close says so (``retire_stream(announced=True)``) and the
+# stream is kept until the process exits. At interpreter exit the
 # stream is not destroyed (as torch leaks its pool): the CUDA runtime may already be gone,
 # and the driver reclaims it with the process.
 
 _shared_pool_warned = False
+# Private streams some live memory was announced to when their engine closed (``retire_stream``).
+_RETAINED_STREAMS: list = []
 
 
 def _cuda_runtime():

@@ -82,6 +82,15 @@ class Device(abc.ABC):
         """A new side stream for copies, used by nothing but the caller (each call makes
         another): a collective must never queue behind an offload copy on a shared stream."""
 
+    def retire_stream(self, stream: Stream, *, announced: bool) -> None:
+        """The engine is done with its side stream ``stream`` (it was closed).
+
+        ``announced``: device memory that outlives the engine still carries a
+        ``record_stream`` naming ``stream`` (a storage another owner shares, or states
+        offloaded but never released). The allocator records an event on that stream when
+        the memory is freed, however much later, so the stream must live on. Default:
+        nothing to do."""
+
     @abc.abstractmethod
     def use_stream(self, stream: Stream) -> contextlib.AbstractContextManager:
         """Context manager making ``stream`` current."""

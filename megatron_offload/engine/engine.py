@@ -164,6 +164,9 @@ class OffloadEngine(LayoutMixin):
         # Rule 7: the stream the states are allocated on (the first user, else the stream
         # current at the first offload); every regrowth happens on it.
         self._home_stream = None
+        # Memory the engine no longer tracks that still names the D2H stream in its
+        # record_stream set (storages other owners keep): the stream must outlive us.
+        self._announced_elsewhere = False
         self._closed = False
         self.unreleasable_bytes = 0  # memory other references kept alive at consolidation
         self.last = CycleStats()
@@ -286,6 +289,7 @@ class OffloadEngine(LayoutMixin):
                 # release so it is not handed out again until the copy is done.
                 for tensor in self._device_tensors(group):
                     self.device.record_stream(tensor, side, label=D2H_RECORD_STREAM)
+                group.announced = True  # until its memory is freed (see ``close``)
                 if release:
                     # Freed now, before the next piece's copy is queued: the caching
                     # allocator marks a block freed under record_stream reusable once the
@@ -328,7 +332,11 @@ class OffloadEngine(LayoutMixin):
                 )
             self.device.release(group.flat)
         else:
-            self.unreleasable_bytes += release_separate_storages(self.device, group.tensors)
+            kept = release_separate_storages(self.device, group.tensors)
+            self.unreleasable_bytes += kept
+            # Other owners keep storages the D2H stream was announced to (see ``close``).
+            self._announced_elsewhere = self._announced_elsewhere or (kept > 0 and group.announced)
+        group.announced = False
         group.place = Place.RELEASED
         group.used_on = []
 
@@ -442,6 +450,13 @@ class OffloadEngine(LayoutMixin):
             )
         self.wait()
         self._free_arena()
+        # Memory announced to the D2H stream outlives this engine where a group was offloaded
+        # and never released (its storage stays with the optimizer) or where other owners kept
+        # a storage: the allocator records an event on the stream when that memory is freed.
+        announced = self._announced_elsewhere or any(g.announced for g in self._groups)
+        for stream, named in ((self._d2h_stream, announced), (self._h2d_stream, False)):
+            if stream is not None:
+                self.device.retire_stream(stream, announced=named)
         self._groups = []
         self._tracked = []
         self._where = {}

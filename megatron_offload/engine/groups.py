@@ -110,6 +110,7 @@ class FlatGroup:
     alloc_stream: Any = None  # stream the device memory was regrown on (None: the optimizer's own)
     used_on: list = field(default_factory=list)  # streams ``wait`` made it usable on since then
     d2h_waiters: list = field(default_factory=list)  # streams ordered after ``d2h_event``
+    announced: bool = False  # its device memory names the D2H stream (record_stream) until freed
 
     def __post_init__(self) -> None:
         # Every tensor starts on a 16-byte boundary of the flat storage, as a tensor of its

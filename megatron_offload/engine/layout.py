@@ -247,6 +247,8 @@ class LayoutMixin:
         for buffer in {id(b): b for *_, b in self._adopted.values()}.values():
             self.device.free_host_buffer(buffer)
         self._adopted = {}
+        # Memory of the old layout announced to the D2H stream lives on with the tensors.
+        self._announced_elsewhere = self._announced_elsewhere or any(g.announced for g in self._groups)
         self._groups = groups
         self._tracked = current
         self._where = {id(t): (g, i) for g in groups for i, t in enumerate(g.tensors)}

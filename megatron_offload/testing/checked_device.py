@@ -87,6 +87,7 @@ from .checked_records import (  # noqa: F401 - re-exported: named from here by t
     HOST_FREED_IN_USE,
     WRITE_BEFORE_ALLOCATION,
     NEVER_ORDERED,
+    RECORDED_ON_RETIRED_STREAM,
     Violation,
     ProtocolViolation,
     _Stream,
@@ -118,6 +119,7 @@ class CheckedDevice(DeviceChecks, AccessRules, Device):
         self.violations: list[Violation] = []
         self.calls: collections.Counter[str] = collections.Counter()  # labelled calls issued
         self.skipped: collections.Counter[str] = collections.Counter()  # ... and dropped
+        self.retired: dict[_Stream, bool] = {}  # streams retire_stream was called for -> announced
         self._compute = _Stream("compute", compute=True)  # the default current stream
         self._computes: list[_Stream] = [self._compute]
         self._sides: list[_Stream] = []
@@ -222,6 +224,24 @@ class CheckedDevice(DeviceChecks, AccessRules, Device):
         stream = _Stream(f"compute-{len(self._computes) + 1}", compute=True)
         self._computes.append(stream)
         return stream
+
+    def retire_stream(self, stream: _Stream, *, announced: bool) -> None:
+        # A destroyed stream (``announced=False``) must not be named by the record_stream set
+        # of memory that is still alive: the allocator records an event on it at the free.
+        self.retired[stream] = announced
+        if announced:
+            return
+        for mem in list(self._memories.values()):
+            storage = mem.storage() if mem.alive() and not mem.host else None
+            if storage is not None and storage.nbytes() and stream in mem.recorded:
+                self._violation(
+                    2,
+                    RECORDED_ON_RETIRED_STREAM,
+                    f"{stream.name} is retired as destroyable while live device memory names it in "
+                    "its record_stream set: the allocator records an event on the destroyed stream "
+                    "when that memory is freed",
+                )
+                break
 
     @contextlib.contextmanager
     def use_stream(self, stream: _Stream):

@@ -27,6 +27,7 @@ UNORDERED_HOST_READ = "unordered-host-read"  # rule 5
 HOST_OVERWRITE = "host-overwrite-while-read"  # rule 5
 HOST_FREED_IN_USE = "host-buffer-freed-in-use"  # rule 5
 WRITE_BEFORE_ALLOCATION = "write-before-allocation"  # rule 7
+RECORDED_ON_RETIRED_STREAM = "recorded-on-retired-stream"  # rule 2 (a stream destroyed under a record)
 NEVER_ORDERED = "never-ordered"  # rule 4 (device writes) or 5 (host writes)
 
 

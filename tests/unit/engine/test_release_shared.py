@@ -67,3 +67,57 @@ def test_shared_storages_are_left_through_one_scratch_allocation(isolated):
     # One allocation, as large as the largest of the four tensors pointed away (55 floats),
     # not one per tensor.
     assert out["allocations"] == [55 * 4], out["allocations"]
+
+
+def run_retired_streams(scenario: str, honest: bool = True) -> dict:
+    """Attach, cycle, close; then what the checked device saw when the engine retired its
+    side streams. ``honest=False``: the engine's ``retire_stream`` calls all say
+    ``announced=False`` (the gap this guards: streams destroyed under a live record)."""
+    from megatron_offload.testing import RECORDED_ON_RETIRED_STREAM
+
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(100, generator=gen)
+    views = [base[0:30], base[30:100]]  # another owner (``base``) keeps their storage
+    own = [torch.randn(40, generator=gen), torch.randn(9, generator=gen)]
+    tensors = views if scenario == "shared" else own
+    device = CheckedDevice(raise_violations=False)
+    if not honest:
+        retire = device.retire_stream
+        device.retire_stream = lambda stream, *, announced: retire(stream, announced=False)
+    engine = OffloadEngine(device, lambda: [(STATES, t) for t in tensors])
+    if scenario == "shared":  # the first release points the views away from ``base``
+        engine.offload(release=True)
+        engine.reload()
+    elif scenario == "kept":  # offloaded, never released: the storages stay with the owner
+        engine.offload()
+        engine.reload()
+    else:  # "released": every announced block was freed by the engine itself
+        engine.offload(release=True)
+        engine.reload()
+        engine.wait()
+        engine.offload(release=True)
+        engine.reload()
+    engine.wait()
+    engine.close()
+    device.check(raise_on_violation=False)
+    return {
+        "retired": sorted(device.retired.values()),
+        "violations": [v.kind for v in device.violations],
+        "kind": RECORDED_ON_RETIRED_STREAM,
+        "base_alive": base.untyped_storage().nbytes() == 400,
+    }
+
+
+def test_a_side_stream_named_by_live_memory_is_kept_when_the_engine_closes(isolated):
+    """After ``close`` (``detach``) a storage another owner keeps, or states offloaded and
+    never released, still name the D2H stream in their ``record_stream`` set; the allocator
+    records an event on it when they are freed. The engine retires that stream as announced
+    (kept for the process's life); a stream no live memory names may be destroyed."""
+    for scenario in ("shared", "kept"):
+        out = isolated.run(run_retired_streams, scenario)
+        assert out["violations"] == [], (scenario, out)
+        assert out["retired"].count(True) == 1, (scenario, out)  # d2h kept (h2d, if any, not)
+        control = isolated.run(run_retired_streams, scenario, honest=False)
+        assert control["violations"] == [control["kind"]], (scenario, control)
+    released = isolated.run(run_retired_streams, "released")
+    assert released["violations"] == [] and released["retired"] == [False, False], released
