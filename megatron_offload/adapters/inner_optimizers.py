@@ -56,6 +56,8 @@ from typing import Iterator
 
 import torch
 
+from ..engine.groups import aligned_size
+
 # Per-parameter state entries that are not moved, whatever their size.
 NEVER_MOVED = frozenset({"step"})
 # State entries that hold master weights rather than moments.
@@ -162,11 +164,9 @@ def kind_of(optimizer) -> str:
 
 
 # ---------------------------------------------------------------- sizes before the states exist
-_ALIGN = 16  # bytes: every tensor starts 16-byte aligned in a slot and in a host group
-
-
 def _aligned(numel: int, itemsize: int) -> int:
-    return -(-numel * itemsize // _ALIGN) * _ALIGN
+    # Every tensor starts aligned in a slot and in a host group (engine/groups.py).
+    return aligned_size(numel * itemsize)
 
 
 def _te_state_dtypes(optimizer, param) -> dict[str, torch.dtype]:

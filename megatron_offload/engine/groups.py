@@ -60,6 +60,12 @@ def itemsize_of(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
+def aligned_size(nbytes: int) -> int:
+    """``nbytes`` rounded up to a whole number of ``ALIGN_BYTES``: what a tensor takes in a
+    group, a slot or a staging buffer, so that the next one starts aligned."""
+    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
 def aligned_numel(numel: int, itemsize: int) -> int:
     """``numel`` rounded up so that the next tensor starts on an ``ALIGN_BYTES`` boundary."""
     align = max(1, ALIGN_BYTES // itemsize)

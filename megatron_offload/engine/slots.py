@@ -44,7 +44,7 @@ from .engine import (
     OffloadEngine,
     OffloadStateError,
 )
-from .groups import ALIGN_BYTES, FlatGroup, Place
+from .groups import FlatGroup, Place, aligned_size
 
 SLOT_REUSE_AFTER_D2H = "slot-reuse-after-d2h"  # a slot is refilled only after its D2H read it
 
@@ -314,14 +314,10 @@ def _slot_view(slot: torch.Tensor, segment: _Segment) -> torch.Tensor:
 
 def aligned_bytes(tensor: torch.Tensor) -> int:
     """Bytes ``tensor`` takes in a slot (and in a group): its size rounded up to 16."""
-    return round_up(tensor.numel() * tensor.element_size())
-
-
-def round_up(nbytes: int) -> int:
-    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+    return aligned_size(tensor.numel() * tensor.element_size())
 
 
 def budget_for(nbytes: int, slots: int, transient_ratio: float = 0.0) -> int:
     """The smallest budget whose split (``slots`` slots and a reserve of ``transient_ratio``
     slots for the update's temporaries) gives slots of at least ``nbytes``."""
-    return round_up(math.ceil(nbytes * (slots + transient_ratio)))
+    return aligned_size(math.ceil(nbytes * (slots + transient_ratio)))

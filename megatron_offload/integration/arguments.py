@@ -19,9 +19,9 @@ import argparse
 import functools
 
 from ..config import OffloadConfig
+from .coexistence import add_flags, refuse_conflicts
+from .flags import CHUNKED_FLAG, OFFLOAD_FLAG, OffloadArgumentError, offload_enabled
 
-OFFLOAD_FLAG = '--offload-optimizer-states'
-CHUNKED_FLAG = '--offload-chunked-update-bytes'
 PIECE_FLAG = '--offload-max-piece-mb'
 
 # Tuning flags: (option, dest). All are "--no-..." switches whose default is True, so a False
@@ -43,10 +43,6 @@ __all__ = [
     'offload_enabled',
     'validate_args',
 ]
-
-
-class OffloadArgumentError(ValueError):
-    """A command line that optimizer-state offloading cannot run with."""
 
 
 def _flags() -> list:
@@ -139,14 +135,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     other flag or dest Megatron already defines is an ``OffloadArgumentError`` (see
     ``coexistence``), never argparse's conflict.
     """
-    from .coexistence import add_flags
-
     return add_flags(parser, _flags(), 'optimizer state offloading (megatron-offload)')
-
-
-def offload_enabled(args) -> bool:
-    """True when ``args`` asks for optimizer-state offloading."""
-    return bool(getattr(args, 'offload_optimizer_states', False))
 
 
 def _refuse(message: str) -> None:
@@ -194,8 +183,6 @@ def validate_args(args) -> None:
         return
 
     # A Megatron with an offloader of its own: never both (before anything else is judged).
-    from .coexistence import refuse_conflicts
-
     refuse_conflicts(args)
     if getattr(args, 'optimizer_cpu_offload', False):
         _refuse(

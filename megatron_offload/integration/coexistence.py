@@ -30,7 +30,7 @@ import argparse
 import contextlib
 import dataclasses
 
-from .arguments import CHUNKED_FLAG, OFFLOAD_FLAG, OffloadArgumentError, offload_enabled
+from .flags import CHUNKED_FLAG, OFFLOAD_FLAG, OffloadArgumentError, offload_enabled
 
 MEGATRON_FLAG = '--chunked-optimizer-state-offload'
 MEGATRON_DEST = 'chunked_optimizer_state_offload'

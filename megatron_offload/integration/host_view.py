@@ -51,7 +51,7 @@ import torch
 from ..adapters import distributed_optimizer as dopt_adapter
 from ..adapters import PRIMARY_WEIGHTS, inner_optimizers
 from ..engine import Place
-from ..engine.groups import ALIGN_BYTES
+from ..engine.groups import aligned_size
 
 # TE FusedAdam state dtypes whose values need the device to be read (scales on the device,
 # FP8 dequantization kernels).
@@ -374,12 +374,12 @@ class _Served:
         sizes = [value.numel() * value.element_size() for _, _, value in places]
         # One staging buffer for all of them (one pinned allocation, not one per tensor); the
         # engine moves them into its arena at the next offload and gives it back then.
-        buffer = device.host_buffer(sum(-(-n // ALIGN_BYTES) * ALIGN_BYTES for n in sizes))
+        buffer = device.host_buffer(sum(aligned_size(n) for n in sizes))
         items, offset = [], 0
         for (entries, name, value), nbytes in zip(places, sizes):
             host = buffer[offset : offset + nbytes]
             host.copy_(value.contiguous().view(-1).view(torch.uint8))
-            offset += -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES  # each one aligned for its dtype
+            offset += aligned_size(nbytes)  # each one aligned for its dtype
             # The device tensor the optimizer will use: allocated and released at once, one at
             # a time (never more than the largest of them on the device).
             tensor = device.empty(value.numel(), value.dtype).view(value.shape)
