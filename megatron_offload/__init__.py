@@ -6,7 +6,8 @@
 
 The package is layered: ``device`` (the only code that knows accelerators), ``engine``
 (moves a set of tensors), ``adapters`` (finds the tensors of each optimizer kind) and
-``integration`` (attach, the per-step cycle, Megatron-facing API).
+``integration`` (attach, the per-step cycle, Megatron-facing API) and ``frameworks`` (the
+adapters that make NeMo-RL's and verl's own optimizer moves delegate to the offloader).
 """
 
 from .config import OffloadConfig

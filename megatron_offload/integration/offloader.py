@@ -146,6 +146,12 @@ class OptimizerStateOffloader:
         return self._detached
 
     @property
+    def automatic(self) -> bool:
+        """True when ``attach`` runs the per-step cycle: each step reloads what it needs by
+        itself (a framework's "to the device" phase has nothing to do)."""
+        return self._automatic is not None and not self._detached
+
+    @property
     def is_offloaded(self) -> bool:
         """True while some selected state has no device memory."""
         return any(engine.is_released() for engine in self._engines)

@@ -1,0 +1,73 @@
+"""NeMo-RL: its Megatron policy worker's optimizer moves delegate to the attached offloader.
+
+NeMo-RL's ``MegatronPolicyWorker`` (``nemo_rl/models/policy/workers/megatron_policy_worker.py``)
+moves every tensor of ``optimizer.state`` with ``move_optimizer("cpu")`` before log-prob
+inference and around weight refit, and with ``move_optimizer("cuda")`` before training (always,
+also before anything was moved out) and before a checkpoint save; one tensor at a time,
+pageable, synchronous, leaving the fp32 master weights on the device. With an offloader
+attached to ``worker.optimizer``, ``install()`` turns those calls into ``phases.to_host`` and
+``phases.to_device``: the states travel once, asynchronously, masters included, and a
+checkpoint save is served from the host copy.
+
+    from megatron_offload.frameworks import nemo_rl
+    nemo_rl.install()   # once per worker process, before the worker's first phase
+
+NeMo-RL skips its moves when ``optimizer_cpu_offload`` is set; megatron-offload refuses that
+setting (a different, CPU-compute feature) at attach.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+from ..integration.training import find_offloader
+from .phases import to_device, to_host
+
+MODULE = "nemo_rl.models.policy.workers.megatron_policy_worker"
+CLASS = "MegatronPolicyWorker"
+_installed: dict = {}  # worker class -> its own move_optimizer
+
+
+def install(worker_class=None) -> None:
+    """Make ``worker_class.move_optimizer`` (NeMo-RL's ``MegatronPolicyWorker`` by default)
+    delegate to the offloader attached to ``self.optimizer``; idempotent."""
+    cls = worker_class if worker_class is not None else _worker_class()
+    if cls in _installed:
+        return
+    own = cls.__dict__.get("move_optimizer")
+    if own is None:
+        raise TypeError(f"{cls.__qualname__} has no move_optimizer of its own: not NeMo-RL's Megatron policy worker.")
+
+    @functools.wraps(own)
+    def move_optimizer(self, device: str):
+        offloader = find_offloader(getattr(self, "optimizer", None))
+        if offloader is None:
+            return own(self, device)
+        if device == "cpu":
+            to_host(offloader)
+        elif device == "cuda":
+            to_device(offloader)
+        else:  # as NeMo-RL's own
+            raise ValueError(f"Invalid device: {device}. Only strings 'cpu' and 'cuda' are supported.")
+
+    cls.move_optimizer = move_optimizer
+    _installed[cls] = own
+
+
+def uninstall(worker_class=None) -> None:
+    """Give ``worker_class`` its own ``move_optimizer`` back."""
+    cls = worker_class if worker_class is not None else _worker_class()
+    own = _installed.pop(cls, None)
+    if own is not None:
+        cls.move_optimizer = own
+
+
+def _worker_class():
+    try:
+        return getattr(importlib.import_module(MODULE), CLASS)
+    except (ImportError, AttributeError) as error:
+        raise ImportError(
+            f"megatron_offload.frameworks.nemo_rl.install() needs NeMo-RL's {MODULE}.{CLASS} ({error}); "
+            "pass the worker class as install(worker_class) if it lives elsewhere."
+        ) from error

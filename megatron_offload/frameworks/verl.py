@@ -1,0 +1,95 @@
+"""verl: its Megatron optimizer moves delegate to the attached offloader.
+
+verl's ``verl/utils/megatron_utils.py`` moves the optimizer with
+``offload_megatron_optimizer(optimizer)`` when its Megatron engine leaves train mode (and after
+it is built) and ``load_megatron_optimizer(optimizer)`` when it enters train mode: the fp32
+masters (``p.data = p.data.to(...)``) and ``exp_avg`` / ``exp_avg_sq`` one ``.to()`` each, then
+``empty_cache()``. The states are on the device for the whole train phase, and momentum
+buffers, other optimizers' states and the masters' gradients are not moved. With an
+offloader attached, ``install()`` makes both delegate (``phases.to_host`` /
+``phases.to_device``): everything the offloader tracks leaves the device, and in train mode
+the states come back only around each step.
+
+    from megatron_offload.frameworks import verl
+    verl.install()   # once per worker process, after importing verl
+
+Modules of verl that imported the functions by name get the delegating ones too.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+
+from ..integration.training import find_offloader
+from .phases import to_device, to_host
+
+MODULE = "verl.utils.megatron_utils"
+NAMES = {"offload_megatron_optimizer": to_host, "load_megatron_optimizer": to_device}
+_installed: dict = {}  # id(delegating function) -> (delegating function, verl's own)
+
+
+def install(module=None) -> None:
+    """Make ``module``'s (``verl.utils.megatron_utils`` by default) optimizer moves delegate
+    to the offloader attached to the optimizer they are given, in that module and in every
+    loaded ``verl`` module that imported them; idempotent."""
+    module = module if module is not None else _module()
+    replaced = {}  # id(verl's own) -> delegating function
+    for name, phase in NAMES.items():
+        own = getattr(module, name, None)
+        if own is None:
+            raise TypeError(f"{module.__name__} has no {name}: not verl's megatron_utils.")
+        if id(own) not in _installed:  # not installed already
+            replaced[id(own)] = _delegating(own, phase)
+    for target in _modules(module):
+        for attribute, value in list(vars(target).items()):
+            if id(value) in replaced and replaced[id(value)].__wrapped__ is value:
+                setattr(target, attribute, replaced[id(value)])
+    for delegating in replaced.values():
+        _installed[id(delegating)] = (delegating, delegating.__wrapped__)
+
+
+def uninstall(module=None) -> None:
+    """Give verl its own functions back, wherever ``install`` replaced them."""
+    module = module if module is not None else _module()
+    restored = set()
+    for target in _modules(module):
+        for attribute, value in list(vars(target).items()):
+            entry = _installed.get(id(value))
+            if entry is not None and entry[0] is value:
+                setattr(target, attribute, entry[1])
+                restored.add(id(value))
+    for key in restored:
+        del _installed[key]
+
+
+def _delegating(own, phase):
+    @functools.wraps(own)
+    def move(optimizers, *args, **kwargs):
+        offloader = find_offloader(optimizers)
+        if offloader is None:
+            return own(optimizers, *args, **kwargs)
+        return phase(offloader)
+
+    return move
+
+
+def _modules(module):
+    """``module`` and every loaded module of its top-level package."""
+    root = module.__name__.split(".")[0]
+    found = [module]
+    for name, loaded in list(sys.modules.items()):
+        if loaded is not None and loaded is not module and (name == root or name.startswith(root + ".")):
+            found.append(loaded)
+    return found
+
+
+def _module():
+    try:
+        return importlib.import_module(MODULE)
+    except ImportError as error:
+        raise ImportError(
+            f"megatron_offload.frameworks.verl.install() needs verl's {MODULE} ({error}); "
+            "pass the module as install(module) if it lives elsewhere."
+        ) from error

@@ -1,0 +1,125 @@
+"""Stand-ins for the optimizer moves of NeMo-RL's Megatron policy worker and of verl.
+
+Neither framework imports on a machine like ours: ``import verl`` needs ray (and tensordict,
+pandas, pyarrow, ...), NeMo-RL's worker module ray, vLLM and Megatron-Bridge. What the
+adapters replace is reproduced here from reading their sources (NeMo-RL main,
+``nemo_rl/models/policy/workers/megatron_policy_worker.py``; verl main,
+``verl/utils/megatron_utils.py``), with the same names and call shapes, and nothing else:
+
+* ``MegatronPolicyWorker.move_optimizer(device)``: every tensor value of each parameter's
+  entry in ``optimizer.state`` (a ChainedOptimizer's proxy mapping, else ``_get_state()``) is
+  replaced by ``.to(device)`` where it is not there yet; "cpu" or "cuda", anything else a
+  ``ValueError``. Its phases call it as NeMo-RL does: "cpu" before log-prob inference and
+  before refit, "cuda" before training (always) and before a checkpoint save.
+* ``offload_megatron_optimizer(optimizers)`` / ``load_megatron_optimizer(optimizers)``: per
+  optimizer of a chain, the fp32 masters (``shard_fp32_from_float16_groups``) moved with
+  ``p.data = p.data.to(...)``, then ``exp_avg`` and ``exp_avg_sq`` of each state entry with
+  ``.to(...)``. A second module imports them by name, as verl's engine does.
+
+On CPU ranks "cuda" is the CPU (the harness redirects it), so a move copies nothing: what the
+tests see is what reading and rewriting the states does to an attached offloader.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+
+
+class MegatronPolicyWorker:
+    """The optimizer side of NeMo-RL's worker: its moves and the phases that call them."""
+
+    def __init__(self, model_chunks, optimizer, config, train_step) -> None:
+        self.model, self.optimizer, self.config = model_chunks, optimizer, config
+        self.optimizer_cpu_offload = False
+        self._train_step = train_step
+        self._steps = 0
+
+    def move_optimizer(self, device: str):
+        from megatron.core.optimizer import ChainedOptimizer
+
+        state = self.optimizer.state if isinstance(self.optimizer, ChainedOptimizer) else self.optimizer._get_state()
+        for _, entry in state.items():
+            for key, value in entry.items():
+                if not torch.is_tensor(value):
+                    continue
+                if device == "cpu":
+                    if value.is_cuda:
+                        entry[key] = value.to("cpu")
+                elif device == "cuda":
+                    if not value.is_cuda:
+                        entry[key] = value.to("cuda")
+                else:
+                    raise ValueError(f"Invalid device: {device}. Only strings 'cpu' and 'cuda' are supported.")
+
+    def prepare_for_lp_inference(self) -> None:
+        self.move_optimizer("cpu")
+
+    def prepare_for_training(self) -> None:
+        self.move_optimizer("cuda")
+
+    def train(self, steps: int) -> list:
+        results = []
+        for _ in range(steps):
+            results.append(self._train_step(self.model, self.optimizer, self.config, self._steps))
+            self._steps += 1
+        return results
+
+    def offload_before_refit(self) -> None:
+        self.move_optimizer("cpu")
+
+    def offload_after_refit(self) -> None:
+        pass  # moves the model's buffers; the optimizer was moved before the refit
+
+    def save_checkpoint(self, save) -> None:
+        self.move_optimizer("cuda")
+        save(self.model, self.optimizer)
+
+
+def _chain(optimizers):
+    return getattr(optimizers, "chained_optimizers", None) or [optimizers]
+
+
+def _move_masters(optimizer, device) -> None:
+    for group in getattr(optimizer, "shard_fp32_from_float16_groups", None) or []:
+        for param in group:
+            param.data = param.data.to(device, non_blocking=True)
+
+
+def _move_moments(optimizer, device) -> None:
+    for entry in optimizer.optimizer.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in entry:
+                entry[key] = entry[key].to(device, non_blocking=True)
+
+
+def offload_megatron_optimizer(optimizers):
+    for optimizer in _chain(optimizers):
+        _move_masters(optimizer, "cpu")
+        if optimizer.optimizer is not None:
+            _move_moments(optimizer, "cpu")
+
+
+def load_megatron_optimizer(optimizers):
+    for optimizer in _chain(optimizers):
+        _move_masters(optimizer, "cuda")
+        if optimizer.optimizer is not None:
+            _move_moments(optimizer, "cuda")
+
+
+def verl_modules(root: str = "verl_double"):
+    """``(megatron_utils, engine)``: the stand-in module and one that imported its moves by
+    name, registered in ``sys.modules`` under ``root`` (as verl's are under ``verl``)."""
+    utils = types.ModuleType(f"{root}.utils.megatron_utils")
+    utils.offload_megatron_optimizer = offload_megatron_optimizer
+    utils.load_megatron_optimizer = load_megatron_optimizer
+    engine = types.ModuleType(f"{root}.workers.engine")
+    engine.offload_megatron_optimizer = offload_megatron_optimizer
+    engine.load_megatron_optimizer = load_megatron_optimizer
+    for name in (root, f"{root}.utils", f"{root}.workers"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    sys.modules[utils.__name__] = utils
+    sys.modules[engine.__name__] = engine
+    return utils, engine

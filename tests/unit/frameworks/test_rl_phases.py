@@ -1,0 +1,173 @@
+"""NeMo-RL's and verl's phase orders replayed on real megatron-core (2 gloo ranks), through
+the adapters (``megatron_offload.frameworks``), against the same phases without offloading.
+
+The frameworks' own optimizer moves are stand-ins (``tests/doubles/rl_frameworks.py`` says
+why and what they reproduce). Asserted at every phase: the bytes offloaded (every tracked
+state byte, from the first offload on: the states come back only inside each step); and at
+the end, training bitwise equal to the run without offloading. Negative control: without
+the adapters, the frameworks' moves read and rewrite the states of an attached offloader.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+BUILD = dict(overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=3000)
+
+
+def _figures(offloader):
+    if offloader is None:
+        return None
+    stats = offloader.stats()
+    return {"offloaded": stats["offloaded_bytes"], "tracked": stats["tracked_bytes"]}
+
+
+def _save(directory):
+    def save(model_chunks, optimizer):
+        import os
+
+        from megatron.core import dist_checkpointing
+
+        os.makedirs(directory, exist_ok=True)
+
+        model = model_chunks[0].sharded_state_dict()
+        sharded = optimizer.sharded_state_dict(model, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+        dist_checkpointing.save({"model": model, "optimizer": sharded}, directory)
+
+    return save
+
+
+def nemo_rl_job(mode: str, directory: str):
+    """NeMo-RL's order: prepare_for_training before anything was offloaded, then per rollout
+    log-prob preparation, prepare_for_training, train, offload_before_refit,
+    offload_after_refit; a checkpoint save at the end."""
+    import megatron_offload
+    from megatron_offload.frameworks import nemo_rl
+    from tests.doubles.rl_frameworks import MegatronPolicyWorker
+    from tests.harness import models
+
+    chunks, optimizer, config = models.build("gpt", "bf16", **BUILD)
+    offloader = megatron_offload.attach(optimizer) if mode != "reference" else None
+    worker = MegatronPolicyWorker(chunks, optimizer, config, models.train_step)
+    if mode == "adapted":
+        nemo_rl.install(MegatronPolicyWorker)
+    phases, results = [], []
+    try:
+        worker.prepare_for_training()
+        phases.append(("prepare_for_training (nothing offloaded yet)", _figures(offloader)))
+        for _ in range(2):
+            for name in ("prepare_for_lp_inference", "prepare_for_training"):
+                getattr(worker, name)()
+                phases.append((name, _figures(offloader)))
+            results += worker.train(2)
+            phases.append(("train", _figures(offloader)))
+            for name in ("offload_before_refit", "offload_after_refit"):
+                getattr(worker, name)()
+                phases.append((name, _figures(offloader)))
+        worker.save_checkpoint(_save(directory))
+        phases.append(("save_checkpoint", _figures(offloader)))
+        results += worker.train(1)
+        if offloader is not None:
+            offloader.reload()
+            offloader.wait()
+        models.flush_param_gather(chunks)
+        return {"phases": phases, "results": results, "snapshot": models.snapshot(chunks, optimizer)}
+    finally:
+        nemo_rl.uninstall(MegatronPolicyWorker)
+
+
+def verl_job(mode: str, directory: str):
+    """verl's order: the engine is built and its optimizer offloaded; per round, generation,
+    train mode in (load), training, train mode out (offload); a checkpoint saved while
+    offloaded and loaded back (load_checkpoint), then more training."""
+    import megatron_offload
+    from megatron_offload.frameworks import verl
+    from tests.unit.integration.test_checkpoint_formats import _load
+    from tests.doubles.rl_frameworks import verl_modules
+    from tests.harness import models
+
+    utils, engine = verl_modules()
+    chunks, optimizer, config = models.build("gpt", "bf16", **BUILD)
+    offloader = megatron_offload.attach(optimizer) if mode != "reference" else None
+    if mode == "adapted":
+        verl.install(utils)
+    phases, results, step = [], [], 0
+    try:
+        engine.offload_megatron_optimizer(optimizer)  # engine init
+        phases.append(("engine init (offload)", _figures(offloader)))
+        for _ in range(2):
+            phases.append(("generation", _figures(offloader)))
+            engine.load_megatron_optimizer(optimizer)
+            phases.append(("train mode in (load)", _figures(offloader)))
+            for _ in range(2):
+                results.append(models.train_step(chunks, optimizer, config, step))
+                step += 1
+            phases.append(("train", _figures(offloader)))
+            utils.offload_megatron_optimizer(optimizer)
+            phases.append(("train mode out (offload)", _figures(offloader)))
+        models.flush_param_gather(chunks)
+        _save(directory)(chunks, optimizer)
+        results.append(models.train_step(chunks, optimizer, config, step))  # moves past the checkpoint
+        step += 1
+        engine.offload_megatron_optimizer(optimizer)
+        _load(chunks, optimizer, directory, "dp_reshardable")  # as the checkpoint tests load
+        phases.append(("load_checkpoint", _figures(offloader)))
+        engine.load_megatron_optimizer(optimizer)
+        for _ in range(2):
+            results.append(models.train_step(chunks, optimizer, config, step))
+            step += 1
+        if offloader is not None:
+            offloader.reload()
+            offloader.wait()
+        models.flush_param_gather(chunks)
+        return {"phases": phases, "results": results, "snapshot": models.snapshot(chunks, optimizer)}
+    finally:
+        verl.uninstall(utils)
+
+
+def _same(reference, run):
+    for ref, off in zip(reference, run):
+        assert ref["results"] == off["results"]
+        for section in ("params", "optimizer"):
+            a, b = ref["snapshot"][section], off["snapshot"][section]
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), section
+
+
+def _all_offloaded(rank, skip_first=False):
+    phases = rank["phases"][1:] if skip_first else rank["phases"]
+    return [(name, f) for name, f in phases if not (f["tracked"] > 0 and f["offloaded"] == f["tracked"])]
+
+
+@pytest.fixture(scope="module")
+def shared_dir(rank_pool, tmp_path_factory):
+    return str(tmp_path_factory.mktemp("rl-phases"))
+
+
+@pytest.mark.parametrize("framework", ["nemo_rl", "verl"])
+def test_phases_through_the_adapter_keep_the_states_offloaded_and_train_bitwise(rank_pool, shared_dir, framework):
+    job = nemo_rl_job if framework == "nemo_rl" else verl_job
+    reference = rank_pool.run(job, "reference", f"{shared_dir}/{framework}-reference")
+    adapted = rank_pool.run(job, "adapted", f"{shared_dir}/{framework}-adapted")
+    _same(reference, adapted)
+    for rank in adapted:
+        if framework == "nemo_rl":
+            # NeMo-RL reloads before anything was offloaded: a no-op, nothing offloaded yet.
+            name, first = rank["phases"][0]
+            assert first["offloaded"] == 0, (name, first)
+        assert _all_offloaded(rank, skip_first=framework == "nemo_rl") == [], rank["phases"]
+
+
+def test_without_the_adapter_their_moves_undo_ours(rank_pool, shared_dir):
+    """Negative control. NeMo-RL: its "cpu" move walks the state mapping and rewrites every
+    entry, which brings the fp32 masters back to the device (a third of the tracked bytes
+    here) until the next step. verl: its offload at engine init moves its own tensors and
+    leaves ours on the device, so the states are resident until the first step."""
+    nemo = rank_pool.run(nemo_rl_job, "unadapted", f"{shared_dir}/nemo_rl-unadapted")
+    for rank in nemo:
+        refit = [f for name, f in rank["phases"] if name == "offload_before_refit"]
+        assert refit and all(0 < f["offloaded"] < f["tracked"] for f in refit), rank["phases"]
+    verl_run = rank_pool.run(verl_job, "unadapted", f"{shared_dir}/verl-unadapted")
+    for rank in verl_run:
+        name, init = rank["phases"][0]
+        assert name == "engine init (offload)" and init["offloaded"] == 0, rank["phases"]
