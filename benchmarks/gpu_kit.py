@@ -73,7 +73,7 @@ def init(dry_run: bool) -> torch.device:
     from megatron.core import parallel_state
 
     if dry_run:
-        from megatron_offload.testing import cpu_megatron
+        from megatron_offload_testing import cpu_megatron
 
         cpu_megatron.install()
     torch.cuda.set_device(0)

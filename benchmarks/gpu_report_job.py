@@ -261,7 +261,7 @@ def main(argv: list[str]) -> None:
 
     cuda = torch.cuda.is_available()
     if not cuda:  # CPU ranks (the unit tests): the redirects the example itself installs
-        from megatron_offload.testing import cpu_training
+        from megatron_offload_testing import cpu_training
 
         cpu_training.install()
     import megatron.training.training as training

@@ -7,8 +7,8 @@ One gloo rank trains megatron-core's bf16 GPT (DistributedOptimizer, overlapped 
 reduce and parameter gather) with the offloader attached, three iterations to reach the
 steady state, then profiles the fourth (forward, backward, the prefetch from the gradient
 reduction, the step with its wait, update and offload) with cProfile. Counted: the functions
-whose code lives in ``megatron_offload/`` outside ``testing/`` (the CPU stand-ins for CUDA are
-test machinery), their files, and their calls; comprehensions, generator expressions and
+whose code lives in ``megatron_offload/`` (the CPU stand-ins for CUDA, in
+``megatron_offload_testing``, are not counted), their files, and their calls; comprehensions, generator expressions and
 lambdas are not counted as functions (their calls are not counted either).
 """
 
@@ -28,7 +28,7 @@ ANONYMOUS = ("<genexpr>", "<listcomp>", "<dictcomp>", "<setcomp>", "<lambda>")
 
 def _ours(filename: str) -> bool:
     path = Path(filename).resolve()
-    return path.is_relative_to(PACKAGE) and not path.is_relative_to(PACKAGE / "testing")
+    return path.is_relative_to(PACKAGE)
 
 
 def count(stats: pstats.Stats) -> dict:
@@ -51,7 +51,7 @@ def profile_job(chunked: bool) -> dict:
 
     import megatron_offload
     from megatron_offload.integration.training import prefetching_finalize
-    from megatron_offload.testing import cpu_megatron
+    from megatron_offload_testing import cpu_megatron
     from tests.harness import models
 
     cpu_megatron.install()

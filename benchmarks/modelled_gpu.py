@@ -1,7 +1,7 @@
 """Modelled GPU: how soon the offloaded state's device memory is reusable, per layout.
 
 No GPU is needed: the engine runs on a ``ModelledDevice`` (the checked stream model mirrored
-into the caching-allocator model of ``megatron_offload.testing``), whose byte counts are
+into the caching-allocator model of ``megatron_offload_testing``), whose byte counts are
 ``scale`` times the real CPU tensors', so a few MiB of tensors stand for a 20 GB per-rank
 state. For each link bandwidth and layout it reports, from the end of the step:
 
@@ -45,8 +45,8 @@ def measure(layout: str, link: float, *, state_bytes: int = 20 * GB, tensors: in
             scale: int = 1 << 14) -> dict:
     """One offload after the step, modelled; see the module doc."""
     from megatron_offload.engine import OffloadEngine
-    from megatron_offload.testing import ModelledDevice
-    from megatron_offload.testing.allocator_model import segment_size
+    from megatron_offload_testing import ModelledDevice
+    from megatron_offload_testing.allocator_model import segment_size
 
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")

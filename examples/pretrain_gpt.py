@@ -11,7 +11,7 @@ and lets ``pretrain`` parse the arguments. It contains no offloading code: run i
         <Megatron flags> --use-distributed-optimizer --offload-optimizer-states
 
 On GPUs it runs with NCCL as is. Where no GPU exists it redirects megatron-core's CUDA
-assumptions to the CPU (``megatron_offload.testing``) so the same command trains on CPU
+assumptions to the CPU (``megatron_offload_testing``) so the same command trains on CPU
 ranks with ``--distributed-backend gloo`` and the CPU flags listed in examples/README.md.
 """
 
@@ -23,7 +23,14 @@ import torch
 
 if not torch.cuda.is_available():
     # No accelerator: run megatron-core and megatron.training on CPU processes (gloo).
-    from megatron_offload.testing import cpu_training
+    try:
+        from megatron_offload_testing import cpu_training
+    except ImportError as error:
+        raise SystemExit(
+            "No GPU here: the CPU run needs megatron_offload_testing (the CPU stand-ins for CUDA), "
+            "which is not installed with the package; run from the repository root with PYTHONPATH=. "
+            f"({error})"
+        ) from error
 
     cpu_training.install()
 

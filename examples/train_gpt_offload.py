@@ -8,7 +8,7 @@ and trains it with ``megatron_offload.attach``. Per step it prints both losses (
 identical) and the bytes this rank keeps on the host instead of the device.
 
 Uses GPUs with NCCL when they exist; on a machine without them it runs on CPU ranks with
-gloo, through the CPU redirects of ``megatron_offload.testing.cpu_megatron``.
+gloo, through the CPU redirects of ``megatron_offload_testing.cpu_megatron``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,14 @@ for logger in ("megatron", "torch.utils.cpp_extension"):
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from megatron_offload.testing import cpu_megatron
+    try:
+        from megatron_offload_testing import cpu_megatron
+    except ImportError as error:
+        raise SystemExit(
+            "No GPU here: the CPU run needs megatron_offload_testing (the CPU stand-ins for CUDA), "
+            "which is not installed with the package; run from the repository root with PYTHONPATH=. "
+            f"({error})"
+        ) from error
 
     cpu_megatron.install()
 

@@ -8,7 +8,7 @@ Three implementations exist:
 * ``AcceleratorDevice`` (``accelerator.py``): CUDA-like devices through the torch device
   module: side streams, events, non-blocking copies, pinned host memory, record_stream.
 * ``CPUDevice`` (``cpu.py``): plain synchronous copies; streams and events are inert.
-* a checked device for tests (``megatron_offload.testing``) that models streams on the CPU
+* a checked device for tests (``megatron_offload_testing``) that models streams on the CPU
   and reports every ordering mistake.
 
 Streams and events are opaque handles: only the device that made them interprets them.

@@ -194,7 +194,7 @@ def main(argv: list[str]) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        from megatron_offload.testing import cpu_training
+        from megatron_offload_testing import cpu_training
 
         cpu_training.install()
         # LayerWiseDistributedOptimizer (emerging optimizers with --use-distributed-optimizer)

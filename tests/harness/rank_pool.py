@@ -277,7 +277,7 @@ def _rank_main(rank, world_size, port, conn, log_path, env, pg_timeout_s):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    from megatron_offload.testing import cpu_megatron
+    from megatron_offload_testing import cpu_megatron
 
     cpu_megatron.install()
     # Import the heavy megatron-core modules now, while the parent waits for 'ready' anyway.

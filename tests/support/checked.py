@@ -7,7 +7,7 @@ def checked_device_options(options=None):
     Call ``check()`` on every device at the end of the job: it raises on any protocol
     violation and on copies nothing ever ordered.
     """
-    from megatron_offload.testing import CheckedDevice
+    from megatron_offload_testing import CheckedDevice
 
     devices = []
 

@@ -214,7 +214,7 @@ def train_job(optimizer_kind, model, dtype, steps, offload, *, overrides=None, o
         options = dict(options or {})
         devices = []
         if checked:
-            from megatron_offload.testing import CheckedDevice
+            from megatron_offload_testing import CheckedDevice
 
             def factory(torch_device):
                 devices.append(CheckedDevice())

@@ -116,7 +116,7 @@ def gpu_job(port, remainders, moments, offload, dry_run=False, chunked=None, che
         # ended by its parent's close(); the Manager is shut down with it at its exit.
         multiprocessing.current_process().daemon = False
     if dry_run:
-        from megatron_offload.testing import cpu_megatron
+        from megatron_offload_testing import cpu_megatron
 
         cpu_megatron.install()
     torch.cuda.set_device(0)

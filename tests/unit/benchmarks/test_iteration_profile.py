@@ -5,10 +5,10 @@ import pstats
 
 from benchmarks import iteration_profile
 from megatron_offload.device import allocator
-from megatron_offload.testing import allocator_model
+from megatron_offload_testing import allocator_model
 
 
-def test_counts_named_functions_of_the_package_outside_testing():
+def test_counts_named_functions_of_the_package_alone():
     profiler = cProfile.Profile()
     profiler.enable()
     allocator.piece_bound({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"})  # settings, backend, ...

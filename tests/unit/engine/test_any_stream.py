@@ -16,7 +16,7 @@ import torch
 
 from megatron_offload.engine import OffloadEngine
 from megatron_offload.engine import engine as engine_module
-from megatron_offload.testing import (
+from megatron_offload_testing import (
     OVERWRITE_WHILE_READ,
     RELEASE_IN_USE,
     UNORDERED_DEVICE_ACCESS,

@@ -18,7 +18,7 @@ import torch
 
 from megatron_offload.adapters import distributed_optimizer as adapter
 from megatron_offload.engine import HostBudget, HostMemoryBudgetError, OffloadEngine
-from megatron_offload.testing import CheckedDevice
+from megatron_offload_testing import CheckedDevice
 
 STATES, MASTERS = "optimizer_states", "primary_weights"
 

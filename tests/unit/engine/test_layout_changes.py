@@ -14,7 +14,7 @@ import torch
 
 from megatron_offload.engine import OffloadEngine
 from megatron_offload.engine import engine as engine_module
-from megatron_offload.testing import CheckedDevice, ProtocolViolation
+from megatron_offload_testing import CheckedDevice, ProtocolViolation
 
 STATES, MASTERS = "optimizer_states", "primary_weights"
 

@@ -171,7 +171,7 @@ def _release_refused_mid_offload_job():
     after earlier pieces were copied and released: nothing is lost, and the arena is not
     given back under a copy that is still queued."""
     from megatron_offload.engine import OffloadStateError
-    from megatron_offload.testing import CheckedDevice
+    from megatron_offload_testing import CheckedDevice
 
     ref, off = Model(SIZES), Model(SIZES)
     device = CheckedDevice()

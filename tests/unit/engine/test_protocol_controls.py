@@ -21,7 +21,7 @@ import torch
 
 from megatron_offload.engine import OffloadEngine
 from megatron_offload.engine import engine as engine_module
-from megatron_offload.testing import (
+from megatron_offload_testing import (
     FREED_IN_USE,
     HOST_FREED_IN_USE,
     OVERWRITE_WHILE_READ,

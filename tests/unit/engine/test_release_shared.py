@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from megatron_offload.engine import OffloadEngine
-from megatron_offload.testing import CheckedDevice
+from megatron_offload_testing import CheckedDevice
 
 STATES = "optimizer_states"
 
@@ -73,7 +73,7 @@ def run_retired_streams(scenario: str, honest: bool = True) -> dict:
     """Attach, cycle, close; then what the checked device saw when the engine retired its
     side streams. ``honest=False``: the engine's ``retire_stream`` calls all say
     ``announced=False`` (the gap this guards: streams destroyed under a live record)."""
-    from megatron_offload.testing import RECORDED_ON_RETIRED_STREAM
+    from megatron_offload_testing import RECORDED_ON_RETIRED_STREAM
 
     gen = torch.Generator().manual_seed(0)
     base = torch.randn(100, generator=gen)

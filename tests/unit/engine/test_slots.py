@@ -17,7 +17,7 @@ from megatron_offload.engine import OffloadEngine, OffloadStateError
 from megatron_offload.engine import engine as engine_module
 from megatron_offload.engine import slots as slots_module
 from megatron_offload.engine.slots import SlotSizeError, SlotStream
-from megatron_offload.testing import (
+from megatron_offload_testing import (
     DEVICE_RACE,
     UNORDERED_DEVICE_ACCESS,
     UNORDERED_HOST_READ,

@@ -76,8 +76,8 @@ def modelled_job(max_piece_bytes, *, offload=True, capacity=None, skip_labels=()
 def _modelled_job(max_piece_bytes, *, offload, capacity, skip_labels, chunked, max_split, honour_split, backend,
                   empty_cache_level):
     from megatron_offload import attach
-    from megatron_offload.testing import ModelledDevice
-    from megatron_offload.testing.allocator_model import segment_size
+    from megatron_offload_testing import ModelledDevice
+    from megatron_offload_testing.allocator_model import segment_size
     from tests.harness import models
 
     chunks, optimizer, config = models.build("gpt", "bf16", **BUILD)
@@ -205,7 +205,7 @@ def test_chunked_update_has_no_stall_in_steady_state_and_is_bitwise(rank_pool, r
 
 
 def test_memory_becomes_reusable_piece_by_piece_at_link_speed(pieces_run):
-    from megatron_offload.testing.allocator_model import round_size
+    from megatron_offload_testing.allocator_model import round_size
 
     for rank in pieces_run:
         t0, pieces, timeline = rank["t0"], rank["pieces"], rank["timeline"]
@@ -293,7 +293,7 @@ def test_empty_cache_after_the_step_is_said_once_with_the_host_wait(rank_pool):
 
 
 def test_dropped_record_stream_is_reported_as_reuse_before_the_copy(rank_pool):
-    from megatron_offload.testing import REUSE_BEFORE_COPY
+    from megatron_offload_testing import REUSE_BEFORE_COPY
 
     run = rank_pool.run(modelled_job, PIECE, skip_labels=("d2h-record-stream",))
     for rank in run:

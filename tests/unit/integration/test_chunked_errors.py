@@ -26,7 +26,7 @@ import torch
 from megatron_offload.adapters import distributed_optimizer as adapter
 from megatron_offload.engine import OffloadEngine
 from megatron_offload.integration.chunked import ChunkedUpdate
-from megatron_offload.testing import CheckedDevice, ProtocolViolation
+from megatron_offload_testing import CheckedDevice, ProtocolViolation
 
 STATES = "optimizer_states"
 

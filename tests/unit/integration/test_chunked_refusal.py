@@ -94,7 +94,7 @@ class _Run:
         from megatron_offload.adapters import distributed_optimizer as adapter
         from megatron_offload.engine import OffloadEngine
         from megatron_offload.integration.chunked import ChunkedUpdate
-        from megatron_offload.testing import CheckedDevice
+        from megatron_offload_testing import CheckedDevice
 
         self.distrib = types.SimpleNamespace(optimizer=opt)
         self.device = CheckedDevice() if device is None else device

@@ -16,7 +16,7 @@ import torch
 from megatron_offload.adapters import distributed_optimizer as adapter
 from megatron_offload.engine import OffloadEngine
 from megatron_offload.integration.chunked import ChunkedUpdate, _Staging
-from megatron_offload.testing import CheckedDevice
+from megatron_offload_testing import CheckedDevice
 
 STATES = "optimizer_states"
 SIZES = (40, 7, 33, 16, 5, 24)

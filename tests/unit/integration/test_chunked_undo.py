@@ -65,7 +65,7 @@ class _CopyFailing:
 
 
 def _device():
-    from megatron_offload.testing import CheckedDevice
+    from megatron_offload_testing import CheckedDevice
 
     return type("CopyFailingDevice", (_CopyFailing, CheckedDevice), {})()
 
@@ -178,7 +178,7 @@ def test_every_copy_of_the_step_failing_in_turn_is_undone(isolated, kind, moment
 
 
 def run_without_ordering(label):
-    from megatron_offload.testing import CheckedDevice, ProtocolViolation
+    from megatron_offload_testing import CheckedDevice, ProtocolViolation
 
     global _device
     make = _device
@@ -260,7 +260,7 @@ def test_the_undo_buffer_counts_in_the_host_memory_budget():
     from megatron_offload.adapters import distributed_optimizer as adapter
     from megatron_offload.engine import HostBudget, HostMemoryBudgetError, OffloadEngine
     from megatron_offload.integration.chunked import ChunkedUpdate
-    from megatron_offload.testing import CheckedDevice
+    from megatron_offload_testing import CheckedDevice
 
     def attach(limit, undo):
         params = [torch.nn.Parameter(torch.randn(n)) for n in (40, 24)]
@@ -351,7 +351,7 @@ def run_modelled_step_time(undo):
     from megatron_offload.adapters import distributed_optimizer as adapter
     from megatron_offload.engine import OffloadEngine
     from megatron_offload.integration.chunked import ChunkedUpdate
-    from megatron_offload.testing import ModelledDevice
+    from megatron_offload_testing import ModelledDevice
 
     bandwidth = 1e6  # bytes per second, both directions
     params = [torch.nn.Parameter(torch.randn(256, generator=torch.Generator().manual_seed(i))) for i in range(8)]
@@ -447,7 +447,7 @@ def test_neighbouring_tensors_of_one_storage_are_saved_with_one_copy():
 
     from megatron_offload.engine import OffloadEngine
     from megatron_offload.integration.step_undo import MERGE_GAP_BYTES, StepUndo, _coalesced
-    from megatron_offload.testing import CheckedDevice
+    from megatron_offload_testing import CheckedDevice
 
     flat = torch.arange(64, dtype=torch.float32)
     views = [flat[0:5], flat[8:20], flat[20:24]]  # gaps of 12 bytes and none

@@ -43,7 +43,7 @@ def allocator_job(port, max_piece_bytes, dry_run=False, hidden=2048, layers=8):
     import torch.distributed as dist
 
     if dry_run:
-        from megatron_offload.testing import cpu_megatron
+        from megatron_offload_testing import cpu_megatron
 
         cpu_megatron.install()
     torch.cuda.set_device(0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_offload.testing.allocator_model import (
+from megatron_offload_testing.allocator_model import (
     MiB,
     AllocatorModel,
     ModelledOutOfMemory,

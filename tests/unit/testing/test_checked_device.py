@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from megatron_offload.testing import (
+from megatron_offload_testing import (
     DEVICE_RACE,
     FREED_IN_USE,
     HOST_FREED_IN_USE,
@@ -517,7 +517,7 @@ def test_reprs_and_poison_for_dtypes_without_integer_limits():
     assert repr(device) == "CheckedDevice(cpu, skip_labels=['x'])"
     assert repr(CheckedDevice()) == "CheckedDevice(cpu)"
     assert repr(device.new_stream()).startswith("<stream ")
-    from megatron_offload.testing import fill_poison
+    from megatron_offload_testing import fill_poison
 
     quantized = torch.zeros(4, dtype=torch.uint16)  # torch.iinfo has no limits for it
     fill_poison(quantized)
@@ -533,7 +533,7 @@ def test_reading_released_memory_is_reported():
 
 
 def test_cpu_training_redirects_report_whether_they_are_installed():
-    from megatron_offload.testing import cpu_training
+    from megatron_offload_testing import cpu_training
 
     assert cpu_training.is_installed() in (True, False)
 

@@ -5,7 +5,7 @@ where they are installed)."""
 def stand_ins_job():
     import torch
 
-    from megatron_offload.testing import cpu_megatron
+    from megatron_offload_testing import cpu_megatron
 
     stream = torch.cuda.Stream()
     event = torch.cuda.Event(enable_timing=True)

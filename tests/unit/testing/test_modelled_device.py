@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from megatron_offload.engine import OffloadEngine
-from megatron_offload.testing.allocator_model import MiB, AllocatorModel
-from megatron_offload.testing.modelled_device import REUSE_BEFORE_COPY, ModelledDevice
+from megatron_offload_testing.allocator_model import MiB, AllocatorModel
+from megatron_offload_testing.modelled_device import REUSE_BEFORE_COPY, ModelledDevice
 
 STATES, MASTERS = "optimizer_states", "primary_weights"
 D2H, H2D = 1e9, 2e9  # bytes per second
@@ -326,7 +326,7 @@ def test_a_model_and_its_arguments_are_not_both_accepted():
 
 
 def test_scale_multiplies_every_byte_count_the_model_sees():
-    from megatron_offload.testing.modelled_device import ModelledDevice
+    from megatron_offload_testing.modelled_device import ModelledDevice
 
     device = ModelledDevice(capacity=1 << 40, d2h_bandwidth=1e9, h2d_bandwidth=1e9, scale=1024)
     tensor = device.empty(256, torch.float32)  # 1 KiB real

@@ -71,7 +71,7 @@ from typing import Iterable
 
 import torch
 
-from ..device.base import Device
+from megatron_offload.device.base import Device
 from .checked_access import AccessRules
 from .checked_checks import DeviceChecks
 from .checked_records import (  # noqa: F401 - re-exported: named from here by tests and devices

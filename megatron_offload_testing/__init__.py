@@ -1,5 +1,8 @@
-"""Test helpers: a device that models accelerator streams on the CPU and checks ordering, and
-a model of the CUDA caching allocator that says when freed device memory is reusable."""
+"""Test machinery, apart from the package (``pip install .`` does not install it; the tests,
+benchmarks and the CPU runs of the examples import it from the repository root): a device that
+models accelerator streams on the CPU and checks ordering, a model of the CUDA caching
+allocator that says when freed device memory is reusable, and the CPU stand-ins that let
+megatron-core and megatron.training run on gloo ranks (``cpu_megatron``, ``cpu_training``)."""
 
 from .allocator_model import AllocatorModel, ModelledOutOfMemory
 from .checked_device import (

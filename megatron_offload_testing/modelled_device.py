@@ -31,7 +31,7 @@ from typing import Iterable
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..device.allocator import splittable_piece_bytes
+from megatron_offload.device.allocator import splittable_piece_bytes
 from .allocator_model import AllocatorModel, Block, ModelEvent, ModelStream
 from .checked_device import CheckedDevice, _Event, _Stream
 
