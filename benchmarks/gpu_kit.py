@@ -149,8 +149,12 @@ def _trains(device, offload: bool, steps: int = STEPS, **shape) -> dict | None:
             trial.step(index)
             retries.append(_retries(device))
         return {"retries": retries, "params": trial.params}
-    except torch.cuda.OutOfMemoryError:
-        return None
+    except (torch.cuda.OutOfMemoryError, RuntimeError) as error:
+        # Out of memory may also surface from a collective or a library as a RuntimeError
+        # naming it; anything else is a real failure.
+        if isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower():
+            return None
+        raise
     finally:
         if trial is not None:
             trial.close()

@@ -108,3 +108,21 @@ def test_goals_of_parts_not_measured_are_not_met():
     rows = gpu_kit.goals({"skipped": ["width"]})
     assert rows[0] == ("every figure measured", "not measured: freed, checkpoint, micro_batch, width", False)
     assert not any(ok for *_, ok in rows)
+
+
+@pytest.mark.parametrize("error, fits", [
+    (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
+    (RuntimeError("NCCL error: unhandled cuda error (run with NCCL_DEBUG=INFO): out of memory"), False),
+    (RuntimeError("shape mismatch"), None),
+])
+def test_a_trial_that_runs_out_of_memory_does_not_fit_and_any_other_error_is_raised(monkeypatch, error, fits):
+    class Failing:
+        def __init__(self, *args, **kwargs):
+            raise error
+
+    monkeypatch.setattr(gpu_kit, "Trial", Failing)
+    if fits is None:
+        with pytest.raises(RuntimeError, match="shape mismatch"):
+            gpu_kit._trains(torch.device("cpu"), True, hidden=64)
+    else:
+        assert gpu_kit._trains(torch.device("cpu"), True, hidden=64) is None
