@@ -107,7 +107,7 @@ def reads_job(offload, dtype, checked=False, options=None):
         offloader.offload()  # walks every state again
         offloader.stats()
         raw = {"bring_backs": len(bring_backs) - count, "offloaded": offloader.is_offloaded,
-               "armed_type": type(inner.state).__name__}
+               "armed": inner.state._armed is not None, "type": type(inner.state).__name__}
     # The research-code pattern: a read after every step; each next step offloads again.
     pattern = []
     for step in range(2, 5):
@@ -160,7 +160,7 @@ def test_reads_through_the_state_mapping_are_safe_and_training_stays_bitwise(ran
             else:
                 assert brought["optimizer_states"] == 0, name
                 assert (brought["primary_weights"] > 0) == (masters and name in HAND_OUT_KEYS), (name, brought)
-        assert off["raw"] == {"bring_backs": 0, "offloaded": True, "armed_type": "_ArmedState"}
+        assert off["raw"] == {"bring_backs": 0, "offloaded": True, "armed": True, "type": "GuardedState"}
         for after_step, value, after_read, state_type in off["pattern"]:
             # Served from the host copy: still offloaded after the read.
             assert after_step and after_read and state_type == "GuardedState"
@@ -184,9 +184,9 @@ def _adamw(count, numel):
 
 def measure_guard_cost(count=300, numel=64, steps=40):
     """Step medians of torch AdamW with its plain defaultdict and with the mapping attach
-    installs (as every step sees it), alternating step by step so that both see the same
-    machine load; and the cost of arming and disarming (what each offload cycle adds)."""
-    from megatron_offload.integration.guard import GuardedState, _ArmedState
+    installs (disarmed, as every step sees it), alternating step by step so that both see the
+    same machine load; and the cost of arming and disarming (what each offload cycle adds)."""
+    from megatron_offload.integration.guard import GuardedState
 
     optimizer = _adamw(count, numel)
     plain = optimizer.state
@@ -201,25 +201,34 @@ def measure_guard_cost(count=300, numel=64, steps=40):
             optimizer.step()
             times[name].append(time.perf_counter() - start)
     switches = 10_000
+    guard = object()
     start = time.perf_counter()
     for _ in range(switches):
-        guarded.__class__ = _ArmedState
-        guarded.__class__ = GuardedState
+        guarded._armed = guard
+        guarded._armed = None
     switch = (time.perf_counter() - start) / switches
     return {"plain": statistics.median(times["plain"]), "guarded": statistics.median(times["guarded"]),
-            "arm_and_disarm": switch}
+            "arm_and_disarm": switch, "lookups": count}
 
 
-def test_the_guard_adds_nothing_measurable_to_a_step(isolated):
-    # Nothing is overridden on the way to the data while the guard is disarmed (every step).
-    from megatron_offload.integration.guard import GuardedState
+def test_the_guard_adds_little_to_a_step_and_never_switches_the_class(isolated):
+    """The mapping's accessors check one attribute before the plain dict method runs: one
+    Python call per state lookup of the step. Bounded here against the plain defaultdict on
+    an AdamW step whose per-parameter Python work is small (300 tensors of 64 elements)."""
+    from pathlib import Path
 
-    for name in ("__getitem__", "get", "__iter__", "__len__", "__contains__", "items", "values", "keys",
-                 "__setitem__", "setdefault"):
-        assert getattr(GuardedState, name) is getattr(collections.defaultdict, name), name
+    import megatron_offload
+    from megatron_offload.integration import guard
+
+    assert not hasattr(guard, "_ArmedState")
+    package = Path(megatron_offload.__file__).parent
+    assigning = [str(p.relative_to(package)) for p in package.rglob("*.py") if "__class__ =" in p.read_text()]
+    assert assigning == []  # no class is assigned at run time anywhere in the package
     figures = isolated.run(measure_guard_cost)
+    per_lookup = (figures["guarded"] - figures["plain"]) / figures["lookups"]
     print(f"\nAdamW step, 300 params x 64: plain {figures['plain'] * 1e3:.3f} ms, "
-          f"guarded {figures['guarded'] * 1e3:.3f} ms; arm+disarm {figures['arm_and_disarm'] * 1e9:.0f} ns")
-    # Generous bounds (a 2-core machine shared with other work): the guard is a class switch.
+          f"guarded {figures['guarded'] * 1e3:.3f} ms ({per_lookup * 1e9:.0f} ns per parameter); "
+          f"arm+disarm {figures['arm_and_disarm'] * 1e9:.0f} ns")
+    # Generous bounds (a 2-core machine shared with other work).
     assert figures["guarded"] <= 1.25 * figures["plain"]
     assert figures["arm_and_disarm"] < 20e-6
