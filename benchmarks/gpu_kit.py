@@ -270,7 +270,7 @@ def checkpoint_figure(device, shape: dict, repeats: int = 3) -> dict:
     return out
 
 
-def _mapping_private_bytes(address: int) -> int:
+def mapping_private_bytes(address: int) -> int:
     """Private bytes of this process's mapping that holds ``address`` (from smaps)."""
     inside, total = False, 0
     with open("/proc/self/smaps") as handle:
@@ -289,7 +289,7 @@ def _fork(buffer: torch.Tensor) -> dict:
     start = time.perf_counter()
     pid = os.fork()
     if pid == 0:  # the child: measure and leave at once (it never touches CUDA)
-        os.write(write, str(_mapping_private_bytes(buffer.data_ptr())).encode())
+        os.write(write, str(mapping_private_bytes(buffer.data_ptr())).encode())
         os._exit(0)
     forked_ms = (time.perf_counter() - start) * 1e3
     child = int(os.read(read, 64))

@@ -19,6 +19,8 @@ import time
 
 import pytest
 
+from benchmarks.gpu_kit import mapping_private_bytes  # the GPU kit reads the child's smaps the same way
+
 MIB = 1 << 20
 SIZES = (32 * MIB, 128 * MIB)
 _IO_URING_SETUP, _IO_URING_REGISTER, _REGISTER_BUFFERS = 425, 427, 0
@@ -71,20 +73,6 @@ def fork_with_pinned(nbytes: int, arena: bool):
         os.close(ring)  # unregisters the buffer
 
 
-def _mapping_private_bytes(address: int) -> int:
-    """Private bytes of the mapping holding ``address``, from this process's smaps."""
-    inside, total = False, 0
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, end = (int(x, 16) for x in head.split("-"))
-                inside = start <= address < end
-            elif inside and line.startswith(("Private_Dirty", "Private_Clean")):
-                total += int(line.split()[1]) * 1024
-    return total
-
-
 def _pinned_fork(buffer) -> tuple | str:
     """Register ``buffer`` with io_uring, fork, and return the child's private bytes of the
     buffer's mapping (a string: why it could not)."""
@@ -100,7 +88,7 @@ def _pinned_fork(buffer) -> tuple | str:
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:
-            os.write(write, str(_mapping_private_bytes(buffer.data_ptr())).encode())
+            os.write(write, str(mapping_private_bytes(buffer.data_ptr())).encode())
             os._exit(0)
         child = int(os.read(read, 64))
         os.waitpid(pid, 0)
