@@ -107,6 +107,8 @@ class FlatGroup:
     piece: int = 0  # index among the pieces of its (kind, dtype) (see ``split_pieces``)
     offsets: list[int] = field(default_factory=list)  # element offset of each tensor
     numel: int = 0
+    itemsize: int = 0  # bytes per element of ``dtype`` (set from it)
+    nbytes: int = 0  # bytes of the group's storage, alignment padding included (set)
     host: torch.Tensor | None = None  # this group's slice of the host arena, as ``dtype``
     flat: torch.Tensor | None = None  # the consolidated device tensor (after the first reload)
     place: Place = Place.RESIDENT
@@ -123,22 +125,14 @@ class FlatGroup:
         # own would (allocators align far more): vectorized optimizer and cast kernels
         # (TE's, apex's multi-tensor apply) rely on it or fall back to slow paths. The group
         # is padded to a multiple of 16 bytes too, so groups stay aligned in the host arena.
-        itemsize = self.itemsize
+        itemsize = self.itemsize = itemsize_of(self.dtype)
         offset = 0
         self.offsets = []
         for tensor in self.tensors:
             self.offsets.append(offset)
             offset += aligned_numel(tensor.numel(), itemsize)
         self.numel = offset
-
-    @property
-    def itemsize(self) -> int:
-        return itemsize_of(self.dtype)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the group's storage, alignment padding included."""
-        return self.numel * self.itemsize
+        self.nbytes = offset * itemsize  # the group's storage, alignment padding included
 
     @property
     def payload_bytes(self) -> int:

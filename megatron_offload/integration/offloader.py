@@ -69,6 +69,8 @@ class OptimizerStateOffloader:
         # them (for ``per_optimizer``).
         self._distributed = [wrapper for _, wrapper in served]
         self._indices = [index for index, _ in served]
+        # What each served optimizer offloads as configured (``per_optimizer`` applied).
+        self._configured_kinds = [self.config.kinds(index) for index in self._indices]
         distributed = self._distributed
         self._engines: list[OffloadEngine] = []
         budget = HostBudget(self.config.host_memory_budget)
@@ -414,8 +416,7 @@ class OptimizerStateOffloader:
         """The kinds to offload, per optimizer: an explicit argument applies to every
         optimizer, None means as configured (``per_optimizer`` included)."""
         selection = []
-        for index in range(len(self._engines)):
-            configured = self.config.kinds(self._indices[index])
+        for configured in self._configured_kinds:
             wanted = (
                 (OPTIMIZER_STATES, OPTIMIZER_STATES in configured if states is None else states),
                 (PRIMARY_WEIGHTS, PRIMARY_WEIGHTS in configured if primaries is None else primaries),

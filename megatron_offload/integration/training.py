@@ -200,7 +200,7 @@ def prefetching_finalize(finalize_model_grads_func, offloader):
 
     @functools.wraps(finalize_model_grads_func)
     def finalize_model_grads(*args, **kwargs):
-        if offloader.is_offloaded and find_offloader(offloader.optimizer) is offloader:
+        if not offloader.detached and offloader.is_offloaded:
             offloader.prefetch()
         return finalize_model_grads_func(*args, **kwargs)
 

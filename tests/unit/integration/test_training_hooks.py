@@ -253,6 +253,7 @@ def test_prefetch_skips_a_detached_offloader():
     optimizer = FakeOptimizer(offloader)
     finalize = hooks.prefetching_finalize(lambda: events.append('finalize'), offloader)
     optimizer.chained_optimizers[0]._state_offloader = None  # what detach() does
+    offloader.detached = True
     finalize()
     assert events == ['finalize']
 
