@@ -60,7 +60,7 @@ def _live(allocations: list) -> dict:
 
 def chunked_job(cfg: dict) -> dict:
     import megatron_offload
-    from megatron_offload.adapters import distributed_optimizer as adapter
+    from megatron_offload.adapters import megatron_wrappers as adapter
     from megatron_offload.adapters import inner_optimizers
 
     from tests.harness import models

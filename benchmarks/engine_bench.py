@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_offload.adapters import OPTIMIZER_STATES, PRIMARY_WEIGHTS
-from megatron_offload.adapters.state_watch import StateWatch
+from megatron_offload.adapters.megatron_wrappers import StateWatch
 from megatron_offload.device import device_for
 from megatron_offload.engine import OffloadEngine
 
@@ -362,8 +362,7 @@ def rescan_anatomy(bench: EngineBench, repeats: int = 20) -> dict:
             "identity_compare": timed(lambda: all(a is b for a, b in zip(tensors, tensors))),
             "state_fingerprint": timed(bench.state.fingerprint),
         }
-        rescan = getattr(bench.engine, "_rescan", None)
-        figures["engine_rescan"] = timed(rescan) if callable(rescan) else None
+        figures["engine_rescan"] = timed(bench.engine.rescan)
         bench.engine.reload()
         bench.engine.wait()
         figures["offload_call"] = timed(lambda: (bench.engine.mark_dirty(), bench.engine.offload()))

@@ -1,6 +1,6 @@
 """Adapters: where each optimizer kind keeps the tensors worth offloading."""
 
-from .distributed_optimizer import KINDS, OPTIMIZER_STATES, PRIMARY_WEIGHTS, collect
+from .megatron_wrappers import KINDS, OPTIMIZER_STATES, PRIMARY_WEIGHTS, collect
 from .inner_optimizers import StateAccess, kind_of, state_access
 
 __all__ = [

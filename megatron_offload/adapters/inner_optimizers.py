@@ -34,7 +34,7 @@ like the parameter; Lion an ``exp_avg`` like the parameter; SOAP fp32 ``exp_avg`
 ``exp_avg_sq`` like the parameter, the Kronecker factors ``L`` ([m, m]) and ``R`` ([n, n]) of
 an [m, n] parameter and their eigenbases ``Q_L``, ``Q_R`` (same shapes), and a Python int
 ``step``. SOAP *replaces* ``exp_avg``, ``exp_avg_sq``, ``Q_L`` and ``Q_R`` by new tensors at
-every step (the others update in place); ``state_watch.py`` notices that.
+every step (the others update in place); ``megatron_wrappers.StateWatch`` notices that.
 
 What is moved: every tensor holding per-parameter data, that is each plain state tensor with
 more than one element or as many elements as the parameter (moments, momentum buffers,
@@ -117,7 +117,7 @@ def state_places(param: torch.Tensor, entries) -> Iterator[tuple[str, object, st
 
     ``holder`` and ``name`` say where the optimizer finds the tensor: ``holder[name]`` when
     ``holder`` is the parameter's state dict, ``getattr(holder, name)`` for a buffer inside a
-    quantized state (see ``get_place``/``set_place``).
+    quantized state.
     """
     numel = param.numel()
     for key in sorted(entries):
@@ -133,19 +133,6 @@ def state_places(param: torch.Tensor, entries) -> Iterator[tuple[str, object, st
             # unknown layout as large as the parameter (which the engine keeps resident).
             yield key, entries, key, value
         # Anything else (scalars, [1] scales) stays where it is.
-
-
-def get_place(holder, name: str):
-    """The tensor at a place from ``state_places``."""
-    return holder[name] if isinstance(holder, dict) else getattr(holder, name)
-
-
-def set_place(holder, name: str, tensor: torch.Tensor) -> None:
-    """Put ``tensor`` at a place from ``state_places``."""
-    if isinstance(holder, dict):
-        holder[name] = tensor
-    else:
-        setattr(holder, name, tensor)
 
 
 def is_master_key(key: str) -> bool:

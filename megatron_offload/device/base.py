@@ -137,13 +137,3 @@ class Device(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.torch_device})"
-
-
-class NullContext(contextlib.AbstractContextManager):
-    """A reusable do-nothing context (cheaper than building one per call)."""
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-
-NULL_CONTEXT = NullContext()

@@ -7,12 +7,16 @@ without an accelerator), mapped shared as the accelerator's are.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 
 from . import pinned
-from .base import NULL_CONTEXT, Device
+from .base import Device
+
+# One reusable do-nothing context for every ``use_stream``.
+_NO_STREAM = contextlib.nullcontext()
 
 
 class CPUDevice(Device):
@@ -32,10 +36,10 @@ class CPUDevice(Device):
         return None
 
     def new_stream(self):
-        return None
+        return object()  # a token: nothing runs on it
 
     def use_stream(self, stream):
-        return NULL_CONTEXT
+        return _NO_STREAM
 
     def wait_stream(self, waiter, waitee, *, label="") -> None:
         pass

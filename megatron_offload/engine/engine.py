@@ -129,7 +129,7 @@ class OffloadEngine(LayoutMixin):
         # Walking every optimizer state at every offload costs milliseconds for thousands of
         # parameters; a cheap fingerprint (None: always walk) says when it may have changed,
         # and invalidate() covers changes it cannot see (tensors replaced by a load).
-        self._fingerprint = fingerprint
+        self.fingerprint = fingerprint  # None once closed
         self._last_fingerprint: object = _NEVER
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"offload fraction must be between 0 and 1, got {fraction!r}.")
@@ -148,7 +148,8 @@ class OffloadEngine(LayoutMixin):
         self._adopted: dict[int, tuple[torch.Tensor, torch.Tensor, object]] = {}
         self._where: dict[int, tuple[FlatGroup, int]] = {}
         self.generation = 0  # advances whenever the groups are laid out again
-        self._groups: list[FlatGroup] = []
+        #: The pieces, in layout order (a tuple, replaced whenever the layout changes).
+        self.groups: tuple[FlatGroup, ...] = ()
         self._tracked: list[tuple[str, torch.Tensor]] = []
         self._kept_resident: list[tuple[str, torch.Tensor, str]] = []
         # The host arena and the newest copy into or out of it on each side stream. Kept
@@ -174,26 +175,18 @@ class OffloadEngine(LayoutMixin):
 
     # ----------------------------------------------------------------- queries
     @property
-    def groups(self) -> Sequence[FlatGroup]:
-        return tuple(self._groups)
-
-    @property
     def host_arena(self) -> torch.Tensor | None:
         """The host arena (a 1-D uint8 tensor; None before the first layout or reservation),
         for inspection: its pages, its mapping. The engine owns what is in it."""
         return self._host.buffer
-
-    @property
-    def fingerprint(self) -> Callable[[], object] | None:
-        """The fingerprint callable given at construction (None once closed)."""
-        return self._fingerprint
 
     def is_released(self, kinds: Iterable[str] | None = None, *, streamed: bool = True) -> bool:
         """True if any selected group has no device memory (reload needed before use).
 
         ``streamed=False`` leaves out the groups of streamed tensors (see ``streamed``).
         """
-        return any(g.place is Place.RELEASED for g in self._select(kinds, streamed))
+        groups = self.groups if kinds is None and streamed else self._select(kinds, streamed)
+        return any(g.place is Place.RELEASED for g in groups)
 
     def movable(self, tensor: torch.Tensor) -> bool:
         """True if the engine would move ``tensor`` (a plain, contiguous tensor of its device)."""
@@ -204,10 +197,10 @@ class OffloadEngine(LayoutMixin):
         return self._where.get(id(tensor))
 
     def stats(self) -> dict:
-        on_host = sum(g.nbytes for g in self._groups if g.place is Place.RELEASED)
-        tracked = sum(g.nbytes for g in self._groups)
+        on_host = sum(g.nbytes for g in self.groups if g.place is Place.RELEASED)
+        tracked = sum(g.nbytes for g in self.groups)
         kept = sum(t.numel() * t.element_size() for _, t, _ in self._kept_resident)
-        payload = sum(g.payload_bytes for g in self._groups if g.place is Place.RELEASED)
+        payload = sum(g.payload_bytes for g in self.groups if g.place is Place.RELEASED)
         return {
             "tracked_bytes": tracked,
             "offloaded_bytes": on_host,
@@ -217,11 +210,11 @@ class OffloadEngine(LayoutMixin):
             "host_bytes": self._host.nbytes + sum({id(b): b.numel() for *_, b in self._adopted.values()}.values()),
             "kept_resident_bytes": kept,
             "unreleasable_bytes": self.unreleasable_bytes,
-            "groups": len(self._groups),
-            "pieces": count_by_kind(self._groups),
-            "largest_piece_bytes": max((g.nbytes for g in self._groups), default=0),
+            "groups": len(self.groups),
+            "pieces": count_by_kind(self.groups),
+            "largest_piece_bytes": max((g.nbytes for g in self.groups), default=0),
             "max_piece_bytes": self._max_piece_bytes,
-            "tensors": sum(len(g.tensors) for g in self._groups),
+            "tensors": sum(len(g.tensors) for g in self.groups),
             "d2h_copies": self.last.d2h_copies,
             "h2d_copies": self.last.h2d_copies,
             "d2h_bytes": self.last.d2h_bytes,
@@ -246,10 +239,16 @@ class OffloadEngine(LayoutMixin):
         allocator may hand it out again once that copy is done (progressive reuse); the
         same as ``release()`` afterwards, where every piece waits for the last copy.
         """
-        self._check_open()
+        if self._closed:
+            raise self._closed_error()
         start = time.perf_counter()
-        self._rescan()
-        selected = [g for g in self._select(kinds) if g.place in (Place.RESIDENT, Place.RELOADING)]
+        # The tensors may have changed (states made by the first step, replaced by a load):
+        # the fingerprint says so cheaply, and the groups are then laid out again.
+        fingerprint = self.fingerprint() if self.fingerprint is not None else _NEVER
+        if fingerprint is _NEVER or fingerprint != self._last_fingerprint:
+            self._rescan(fingerprint)
+        groups = self.groups if kinds is None else self._select(kinds)
+        selected = [g for g in groups if g.place in (Place.RESIDENT, Place.RELOADING)]
         if not selected:
             return
         # Rule 5: a pending H2D reads the host copy we are about to overwrite; order it
@@ -261,7 +260,7 @@ class OffloadEngine(LayoutMixin):
             current = self.device.current_stream()
             if self._home_stream is None:
                 self._home_stream = current
-            side = self._side_stream("d2h")
+            side = self._d2h_stream if self._d2h_stream is not None else self.side_stream("d2h")
             users = [stream for stream in self._users if stream != current]
             timed = None
             for group in to_copy:
@@ -276,7 +275,15 @@ class OffloadEngine(LayoutMixin):
                 with self.device.use_stream(side):
                     if timed is None:  # after the waits: the transfers alone are timed
                         timed = self.device.record_event(side, timing=True)
-                    self._copy_group_to_host(group)
+                    if group.flat is not None:
+                        self.device.copy(group.host, group.flat)
+                        self.last.d2h_copies += 1
+                        self.last.d2h_bytes += group.nbytes
+                    else:  # first cycle: the tensors still have their own storages
+                        for tensor, host in group.host_slices():
+                            self.device.copy(host, tensor)
+                            self.last.d2h_copies += 1
+                            self.last.d2h_bytes += tensor.numel() * tensor.element_size()
                     event = self.device.record_event(side, timing=group is to_copy[-1])
                 # Rule 5: the arena is not given back before this copy is done, even if a
                 # later piece's release raises before the loop ends.
@@ -287,7 +294,7 @@ class OffloadEngine(LayoutMixin):
                 group.d2h_waiters = []  # a user must wait for this D2H before writing again
                 # Rule 2: the side stream reads this memory; tell the allocator before any
                 # release so it is not handed out again until the copy is done.
-                for tensor in self._device_tensors(group):
+                for tensor in (group.flat,) if group.flat is not None else group.tensors:
                     self.device.record_stream(tensor, side, label=D2H_RECORD_STREAM)
                 group.announced = True  # until its memory is freed (see ``close``)
                 if release:
@@ -296,19 +303,20 @@ class OffloadEngine(LayoutMixin):
                     # work queued on the recorded stream AT THE FREE has run, i.e. once this
                     # piece's own copy is done, not the copies queued after it.
                     self._release_group(group)
-            self.times.add("d2h", timed, event, self.last.d2h_bytes)
+            self.times.pending["d2h"].append((timed, event, self.last.d2h_bytes))
         for group in selected:
             if group.place is not Place.RELEASED:
                 group.place = Place.OFFLOADING
                 if release:
                     self._release_group(group)
-        if all(g.place is Place.RELEASED for g in self._groups):
+        if all(g.place is Place.RELEASED for g in self.groups):
             self._users = []  # nothing left on the device for them to have written
         self.last.offload_seconds = time.perf_counter() - start
 
     def release(self, kinds: Iterable[str] | None = None) -> None:
         """Return the device memory of the selected groups that were offloaded."""
-        self._check_open()
+        if self._closed:
+            raise self._closed_error()
         start = time.perf_counter()
         selected = list(self._select(kinds))
         if selected and not any(g.place in (Place.OFFLOADING, Place.RELEASED) for g in selected):
@@ -340,17 +348,22 @@ class OffloadEngine(LayoutMixin):
         group.place = Place.RELEASED
         group.used_on = []
 
-    def reload(self, kinds: Iterable[str] | None = None, *, streamed: bool = True) -> None:
+    def reload(
+        self, kinds: Iterable[str] | None = None, *, streamed: bool = True, groups: Sequence[FlatGroup] | None = None
+    ) -> None:
         """Regrow the released groups and start copying them back (asynchronous on accelerators).
 
         The data may be used only after ``wait`` (which the caller of the step does).
-        ``streamed=False`` leaves the groups of streamed tensors on the host.
+        ``streamed=False`` leaves the groups of streamed tensors on the host. ``groups``:
+        these pieces instead of the ones ``kinds`` and ``streamed`` select.
         """
-        self._check_open()
-        self._reload_groups(list(self._select(kinds, streamed)))
-
-    def _reload_groups(self, selected: list[FlatGroup]) -> None:
+        if self._closed:
+            raise self._closed_error()
         start = time.perf_counter()
+        if groups is not None:
+            selected = groups
+        else:
+            selected = self.groups if kinds is None and streamed else self._select(kinds, streamed)
         # An offloading group still has its device memory: it only has to become resident.
         # Its D2H may still be reading that memory, and the next writer (the step) runs on
         # the current stream, so the current stream waits for the D2H first.
@@ -362,10 +375,9 @@ class OffloadEngine(LayoutMixin):
                     group.d2h_waiters.append(current)
                 group.place = Place.RESIDENT
         released = [g for g in selected if g.place is Place.RELEASED]
-        self.last.h2d_copies = self.last.h2d_bytes = 0
         if not released:
-            self.last.reload_seconds = time.perf_counter() - start
-            return
+            return  # nothing to copy: the figures stay those of the last reload that copied
+        self.last.h2d_copies = self.last.h2d_bytes = 0
         # Rule 7: memory is regrown on the home stream (the allocator's stream of the
         # block, whose pool the memory goes back to when it is released again); ``wait``
         # announces any other stream that uses it.
@@ -378,7 +390,7 @@ class OffloadEngine(LayoutMixin):
                     group.consolidate(self.device.empty(group.numel, group.dtype))
                 group.alloc_stream = home
                 group.used_on = []
-        side = self._side_stream("h2d")
+        side = self._h2d_stream if self._h2d_stream is not None else self.side_stream("h2d")
         # The regrown blocks may have been used by work still queued on the home stream
         # (the allocator reuses memory in stream order): the H2D must come after it. The
         # D2H that filled the host copy must also be complete before the H2D reads it.
@@ -389,11 +401,13 @@ class OffloadEngine(LayoutMixin):
         with self.device.use_stream(side):
             timed = self.device.record_event(side, timing=True)  # after the waits
             for group in released:
-                self._copy(group.flat, group.host, to_host=False)
+                self.device.copy(group.flat, group.host)
+                self.last.h2d_copies += 1
+                self.last.h2d_bytes += group.nbytes
                 # One event per piece: a reader waits for the pieces it uses.
                 group.h2d_event = self.device.record_event(side, timing=group is released[-1])
         self._host.last_h2d = released[-1].h2d_event
-        self.times.add("h2d", timed, released[-1].h2d_event, self.last.h2d_bytes)
+        self.times.pending["h2d"].append((timed, released[-1].h2d_event, self.last.h2d_bytes))
         for group in released:
             # No record_stream for the H2D's writes: nothing frees this memory before the
             # H2D is ordered before the current stream (offload, rebuild and close wait for
@@ -405,7 +419,7 @@ class OffloadEngine(LayoutMixin):
     def wait(self, kinds: Iterable[str] | None = None) -> None:
         """Order every pending H2D before the current stream (rule 4), which may then use
         the selected states (read and write them), whichever stream it is."""
-        groups = list(self._select(kinds))
+        groups = self.groups if kinds is None else self._select(kinds)
         current = self.device.current_stream()
         if current not in self._users:
             self._users.append(current)
@@ -419,7 +433,7 @@ class OffloadEngine(LayoutMixin):
                 if group.alloc_stream is not None and group.alloc_stream != current:
                     # Rule 2: regrown on another stream, the allocator knows only that one; a
                     # release (from any stream) would hand the block out under this one's work.
-                    for tensor in self._device_tensors(group):
+                    for tensor in (group.flat,) if group.flat is not None else group.tensors:
                         self.device.record_stream(tensor, current, label=USE_RECORD_STREAM)
             if group.place is Place.RESIDENT and group.d2h_event is not None and current not in group.d2h_waiters:
                 # Kept in place by a reload on another stream, which waited for this D2H:
@@ -437,14 +451,14 @@ class OffloadEngine(LayoutMixin):
 
     def mark_dirty(self) -> None:
         """The device copies are about to change (a step): host copies become stale."""
-        for group in self._groups:
+        for group in self.groups:
             group.host_valid = False
 
     def close(self) -> None:
         """Bring everything back to the device and free the host arena."""
         if self._closed:
             return
-        if any(g.place is Place.RELEASED for g in self._groups):
+        if any(g.place is Place.RELEASED for g in self.groups):
             raise OffloadStateError(
                 f"{self.name}: cannot close while states are released; reload() first."
             )
@@ -453,32 +467,33 @@ class OffloadEngine(LayoutMixin):
         # Memory announced to the D2H stream outlives this engine where a group was offloaded
         # and never released (its storage stays with the optimizer) or where other owners kept
         # a storage: the allocator records an event on the stream when that memory is freed.
-        announced = self._announced_elsewhere or any(g.announced for g in self._groups)
+        announced = self._announced_elsewhere or any(g.announced for g in self.groups)
         for stream, named in ((self._d2h_stream, announced), (self._h2d_stream, False)):
             if stream is not None:
                 self.device.retire_stream(stream, announced=named)
-        self._groups = []
+        self.groups = ()
         self._tracked = []
         self._where = {}
-        forget = getattr(self._fingerprint, "forget", None)
+        forget = getattr(self.fingerprint, "forget", None)
         if forget is not None:
             forget()
-        self._fingerprint = None
+        self.fingerprint = None
         self._closed = True
 
     # ----------------------------------------------------------------- helpers
     def _select(self, kinds: Iterable[str] | None, streamed: bool = True):
-        groups = self._groups if streamed else [g for g in self._groups if not g.streamed]
+        groups = self.groups if streamed else [g for g in self.groups if not g.streamed]
         if kinds is None:
             return groups
         wanted = set(kinds)
         return [g for g in groups if g.kind in wanted]
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise OffloadStateError(f"{self.name} is closed (detached); attach again to offload.")
+    def _closed_error(self) -> OffloadStateError:
+        return OffloadStateError(f"{self.name} is closed (detached); attach again to offload.")
 
-    def _side_stream(self, which: str):
+    def side_stream(self, which: str):
+        """The engine's own side stream for copies ``which`` way ("d2h" or "h2d"), made at
+        its first use; every copy of the engine, its slots' included, is issued on these."""
         if which == "d2h":
             if self._d2h_stream is None:
                 self._d2h_stream = self.device.new_stream()
@@ -504,35 +519,15 @@ class OffloadEngine(LayoutMixin):
             group.h2d_event = None
             group.place = Place.RESIDENT
         if before is not None:
-            self.times.add("exposed", before, self.device.record_event(current, timing=True))
-
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, *, to_host: bool) -> None:
-        self.device.copy(dst, src)
-        nbytes = src.numel() * src.element_size()
-        if to_host:
-            self.last.d2h_copies += 1
-            self.last.d2h_bytes += nbytes
-        else:
-            self.last.h2d_copies += 1
-            self.last.h2d_bytes += nbytes
-
-    def _copy_group_to_host(self, group: FlatGroup) -> None:
-        if group.flat is not None:
-            self._copy(group.host, group.flat, to_host=True)
-        else:  # first cycle: the tensors still have their own storages
-            for tensor, host in group.host_slices():
-                self._copy(host, tensor, to_host=True)
-
-    def _device_tensors(self, group: FlatGroup):
-        return [group.flat] if group.flat is not None else group.tensors
+            self.times.pending["exposed"].append((before, self.device.record_event(current, timing=True), 0))
 
     def _free_arena(self) -> None:
-        for group in self._groups:
+        for group in self.groups:
             group.d2h_event = None
             group.host = None
         self._host.free()
 
     def __repr__(self) -> str:
-        places = ", ".join(f"{g.kind}/{g.dtype}:{g.place.value}" for g in self._groups)
+        places = ", ".join(f"{g.kind}/{g.dtype}:{g.place.value}" for g in self.groups)
         return f"OffloadEngine({self.name}: {places or 'empty'})"
 

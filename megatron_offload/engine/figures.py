@@ -52,22 +52,23 @@ class CopyTimes:
 
     def __init__(self, device) -> None:
         self.device = device
-        self._pending = {q: collections.deque(maxlen=PENDING_PER_QUANTITY) for q in self.QUANTITIES}
+        #: quantity -> ``(start, end, bytes)`` measurements between two timing events, the
+        #: newest last, that ``read`` has not taken yet. The engine appends to them as it
+        #: queues copies (events are None where the device has no timing: never taken).
+        self.pending = {q: collections.deque(maxlen=PENDING_PER_QUANTITY) for q in self.QUANTITIES}
         # quantity -> (milliseconds, bytes) of the newest completed measurement
         self._latest = {q: (0.0, 0) for q in self.QUANTITIES}
-
-    def add(self, quantity: str, start, end, nbytes: int = 0) -> None:
-        """A measurement between two timing events (ignored where the device has none)."""
-        if start is not None and end is not None:
-            self._pending[quantity].append((start, end, nbytes))
 
     def read(self) -> dict:
         """The newest completed figures: ``d2h_ms``, ``h2d_ms``, ``exposed_ms``, the bytes the
         transfers moved (``d2h_timed_bytes``, ``h2d_timed_bytes``) and their GB/s (10^9 bytes
         per second; 0 before the first completed measurement). Never blocks."""
-        for quantity, pending in self._pending.items():
+        for quantity, pending in self.pending.items():
             for index in range(len(pending) - 1, -1, -1):
                 start, end, nbytes = pending[index]
+                if start is None or end is None:  # a device without timing: nothing measured
+                    del pending[index]
+                    continue
                 elapsed = self.device.elapsed_ms(start, end)
                 if elapsed is not None:
                     self._latest[quantity] = (elapsed, nbytes)

@@ -44,16 +44,16 @@ class LayoutMixin:
         """Look at the tensors ``collect`` returns now (after ``invalidate`` or ``adopt``) and
         lay the groups out anew if they changed, instead of at the next offload: adopted
         tensors then belong to released groups, which the next reload brings back."""
-        self._check_open()
-        self._rescan()
+        if self._closed:
+            raise self._closed_error()
+        fingerprint = self.fingerprint() if self.fingerprint is not None else _NEVER
+        if fingerprint is _NEVER or fingerprint != self._last_fingerprint:
+            self._rescan(fingerprint)
 
-    def _rescan(self) -> None:
-        """Pick up tensors created or replaced since the last offload."""
-        if self._fingerprint is not None:
-            fingerprint = self._fingerprint()
-            if fingerprint == self._last_fingerprint:
-                return
-            self._last_fingerprint = fingerprint
+    def _rescan(self, fingerprint: object) -> None:
+        """Pick up tensors created or replaced since the last look (``fingerprint``: the
+        fingerprint's value now, ``_NEVER`` without one)."""
+        self._last_fingerprint = fingerprint
         current: list[tuple[str, torch.Tensor]] = []
         kept: list[tuple[str, torch.Tensor, str]] = []
         for kind, tensor in self._collect():
@@ -167,14 +167,14 @@ class LayoutMixin:
             for t in tensors
         }
         if mixed:
-            self._reload_groups(
-                [g for g in self._groups if g.place is Place.RELEASED and any(id(t) in mixed for t in g.tensors)]
+            self.reload(
+                groups=[g for g in self.groups if g.place is Place.RELEASED and any(id(t) in mixed for t in g.tensors)]
             )
             self._restore_adopted(mixed)
             on_host = self._host_copies()
         self.wait()
         _check_no_aliasing(current, self.name)
-        old_flat = {id(t): g for g in self._groups if g.flat is not None for t in g.tensors}
+        old_flat = {id(t): g for g in self.groups if g.flat is not None for t in g.tensors}
         groups = []
         pieces = self._pieces(current, streamed)
         if len(pieces) > MANY_COPIES:
@@ -216,7 +216,7 @@ class LayoutMixin:
         for _, event in on_host.values():
             if event is not None:
                 self.device.synchronize_event(event, label=HOST_READ_AFTER_D2H)
-        for group in self._groups:
+        for group in self.groups:
             group.d2h_event = None
         sources = {key: host for key, (host, _) in on_host.items()}
         if reuse:
@@ -248,8 +248,8 @@ class LayoutMixin:
             self.device.free_host_buffer(buffer)
         self._adopted = {}
         # Memory of the old layout announced to the D2H stream lives on with the tensors.
-        self._announced_elsewhere = self._announced_elsewhere or any(g.announced for g in self._groups)
-        self._groups = groups
+        self._announced_elsewhere = self._announced_elsewhere or any(g.announced for g in self.groups)
+        self.groups = tuple(groups)
         self._tracked = current
         self._where = {id(t): (g, i) for g in groups for i, t in enumerate(g.tensors)}
         self.generation += 1
@@ -257,7 +257,7 @@ class LayoutMixin:
     def _host_copies(self) -> dict[int, tuple[torch.Tensor, object]]:
         """Where the bytes of every tensor that has no device memory are: id -> (host, event)."""
         copies = {}
-        for group in self._groups:
+        for group in self.groups:
             if group.place is Place.RELEASED:
                 for tensor, host in group.host_slices():
                     copies[id(tensor)] = (host, group.d2h_event)

@@ -61,10 +61,10 @@ class _Segment:
     start: int
     end: int
     slot_offset: int  # bytes
+    nbytes: int = field(init=False)  # bytes in the slot, from ``slot_offset``
 
-    @property
-    def nbytes(self) -> int:
-        return (self.end - self.start) * self.group.itemsize
+    def __post_init__(self) -> None:
+        self.nbytes = (self.end - self.start) * self.group.itemsize
 
 
 @dataclass
@@ -167,6 +167,7 @@ class SlotStream:
                 chunk.segments.append(segment)
             else:
                 segment.end = end
+                segment.nbytes = (end - segment.start) * group.itemsize
             chunk.places[id(tensor)] = (
                 len(chunk.segments) - 1, offset - segment.start, tuple(tensor.shape), tuple(tensor.stride())
             )
@@ -208,13 +209,14 @@ class SlotStream:
         slots = [device.empty(size, torch.uint8) for _ in range(count)]
         self.peak_slot_bytes = max(self.peak_slot_bytes, count * size)
         current = device.current_stream()
-        h2d = engine._side_stream("h2d")
-        d2h = engine._side_stream("d2h")
+        h2d = engine.side_stream("h2d")
+        d2h = engine.side_stream("d2h")
         groups = {id(s.group): s.group for c in chunks for s in c.segments}.values()
         stats = engine.last
         stats.update_chunks = len(chunks)
         stats.update_copies = stats.update_bytes = 0
         h2d_events: dict[int, object] = {}
+        typed_views: dict[int, list[torch.Tensor]] = {}  # each segment's place in its slot, typed
         saved_events: dict[int, object] = {}  # the ``save`` copies of prefetched chunks
         d2h_events: list[object] = [None] * count
         fetched = 0
@@ -235,11 +237,14 @@ class SlotStream:
             if previous is not None:
                 # The D2H of the slot's previous chunk still reads it: refill after it.
                 device.wait_event(h2d, previous, label=SLOT_REUSE_AFTER_D2H)
+            typed = typed_views[index] = [
+                slot[s.slot_offset : s.slot_offset + s.nbytes].view(s.group.dtype) for s in chunks[index].segments
+            ]
             with device.use_stream(h2d):
                 h2d_issued = True
                 try:
-                    for segment in chunks[index].segments:
-                        device.copy(_slot_view(slot, segment), segment.group.host[segment.start : segment.end])
+                    for segment, view in zip(chunks[index].segments, typed):
+                        device.copy(view, segment.group.host[segment.start : segment.end])
                         stats.update_copies += 1
                         stats.update_bytes += segment.nbytes
                 finally:
@@ -251,7 +256,7 @@ class SlotStream:
                 # The slot's bytes from before the update, saved while the chunk before is
                 # updated (the D2H stream reads the slot after its H2D, and the slots are
                 # freed only once the D2H stream is done with them, rule 2 below).
-                pairs = [(_slot_view(slot, s), s.group.host[s.start : s.end]) for s in chunks[index].segments]
+                pairs = [(view, s.group.host[s.start : s.end]) for s, view in zip(chunks[index].segments, typed)]
                 saved_events[index] = save(chunks[index], pairs, h2d_events[index])
 
         last_d2h = None
@@ -264,8 +269,7 @@ class SlotStream:
                     fetched += 1
                 # Rules 3 and 4: the update reads what the H2D wrote.
                 device.wait_event(current, h2d_events.pop(index), label=USE_AFTER_H2D)
-                slot = slots[index % count]
-                typed = [_slot_view(slot, segment) for segment in chunk.segments]
+                typed = typed_views.pop(index)
                 views = {
                     key: typed[segment].as_strided(shape, stride, typed[segment].storage_offset() + offset)
                     for key, (segment, offset, shape, stride) in chunk.places.items()
@@ -281,8 +285,8 @@ class SlotStream:
                 device.wait_stream(d2h, current, label=D2H_AFTER_WRITERS)
                 with device.use_stream(d2h):
                     try:
-                        for segment in chunk.segments:
-                            device.copy(segment.group.host[segment.start : segment.end], _slot_view(slot, segment))
+                        for segment, view in zip(chunk.segments, typed):
+                            device.copy(segment.group.host[segment.start : segment.end], view)
                             stats.update_copies += 1
                             stats.update_bytes += segment.nbytes
                     finally:
@@ -305,11 +309,7 @@ class SlotStream:
                     group.host_valid = True
             if h2d_issued:
                 engine._host.last_h2d = device.record_event(h2d)
-            del slots
-
-
-def _slot_view(slot: torch.Tensor, segment: _Segment) -> torch.Tensor:
-    return slot[segment.slot_offset : segment.slot_offset + segment.nbytes].view(segment.group.dtype)
+            del slots, typed_views  # and with them every view of the slots
 
 
 def aligned_bytes(tensor: torch.Tensor) -> int:

@@ -14,17 +14,24 @@ After ``attach(optimizer)`` the loop needs no further call:
 Megatron optimizers have no step hooks of their own, so ``step`` is wrapped on the
 instance (``detach`` restores it); the inner torch optimizer gets ordinary
 ``register_step_pre_hook`` hooks.
+
+The reload may start earlier than the step, so that it overlaps more: from the gradient
+reduction (``prefetching_finalize``, what Megatron's training loop gets) or from a point
+of the backward pass (``prefetch=<fraction>``).
 """
 
 from __future__ import annotations
 
 import functools
 
-from ..adapters import distributed_optimizer as dopt_adapter
+from ..adapters import megatron_wrappers as wrappers
 from ..config import OffloadConfig
 from . import allocator_warnings
 from .chunked import ChunkedUpdate
 from .offloader import OptimizerStateOffloader
+
+#: Set on the functions of Megatron's that this package wrapped (the value says which wrapper).
+WRAPPER_MARK = "__megatron_offload_wrapper__"
 
 
 def attach(optimizer, config: OffloadConfig | None = None, **options) -> OptimizerStateOffloader:
@@ -43,6 +50,26 @@ def attach(optimizer, config: OffloadConfig | None = None, **options) -> Optimiz
         raise
     allocator_warnings.warn_where_frees_wait(offloader)
     return offloader
+
+
+def prefetching_finalize(finalize_model_grads_func, offloader):
+    """``finalize_model_grads_func`` that first starts reloading the offloaded states.
+
+    The reload is asynchronous on accelerators, so the copy overlaps the gradient reduction
+    ``finalize_model_grads`` waits for; the optimizer step orders itself after it.
+    """
+    if getattr(finalize_model_grads_func, WRAPPER_MARK, None) == "prefetch":
+        return finalize_model_grads_func
+
+    @functools.wraps(finalize_model_grads_func)
+    def finalize_model_grads(*args, **kwargs):
+        if not offloader.detached:
+            offloader.prefetch()  # nothing to do when nothing is offloaded
+        return finalize_model_grads_func(*args, **kwargs)
+
+    setattr(finalize_model_grads, WRAPPER_MARK, "prefetch")
+    finalize_model_grads.__wrapped_finalize__ = finalize_model_grads_func
+    return finalize_model_grads
 
 
 class _AutomaticCycle:
@@ -74,7 +101,7 @@ class _AutomaticCycle:
                     chunked.remove()
                 raise
             self._handles += self._chunked
-            if any(any(True for _ in dopt_adapter.in_state(d)) for d in offloader._distributed):
+            if any(any(True for _ in wrappers.in_state(d)) for d in offloader._distributed):
                 # States made before attach (the precision-aware path creates them with the
                 # optimizer) go to the host now, so that the first update streams them too.
                 offloader.offload()
@@ -101,15 +128,15 @@ class _AutomaticCycle:
         # update reads it while its states are still on the host: the mapping is not
         # guarded until the offload after the step. The update orders itself after the
         # copy-back (pre-hook) and reads no state before it.
-        offloader._end_reads()  # states served to a reader since the last step go back in place
+        offloader.end_reads()  # states served to a reader since the last step go back in place
         guard.stepping += 1
         guard.arm(False)
         try:
-            if offloader.is_offloaded:
-                # Start the copy-back now: it overlaps the gradient copy, unscale, norm and
-                # clipping the step does before the update, which waits for it (pre-hook).
-                # States a chunked update streams stay on the host.
-                offloader.prefetch()
+            # Start the copy-back now (nothing to do if a hook already did): it overlaps the
+            # gradient copy, unscale, norm and clipping the step does before the update,
+            # which waits for it (pre-hook). States a chunked update streams stay on the
+            # host.
+            offloader.prefetch()
             for chunked in self._chunked:
                 chunked.stream.clear_figures()
                 chunked.active = True
@@ -121,15 +148,11 @@ class _AutomaticCycle:
         finally:
             guard.stepping -= 1
             offloader._sync_state_guard()  # a failed step may have left states on the host
-        self._after_step()
-        return result
-
-    def _after_step(self) -> None:
-        offloader = self._offloader
         # Rule 6: a skipped step left the states as they were copied last time.
-        offloader._offload(offloader._selection(None, None), skip_unchanged=True)
+        offloader._offload(offloader._configured_kinds, skip_unchanged=True)
         offloader._cycles += 1
         offloader._sync_state_guard()
+        return result
 
     @property
     def chunked(self) -> tuple:
@@ -198,8 +221,8 @@ def _backward_prefetch_hooks(offloader, fraction: float) -> list:
             break
 
     def start_reload(*_):
-        if offloader.is_offloaded and not offloader.detached:
-            offloader.prefetch()
+        if not offloader.detached:
+            offloader.prefetch()  # nothing to do when the states are back
 
     # The accumulator node is reached through a view of the parameter; keep it alive (it is
     # the node autograd uses for this parameter for the life of the model).
@@ -223,9 +246,9 @@ def _before_inner_step(engine, chunked, optimizer, args, kwargs) -> None:
     """Inner optimizer step pre-hook: the update reads every state, so all must be here
     (but those a chunked update streams, which it brings into slots itself)."""
     streaming = chunked is not None and chunked.active
-    if engine.is_released(streamed=not streaming):
-        # Nobody prefetched (a step called on the inner optimizer directly).
-        engine.reload(streamed=not streaming)
+    # Nothing to do if the step prefetched; else nobody did (a step called on the inner
+    # optimizer directly).
+    engine.reload(streamed=not streaming)
     # Rule 4: the update must not start before the copy-back of what it reads.
     engine.wait()
     engine.mark_dirty()

@@ -205,9 +205,11 @@ class ChunkedUpdate:
                 )
         self._base_steps = {id(g): g.get("step", _ABSENT) for g in inner.param_groups}
         self._final_steps = {}
-        staging = _Staging(
-            self.engine.device,
-            [_planned(inner, param, self.kinds)[0] for param in creating],
+        # Host memory for the states this step creates (none in a steady step).
+        staging = (
+            _Staging(self.engine.device, [_planned(inner, param, self.kinds)[0] for param in creating])
+            if creating
+            else None
         )
         undo = self.undo
         if undo is not None:
@@ -217,7 +219,7 @@ class ChunkedUpdate:
                 # step and the next save, not one per tensor.
                 undo.reserve(
                     sum(chunk.nbytes for chunk in chunks)
-                    + sum(staging.expected)
+                    + (sum(staging.expected) if staging is not None else 0)
                     + sum(aligned_bytes(p) + _SMALL_STATE_ROOM for g in inner.param_groups for p in g["params"])
                 )
             # The saves read parameters and states before the first call, whose pre-hook
@@ -259,12 +261,13 @@ class ChunkedUpdate:
                     group["step"] = final
         return None
 
-    def _undo(self, error: BaseException, stateless, scaled: set[int], staging: "_Staging") -> None:
+    def _undo(self, error: BaseException, stateless, scaled: set[int], staging: "_Staging | None") -> None:
         """Put back what the failed step changed: the saved bytes, and no state it created."""
         inner, engine = self.inner, self.engine
         try:
             self.undo.restore()
-            staging.free_unused()
+            if staging is not None:
+                staging.free_unused()
             created = []
             for param in stateless:
                 entries = inner.state.pop(param, None)
@@ -289,7 +292,7 @@ class ChunkedUpdate:
         """(streamed (param, places) pairs, parameters without state, the other parameters,
         chunks), worked out again only when the states or the engine's groups changed."""
         inner, engine = self.inner, self.engine
-        # The engine's state fingerprint (O(groups), see adapters/state_watch.py) says when
+        # The engine's state fingerprint (O(groups), see adapters/megatron_wrappers.py) says when
         # the states may have changed; without one, count every parameter's entries.
         watch = engine.fingerprint
         key = (
@@ -354,7 +357,12 @@ class ChunkedUpdate:
             for index in chunk.units:
                 for holder, name, tensor in streamed[index][1]:
                     view = views[id(tensor)]
-                    inner_optimizers.set_place(holder, name, view)
+                    # A place is a key of the parameter's state dict, or an attribute of a
+                    # quantized state (``inner_optimizers.state_places``).
+                    if isinstance(holder, dict):
+                        holder[name] = view
+                    else:
+                        setattr(holder, name, view)
                     swapped.append((holder, name, tensor, view))
             # What the call writes was saved with the chunk's prefetch (``_save_chunk``).
             self._call([streamed[index][0] for index in chunk.units], saved=True)
@@ -362,7 +370,7 @@ class ChunkedUpdate:
         finally:
             replaced = []
             for holder, name, _, view in swapped:
-                current = inner_optimizers.get_place(holder, name)
+                current = holder[name] if isinstance(holder, dict) else getattr(holder, name)
                 if current is view:
                     continue
                 if not failed and _takes_place_of(current, view):
@@ -374,7 +382,10 @@ class ChunkedUpdate:
                 else:
                     replaced.append(name)
             for holder, name, tensor, _ in swapped:
-                inner_optimizers.set_place(holder, name, tensor)
+                if isinstance(holder, dict):
+                    holder[name] = tensor
+                else:
+                    setattr(holder, name, tensor)
         if replaced and not failed:
             raise OffloadStateError(
                 f"{self.engine.name}: the optimizer replaced its state tensors ({', '.join(sorted(set(replaced)))}) "
@@ -466,7 +477,7 @@ class ChunkedUpdate:
         if not moving:
             return
         current = device.current_stream()
-        side = engine._side_stream("d2h")
+        side = engine.side_stream("d2h")
         # Rule 1: the D2H copies what the step just wrote.
         device.wait_stream(side, current, label=D2H_AFTER_WRITERS)
         places = []

@@ -48,7 +48,7 @@ import time
 
 import torch
 
-from ..adapters import distributed_optimizer as dopt_adapter
+from ..adapters import megatron_wrappers as wrappers
 from ..adapters import PRIMARY_WEIGHTS, inner_optimizers
 from ..engine import Place
 from ..engine.groups import aligned_size
@@ -71,7 +71,7 @@ def servable(offloader) -> bool:
 
 def serve_reads(offloader, *, masters: bool) -> None:
     """A read of a guarded state mapping between steps (guard.py): its values are served from
-    the host copy until the next call that moves states (``offloader._end_reads``), with no
+    the host copy until the next call that moves states (``offloader.end_reads``), with no
     copy to the device. ``masters``: the access hands out the mapping's keys, which are the
     master weights of a bf16/fp16 model; those come back to the device (the moments stay)."""
     if masters:
@@ -94,7 +94,7 @@ def checkpoint_view(offloader):
     write the host copies), or None. A read's view (``serve_reads``) is not one: it is closed
     first, and calls made under it (a user's own ``inner.state_dict()``) take the old path."""
     if offloader._host_view is not None and offloader._host_view is offloader._reads:
-        offloader._end_reads()
+        offloader.end_reads()
     return offloader._host_view
 
 
@@ -279,7 +279,7 @@ class _Served:
         if keys:
             for group in inner.param_groups:
                 self._swap_list(group["params"])
-            for masters in dopt_adapter.master_groups(distrib_optimizer):
+            for masters in wrappers.master_groups(distrib_optimizer):
                 self._swap_list(masters)
         state = inner.state
         items = list(dict.items(state))
@@ -319,7 +319,7 @@ class _Served:
         inner = self.owner.optimizer
         originals = self.originals
         # The lists the block sees now (a load may have rebuilt param_groups around them).
-        lists = [group["params"] for group in inner.param_groups] + list(dopt_adapter.master_groups(self.owner))
+        lists = [group["params"] for group in inner.param_groups] + list(wrappers.master_groups(self.owner))
         for tensors in lists:
             for index, tensor in enumerate(tensors):
                 original = originals.get(id(tensor)) if tensor is not None else None

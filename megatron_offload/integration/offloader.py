@@ -35,8 +35,8 @@ from typing import Callable, Iterable, Iterator, Sequence
 from torch.utils.hooks import RemovableHandle
 
 from ..adapters import KINDS, OPTIMIZER_STATES, PRIMARY_WEIGHTS
-from ..adapters import distributed_optimizer as dopt_adapter
-from ..adapters.state_watch import StateWatch
+from ..adapters import megatron_wrappers as wrappers
+from ..adapters.megatron_wrappers import StateWatch
 from ..config import OffloadConfig
 from ..device import device_for, numa
 from ..engine import HostBudget, OffloadEngine, OffloadStateError, Place
@@ -75,7 +75,7 @@ class OptimizerStateOffloader:
         self._engines: list[OffloadEngine] = []
         budget = HostBudget(self.config.host_memory_budget)
         for index, distrib_optimizer in enumerate(distributed):
-            torch_device = dopt_adapter.device_of(distrib_optimizer)
+            torch_device = wrappers.device_of(distrib_optimizer)
             factory = self.config.device_factory or functools.partial(
                 device_for, stream_priority=self.config.stream_priority
             )
@@ -94,11 +94,12 @@ class OptimizerStateOffloader:
             )
         for engine, distrib_optimizer in zip(self._engines, distributed):
             # Allocate and pin the host arena now, not inside the first offload (the step's path).
-            engine.reserve_host(dopt_adapter.expected(distrib_optimizer))
+            engine.reserve_host(wrappers.expected(distrib_optimizer))
         for distrib_optimizer in distributed:
             distrib_optimizer._state_offloader = self
         self._guard = StateAccessGuard(self)
-        self._detached = False
+        #: True once ``detach()`` ran: the optimizer is a plain optimizer again.
+        self.detached = False
         self._cycles = 0
         self._automatic = None  # set by attach()
         self._streaming = 0  # > 0 while a chunked update runs (integration/chunked.py)
@@ -107,7 +108,7 @@ class OptimizerStateOffloader:
         self._host_view = None
         self._host_view_writes = False
         # The HostView a read of the state mapping between steps opened (guard.py): open
-        # until the next call that moves states (``_end_reads``; host_view.serve_reads).
+        # until the next call that moves states (``end_reads``; host_view.serve_reads).
         self._reads = None
         # What the host views served (host_view.py), for stats().
         self._host_view_figures = {
@@ -143,15 +144,10 @@ class OptimizerStateOffloader:
         return tuple(self._engines)
 
     @property
-    def detached(self) -> bool:
-        """True once ``detach()`` ran: the optimizer is a plain optimizer again."""
-        return self._detached
-
-    @property
     def automatic(self) -> bool:
         """True when ``attach`` runs the per-step cycle: each step reloads what it needs by
         itself (a framework's "to the device" phase has nothing to do)."""
-        return self._automatic is not None and not self._detached
+        return self._automatic is not None and not self.detached
 
     @property
     def is_offloaded(self) -> bool:
@@ -225,7 +221,7 @@ class OptimizerStateOffloader:
         the copy has read it.
         """
         self._check_attached()
-        self._end_reads()
+        self.end_reads()
         self._offload(self._selection(offload_optimizer_states, offload_primary_weights))
         self._sync_state_guard()
 
@@ -243,7 +239,7 @@ class OptimizerStateOffloader:
         frameworks may call their "to the device" phase unconditionally.
         """
         self._check_attached()
-        self._end_reads()
+        self.end_reads()
         for engine in self._engines:
             engine.reload()
         self._sync_state_guard()
@@ -252,14 +248,16 @@ class OptimizerStateOffloader:
         """Start reloading what the step needs whole (asynchronous): everything, except
         the states a chunked update (``chunked_update_bytes``) streams through its slots
         during the step. What ``attach``'s cycle and the training hooks call."""
-        self._end_reads()
+        if self._reads is not None:
+            self.end_reads()
         for engine in self._engines:
             engine.reload(streamed=False)
         self._sync_state_guard()
 
     def wait(self) -> None:
         """Order every pending copy-back before the current stream (no host block)."""
-        self._end_reads()
+        if self._reads is not None:
+            self.end_reads()
         for engine in self._engines:
             engine.wait()
         self._sync_state_guard()
@@ -292,7 +290,7 @@ class OptimizerStateOffloader:
         offloads is reloaded, and ready for the current stream, on exit.
         """
         self._check_attached()
-        self._end_reads()
+        self.end_reads()
         selection = self._selection(offload_optimizer_states, offload_primary_weights)
         taken = [
             tuple(kind for kind in kinds if not _all_released(engine, kind))
@@ -304,7 +302,7 @@ class OptimizerStateOffloader:
         try:
             yield self
         finally:
-            if any(taken) and not self._detached:
+            if any(taken) and not self.detached:
                 for engine, kinds in zip(self._engines, taken):
                     if kinds:
                         engine.reload(kinds)
@@ -335,7 +333,7 @@ class OptimizerStateOffloader:
         host (reading it still brings it back, through the state-access guard).
         """
         self._check_attached()
-        self._end_reads()
+        self.end_reads()
         selection = self._resident_selection(kinds)
         taken = [
             tuple(kind for kind in chosen if engine.is_released((kind,)))
@@ -356,7 +354,7 @@ class OptimizerStateOffloader:
         try:
             yield self
         finally:
-            if any(taken) and not self._detached:
+            if any(taken) and not self.detached:
                 again = taken
                 if kinds is None:  # as before: the configured selection, and what came back
                     again = [
@@ -389,9 +387,9 @@ class OptimizerStateOffloader:
         Callable in any state, typically after a training loop, when the step cycle has
         offloaded the states; training after it is bitwise that of a run never offloaded.
         """
-        if self._detached:
+        if self.detached:
             return
-        self._end_reads()
+        self.end_reads()
         # The host copies may be the only copies: every engine regrows and copies back
         # what it released (and waits for any copy-out still reading device memory) before
         # its host arena is given back; the waits order the copies before the current
@@ -409,7 +407,7 @@ class OptimizerStateOffloader:
         for distrib_optimizer in self._distributed:
             if getattr(distrib_optimizer, "_state_offloader", None) is self:
                 distrib_optimizer._state_offloader = None
-        self._detached = True
+        self.detached = True
 
     # ----------------------------------------------------------------- internals
     def _selection(self, states: bool | None, primaries: bool | None) -> list[tuple[str, ...]]:
@@ -451,7 +449,8 @@ class OptimizerStateOffloader:
 
     def _offload(self, selection: list[tuple[str, ...]], *, skip_unchanged: bool = False) -> None:
         """Copy out (unless ``skip_unchanged`` and still valid) and release, per optimizer."""
-        self._end_reads()
+        if self._reads is not None:
+            self.end_reads()
         for hook in tuple(self._offload_pre_hooks.values()):
             hook(self)
         for engine, kinds in zip(self._engines, selection):
@@ -462,9 +461,11 @@ class OptimizerStateOffloader:
             # Released piece by piece as the copies are queued (progressive reuse).
             engine.offload(kinds, skip_unchanged=skip_unchanged, release=True)
         if self.config.release_master_grads:
-            for engine, distrib_optimizer, kinds in zip(self._engines, self._distributed, selection):
+            # The fp32 gradients megatron-core gave the masters for the step (as large as the
+            # masters) are not needed until the next step makes new ones.
+            for engine, kinds in zip(self._engines, selection):
                 if PRIMARY_WEIGHTS in kinds:
-                    _release_master_grads(engine, distrib_optimizer)
+                    engine.fingerprint.release_master_grads()  # O(groups) unless a master holds one
         for hook in tuple(self._offload_post_hooks.values()):
             hook(self)
 
@@ -475,7 +476,7 @@ class OptimizerStateOffloader:
         may write them, so the next offload must copy them out again. ``replaced``: the
         caller may put new tensor objects into the state (a load).
         """
-        self._end_reads()
+        self.end_reads()
         for engine in self._engines:
             if engine.is_released():
                 engine.reload()
@@ -486,8 +487,9 @@ class OptimizerStateOffloader:
                 engine.invalidate()
         self._sync_state_guard()
 
-    def _end_reads(self) -> None:
-        """Close the view ``host_view.serve_reads`` opened: what the reader wrote is in the host copy."""
+    def end_reads(self) -> None:
+        """Close the view that served reads between steps (``host_view.serve_reads``): what
+        the reader wrote is in the host copy. Every operation of the offloader does this first."""
         view, self._reads = self._reads, None
         if view is not None:
             view.__exit__(None, None, None)
@@ -495,13 +497,13 @@ class OptimizerStateOffloader:
     def _sync_state_guard(self) -> None:
         """Guard the inner optimizers' state mappings while some state is not on the device
         (released, or still being copied), and not otherwise (see ``guard.GuardedState``)."""
-        if not self._detached and self._host_view is None:
+        if not self.detached and self._host_view is None:
             self._guard.arm(
                 any(group.place is not Place.RESIDENT for engine in self._engines for group in engine.groups)
             )
 
     def _check_attached(self) -> None:
-        if self._detached:
+        if self.detached:
             raise OffloadStateError("this offloader was detached; attach a new one to offload.")
 
     def __repr__(self) -> str:
@@ -511,33 +513,22 @@ class OptimizerStateOffloader:
 def _fingerprinter(distrib_optimizer) -> StateWatch:
     """Changes when states are created (lazily, per parameter), a container (the state
     mapping, param groups, masters) is replaced or resized: in O(groups), not O(parameters)
-    (see ``adapters/state_watch.py``). Loads and replacements the guard sees invalidate the
+    (see ``adapters/megatron_wrappers.py``). Loads and replacements the guard sees invalidate the
     engine besides."""
     return StateWatch(distrib_optimizer)
-
-
-def _release_master_grads(engine: OffloadEngine, distrib_optimizer) -> None:
-    """Free the fp32 gradients megatron-core gave the masters for the step (as large as the
-    masters themselves): they are not needed until the next step makes new ones."""
-    watch = engine.fingerprint
-    if isinstance(watch, StateWatch):
-        watch.release_master_grads()  # O(groups) unless some master holds a gradient
-    else:  # pragma: no cover - every engine of the offloader has its watch until closed
-        for master in dopt_adapter.master_weights(distrib_optimizer):
-            master.grad = None
 
 
 # The adapter's walks read the state mapping with dict's own lookup (no reload for looking).
 def _in_state(distrib_optimizer):
     def streamed():
-        return dopt_adapter.in_state(distrib_optimizer)
+        return wrappers.in_state(distrib_optimizer)
 
     return streamed
 
 
 def _collector(distrib_optimizer):
     def collect():
-        return dopt_adapter.collect(distrib_optimizer)
+        return wrappers.collect(distrib_optimizer)
 
     return collect
 

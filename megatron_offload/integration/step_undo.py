@@ -133,7 +133,7 @@ class StepUndo:
         device = self.device
         pairs = _coalesced(pairs, device.torch_device)
         current = device.current_stream()
-        side = self.engine._side_stream("d2h")
+        side = self.engine.side_stream("d2h")
         queued = False
         event = None
         # Rule 1: the copy reads what the current stream wrote (earlier calls, the reload).

@@ -49,10 +49,10 @@ import functools
 import inspect
 import weakref
 
-from ..adapters.distributed_optimizer import PRIMARY_WEIGHTS, master_weights
+from ..adapters.megatron_wrappers import PRIMARY_WEIGHTS, master_weights
 from . import allocator_warnings, coexistence
 from .arguments import add_arguments, config_from_args, offload_enabled, validate_args
-from .attach import attach
+from .attach import WRAPPER_MARK as _MARK, attach, prefetching_finalize
 from .host_view import servable
 from .stats_log import (  # noqa: F401  (re-exported: the patches and users call them here)
     _print_rank_last,
@@ -79,7 +79,6 @@ __all__ = [
     'unpatch_megatron',
 ]
 
-_MARK = '__megatron_offload_wrapper__'
 # (module, attribute name) -> original value, for unpatch_megatron().
 _ORIGINALS: dict = {}
 # Offloaders attached by this module (for hooks that do not receive the optimizer).
@@ -187,26 +186,6 @@ def log_for_megatron(iteration: int) -> None:
     log_offload_stats(
         iteration, offloaders[-1], writer=get_tensorboard_writer(), wandb_writer=get_wandb_writer()
     )
-
-
-def prefetching_finalize(finalize_model_grads_func, offloader):
-    """``finalize_model_grads_func`` that first starts reloading the offloaded states.
-
-    The reload is asynchronous on accelerators, so the copy overlaps the gradient reduction
-    ``finalize_model_grads`` waits for; the optimizer step orders itself after it.
-    """
-    if getattr(finalize_model_grads_func, _MARK, None) == 'prefetch':
-        return finalize_model_grads_func
-
-    @functools.wraps(finalize_model_grads_func)
-    def finalize_model_grads(*args, **kwargs):
-        if not offloader.detached and offloader.is_offloaded:
-            offloader.prefetch()
-        return finalize_model_grads_func(*args, **kwargs)
-
-    setattr(finalize_model_grads, _MARK, 'prefetch')
-    finalize_model_grads.__wrapped_finalize__ = finalize_model_grads_func
-    return finalize_model_grads
 
 
 def save_is_staged_on_return(args) -> bool:

@@ -19,7 +19,7 @@ def state_storages(distrib_optimizer):
 
 def optimizer_footprint(distrib_optimizer, devices=()) -> int:
     """Bytes of device memory held for ``distrib_optimizer``'s states right now."""
-    from megatron_offload.adapters import distributed_optimizer as adapter
+    from megatron_offload.adapters import megatron_wrappers as adapter
 
     masters = {m.untyped_storage()._cdata for m in adapter.master_weights(distrib_optimizer)}
     held = {}

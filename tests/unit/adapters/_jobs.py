@@ -114,7 +114,7 @@ def state_census(optimizer) -> dict:
 
 
 def collected(offloader) -> list[torch.Tensor]:
-    from megatron_offload.adapters import distributed_optimizer as adapter
+    from megatron_offload.adapters import megatron_wrappers as adapter
 
     return [t for d in offloader._distributed for _, t in adapter.collect(d)]
 

@@ -152,7 +152,7 @@ def _train(remainders, moments, offload, dry_run, te_version, te_adam, chunked=N
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     import megatron_offload
-    from megatron_offload.adapters import distributed_optimizer as adapter
+    from megatron_offload.adapters import megatron_wrappers as adapter
     from tests.harness import models
 
     assert mcore_optimizer.Adam is te_adam, (

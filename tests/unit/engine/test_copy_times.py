@@ -107,21 +107,21 @@ def test_the_newest_completed_measurement_wins_and_pending_ones_are_bounded():
     clock = _Clock()
     times = CopyTimes(clock)
     for index in range(10):
-        times.add("d2h", 100 * index, 100 * index + index + 1, nbytes=1000 * (index + 1))
-    assert len(times._pending["d2h"]) == PENDING_PER_QUANTITY  # the oldest were dropped
+        times.pending["d2h"].append((100 * index, 100 * index + index + 1, 1000 * (index + 1)))
+    assert len(times.pending["d2h"]) == PENDING_PER_QUANTITY  # the oldest were dropped
     assert times.read()["d2h_ms"] == 0  # none completed yet: nothing measured
     clock.done = {100 * i + i + 1 for i in (6, 7)}  # 8 and 9 still running
     figures = times.read()
     assert (figures["d2h_ms"], figures["d2h_timed_bytes"]) == (8.0, 8000)  # the newest done: 7
-    assert len(times._pending["d2h"]) == 2  # 8 and 9 are kept for a later read
+    assert len(times.pending["d2h"]) == 2  # 8 and 9 are kept for a later read
     clock.done.add(100 * 9 + 10)
-    assert times.read()["d2h_ms"] == 10.0 and not times._pending["d2h"]
+    assert times.read()["d2h_ms"] == 10.0 and not times.pending["d2h"]
 
 
 def test_devices_without_timing_events_report_nothing():
     times = CopyTimes(_Clock())
-    times.add("h2d", None, None, 10)  # what record_event gives on such a device
-    assert times.read()["h2d_ms"] == 0 and not times._pending["h2d"]
+    times.pending["h2d"].append((None, None, 10))  # what record_event gives on such a device
+    assert times.read()["h2d_ms"] == 0 and not times.pending["h2d"]
 
 
 def test_the_offloader_rate_comes_from_summed_bytes_and_times():

@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 
-from megatron_offload.adapters import distributed_optimizer as adapter
+from megatron_offload.adapters import megatron_wrappers as adapter
 from megatron_offload.engine import HostBudget, HostMemoryBudgetError, OffloadEngine
 from megatron_offload_testing import CheckedDevice
 

@@ -12,7 +12,7 @@ import torch
 
 # ------------------------------------------------------------------- rank-side jobs
 def _tracked_storage_bytes(offloader):
-    from megatron_offload.adapters import distributed_optimizer as adapter
+    from megatron_offload.adapters import megatron_wrappers as adapter
 
     kinds = set(offloader.config.kinds())
     sizes = []

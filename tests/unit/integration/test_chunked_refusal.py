@@ -91,7 +91,7 @@ class _Run:
     """An engine and a chunked update around ``opt``; ``step()`` runs one automatic cycle."""
 
     def __init__(self, opt, budget, kinds, device=None, undo=True):
-        from megatron_offload.adapters import distributed_optimizer as adapter
+        from megatron_offload.adapters import megatron_wrappers as adapter
         from megatron_offload.engine import OffloadEngine
         from megatron_offload.integration.chunked import ChunkedUpdate
         from megatron_offload_testing import CheckedDevice

@@ -257,7 +257,7 @@ def test_the_undo_buffer_counts_in_the_host_memory_budget():
 
     import torch
 
-    from megatron_offload.adapters import distributed_optimizer as adapter
+    from megatron_offload.adapters import megatron_wrappers as adapter
     from megatron_offload.engine import HostBudget, HostMemoryBudgetError, OffloadEngine
     from megatron_offload.integration.chunked import ChunkedUpdate
     from megatron_offload_testing import CheckedDevice
@@ -348,7 +348,7 @@ def run_modelled_step_time(undo):
 
     import torch
 
-    from megatron_offload.adapters import distributed_optimizer as adapter
+    from megatron_offload.adapters import megatron_wrappers as adapter
     from megatron_offload.engine import OffloadEngine
     from megatron_offload.integration.chunked import ChunkedUpdate
     from megatron_offload_testing import ModelledDevice

@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from megatron_offload.adapters import distributed_optimizer as adapter
+from megatron_offload.adapters import megatron_wrappers as adapter
 from megatron_offload.config import OffloadConfig
 from megatron_offload.device.cpu import CPUDevice
 from megatron_offload.engine import OffloadEngine, OffloadStateError

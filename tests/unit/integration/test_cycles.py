@@ -5,7 +5,7 @@ import torch
 
 
 def _resident_sizes(offloader, distributed):
-    from megatron_offload.adapters import distributed_optimizer as adapter
+    from megatron_offload.adapters import megatron_wrappers as adapter
 
     # Consolidated tensors share one storage per group: count each storage once.
     storages = {}

@@ -41,7 +41,7 @@ def _figures(offloader, optimizer):
     stats = offloader.stats()
     sizes = []
     for leaf in offloader._distributed:
-        from megatron_offload.adapters import distributed_optimizer as adapter
+        from megatron_offload.adapters import megatron_wrappers as adapter
 
         sizes += [t.untyped_storage().nbytes() for _, t in adapter.collect(leaf)]
     keys = ("tracked_bytes", "offloaded_bytes", "resident_bytes", "host_bytes", "kept_resident_bytes",

@@ -72,7 +72,7 @@ def _build_options(layout, dtype, model, ogr, opg, bucket):
 def matrix_job(layout, dtype, model, ogr, opg, bucket, micro, *, offload, plant=None, options=None,
                checked=False):
     import megatron_offload
-    from megatron_offload.adapters import distributed_optimizer as adapter
+    from megatron_offload.adapters import megatron_wrappers as adapter
     from tests.harness import models
     from tests.support.checked import check_devices, checked_device_options
 
@@ -133,7 +133,7 @@ def _plant(bug):
     from megatron_offload.engine import engine as engine_module
 
     cls = engine_module.OffloadEngine
-    saved = {name: cls.__dict__.get(name) for name in ("mark_dirty", "_copy")}
+    saved = {name: cls.__dict__.get(name) for name in ("mark_dirty", "reload")}
 
     def undo():
         for name, value in saved.items():
@@ -146,14 +146,16 @@ def _plant(bug):
         # The step no longer marks the host copy stale: later cycles keep the first copy.
         engine_module.OffloadEngine.mark_dirty = lambda self: None
     elif bug == "reload-drops-a-tensor":
-        original = engine_module.OffloadEngine._copy
+        original = engine_module.OffloadEngine.reload
 
-        def copy(self, dst, src, *, to_host):
-            original(self, dst, src, to_host=to_host)
-            if not to_host:  # the copy-back loses the first element of every group
-                dst.view(-1)[:1].zero_()
+        def reload(self, *args, **kwargs):
+            released = [g for g in self.groups if g.place is engine_module.Place.RELEASED]
+            original(self, *args, **kwargs)
+            for group in released:  # the copy-back (synchronous here) loses the first element
+                if group.place is not engine_module.Place.RELEASED:
+                    group.flat.view(-1)[:1].zero_()
 
-        engine_module.OffloadEngine._copy = copy
+        engine_module.OffloadEngine.reload = reload
     else:
         raise ValueError(bug)
     return undo

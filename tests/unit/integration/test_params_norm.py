@@ -28,19 +28,22 @@ OFFLOAD_ARGS = dict(offload_optimizer_states=True, offload_moments=True,
 
 
 def _count_copies(offloader):
-    """Tally every copy the offloader's engines make, by direction and kind of the group."""
+    """Tally every copy the offloader's engines make, by direction and kind of the group,
+    at their device (where every copy of the engine goes)."""
     tally = {}
-    for engine in offloader.engines:
-        copy = engine._copy
+    devices = {id(engine.device): engine.device for engine in offloader.engines}
+    for device in devices.values():
+        copy = device.copy
 
-        def counted(dst, src, *, to_host, engine=engine, copy=copy):
-            device_side = src if to_host else dst
-            kind = next((g.kind for g in engine.groups if g.flat is device_side), None)
-            key = ('d2h' if to_host else 'h2d', kind)
-            tally[key] = tally.get(key, 0) + src.numel() * src.element_size()
-            return copy(dst, src, to_host=to_host)
+        def counted(dst, src, copy=copy):
+            for engine in offloader.engines:
+                for group in engine.groups:
+                    if group.flat is not None and (group.flat is src or group.flat is dst):
+                        key = ('d2h' if group.flat is src else 'h2d', group.kind)
+                        tally[key] = tally.get(key, 0) + src.numel() * src.element_size()
+            return copy(dst, src)
 
-        engine._copy = counted
+        device.copy = counted
     return tally
 
 

@@ -1,4 +1,4 @@
-"""The state fingerprint (``adapters/state_watch.py``): every layout change seen, in O(groups).
+"""The state fingerprint (``adapters/megatron_wrappers.py``): every layout change seen, in O(groups).
 
 An engine with the offloader's fingerprint (``StateWatch``) over an object shaped like a
 DistributedOptimizer (a torch AdamW inside, fp32 masters beside it), trained beside a
@@ -20,7 +20,7 @@ import copy
 import torch
 
 from megatron_offload.adapters import collect as adapter_collect
-from megatron_offload.adapters.state_watch import StateWatch
+from megatron_offload.adapters.megatron_wrappers import StateWatch
 from megatron_offload.device import CPUDevice
 from megatron_offload.engine import OffloadEngine
 
