@@ -6,12 +6,22 @@
 #  3. the smoke set and the tests marked `line` (the example pretrain script through the
 #     launcher, bitwise on vs. off and against the line's golden file; the line's source
 #     patches) on megatron-core 0.18.2 and 0.17.1 (Python 3.12, the main environment's torch).
-# Extra arguments go to the main pytest run.
+# 2 and 3 run one after the other beside 1 (the main suite leaves a core idle about a third
+# of the time: process starts, waits for rank processes); their output is printed after the
+# main suite's. Extra arguments go to the main pytest run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-main=$(scripts/venv.sh py312) || exit 1
-floor=$(scripts/venv.sh py311-floor) || exit 1
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+# The two base environments are built side by side (downloads and unpacking overlap), then
+# the line overlays on the main one.
+scripts/venv.sh py312 > "$work/main" &
+main_job=$!
+scripts/venv.sh py311-floor > "$work/floor" || exit 1
+wait "$main_job" || exit 1
+main=$(cat "$work/main") floor=$(cat "$work/floor")
 lines=()
 for line in mcore-0.18 mcore-0.17; do
   venv=$(scripts/venv.sh "$line") || exit 1
@@ -27,6 +37,21 @@ no_tests() {  # pytest's "no tests ran" (exit 5) is a failure too
   return 0
 }
 
+# The floor and the other lines, in the background: their status is the file's last line.
+(
+  status=0
+  banner "compatibility floor" "$floor/bin/python"
+  "$floor/bin/python" -m pytest -p no:cacheprovider tests -q -m floor
+  rc=$?; no_tests $rc "compatibility floor"; [ $rc -eq 0 ] || status=1
+  for venv in "${lines[@]}"; do
+    banner "megatron-core line" "$venv/bin/python"
+    "$venv/bin/python" -m pytest -p no:cacheprovider tests -q -m "floor or line"
+    rc=$?; no_tests $rc "megatron-core line"; [ $rc -eq 0 ] || status=1
+  done
+  echo "$status" > "$work/lines-status"
+) > "$work/lines.log" 2>&1 &
+lines_job=$!
+
 status=0
 banner "main suite" "$main/bin/python"
 "$main/bin/python" -m coverage erase
@@ -36,13 +61,7 @@ rc=$?; no_tests $rc "main suite"; [ $rc -eq 0 ] || status=1
 echo "== line coverage of megatron_offload/ (all processes)"
 "$main/bin/python" -m coverage combine -q && "$main/bin/python" -m coverage report || status=1
 
-banner "compatibility floor" "$floor/bin/python"
-"$floor/bin/python" -m pytest -p no:cacheprovider tests -q -m floor
-rc=$?; no_tests $rc "compatibility floor"; [ $rc -eq 0 ] || status=1
-
-for venv in "${lines[@]}"; do
-  banner "megatron-core line" "$venv/bin/python"
-  "$venv/bin/python" -m pytest -p no:cacheprovider tests -q -m "floor or line"
-  rc=$?; no_tests $rc "megatron-core line"; [ $rc -eq 0 ] || status=1
-done
+wait "$lines_job"
+cat "$work/lines.log"
+[ "$(cat "$work/lines-status" 2>/dev/null)" = 0 ] || status=1
 exit $status
