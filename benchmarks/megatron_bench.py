@@ -211,7 +211,6 @@ def offload_job(cfg: dict) -> dict:
         offloader.reload()
         offloader.wait()
         offloader.offload()
-        offloader.release_gpu_memory()
         end = perf_counter()
         sync()
         total = perf_counter() - start
@@ -380,7 +379,6 @@ def scaling_job(cfg: dict) -> list[dict]:
             offloader.reload()
             offloader.wait()
             offloader.offload()
-            offloader.release_gpu_memory()
             wall = perf_counter() - start
             sync()
             return wall - sum(timing.take()[0] for timing in devices)

@@ -5,19 +5,21 @@ Float16OptimizerWithFloat16Params or FP32Optimizer, or a ChainedOptimizer of any
 (dense and expert optimizers in MoE models; Muon, SOAP or Lion beside AdamW;
 ``LayerWiseDistributedOptimizer``, nested chains). It keeps one ``OffloadEngine`` per
 Megatron optimizer that has a torch optimizer on this rank and is reachable from each of
-them as ``_state_offloader``, the attribute name used by Megatron-LM's own (unreleased) offloader,
-whose methods it also offers so that code written against that API runs unchanged:
+them as ``_state_offloader``, the attribute name used by Megatron-LM's own (unreleased)
+offloader. The loop points:
 
 ====================================  ================================================
 ``offload(offload_optimizer_states,   copy the selected states to the host and free
 offload_primary_weights)``            their device memory (asynchronous on accelerators)
-``release_gpu_memory()``              free what was offloaded (``offload`` already does)
 ``reload()``                          regrow and copy back (asynchronous)
 ``prefetch()``                        ``reload()`` of what the step needs whole
-``sync_before_step()`` / ``wait()``   order the copy-back before the current stream
-``mark_optimizer_states_initialized``  kept for compatibility: states are found anew at
-                                      every offload
+``wait()``                            order the copy-back before the current stream
+``mark_optimizer_states_initialized``  look for replaced state tensors at the next offload
 ====================================  ================================================
+
+The unreleased offloader's ``release_gpu_memory()`` and ``sync_before_step()`` are not
+offered: ``offload()`` frees the memory itself, and ``wait()`` is the other's name here;
+calling them says so (``__getattr__``).
 
 Methods of the optimizers that touch the states (state dicts, checkpointing, megatron's
 own ``offload_to_cpu``) and the inner optimizers' ``state`` mappings are made safe while
@@ -225,15 +227,10 @@ class OptimizerStateOffloader:
         self._offload(self._selection(offload_optimizer_states, offload_primary_weights))
         self._sync_state_guard()
 
-    def release_gpu_memory(self) -> None:
-        """Kept for compatibility: ``offload()`` already frees the device memory (safely on
-        accelerators, since the allocator knows the copy still reads it)."""
-        self._check_attached()
-
     def reload(self) -> None:
         """Regrow the offloaded states and start copying them back.
 
-        Call ``wait()`` (or ``sync_before_step()``) before reading them outside a step; a
+        Call ``wait()`` before reading them outside a step; a
         step of an attached optimizer waits by itself. Idempotent, and safe in any order: with
         nothing offloaded (before the first offload, or twice in a row) it does nothing, so RL
         frameworks may call their "to the device" phase unconditionally.
@@ -261,8 +258,6 @@ class OptimizerStateOffloader:
         for engine in self._engines:
             engine.wait()
         self._sync_state_guard()
-
-    sync_before_step = wait
 
     def mark_optimizer_states_initialized(self) -> None:
         """Look for new or replaced state tensors at the next offload.
@@ -506,8 +501,21 @@ class OptimizerStateOffloader:
         if self.detached:
             raise OffloadStateError("this offloader was detached; attach a new one to offload.")
 
+    def __getattr__(self, name: str):
+        # Only reached for names the class does not have.
+        if name in _NOT_OFFERED:
+            raise AttributeError(f"OptimizerStateOffloader has no {name}(): {_NOT_OFFERED[name]}")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def __repr__(self) -> str:
         return f"OptimizerStateOffloader({', '.join(map(repr, self._engines))})"
+
+
+# Methods of Megatron-LM's unreleased offloader that this one does not offer, and why.
+_NOT_OFFERED = {
+    "release_gpu_memory": "offload() frees the device memory itself (once the copy has read it); drop the call.",
+    "sync_before_step": "call wait() (the same: the copy-back is ordered before the current stream).",
+}
 
 
 def _fingerprinter(distrib_optimizer) -> StateWatch:

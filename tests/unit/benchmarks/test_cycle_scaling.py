@@ -129,7 +129,6 @@ def per_cycle_job(cfg: dict) -> list[dict]:
             offloader.reload()
             offloader.wait()
             offloader.offload()
-            offloader.release_gpu_memory()
 
         cycle()  # consolidates
         offloader.reload()

@@ -85,12 +85,16 @@ def more_misuse_job():
     models.train_step(chunks, optimizer, config, 0)  # not attached: nothing automatic
     found["resident_without_attach"] = not offloader.is_offloaded
     offloader.offload(offload_optimizer_states=True, offload_primary_weights=False)
-    offloader.release_gpu_memory()
+    for name in ("release_gpu_memory", "sync_before_step"):  # the unreleased API's: not offered
+        try:
+            getattr(offloader, name)()
+        except AttributeError as error:
+            found[f"{name}_refused"] = str(error)
     found["moments_only"] = offloader.stats()["offloaded_bytes"] * 3 == offloader.stats()["tracked_bytes"] * 2
     offloader.offload()
     offloader.mark_optimizer_states_initialized()
     offloader.reload()
-    offloader.sync_before_step()
+    offloader.wait()
     found["reloaded"] = not offloader.is_offloaded
     offloader.offload()
     offloader.detach()  # while offloaded: the states come back first
@@ -129,6 +133,8 @@ def test_more_misuse_and_the_upstream_call_sequence(rank_pool):
     kind, message = found["use_megatron_fsdp"]
     assert kind == "ValueError" and "--use-megatron-fsdp" in message
     assert found["resident_without_attach"] and found["moments_only"] and found["reloaded"]
+    assert "offload() frees the device memory itself" in found["release_gpu_memory_refused"]
+    assert "call wait()" in found["sync_before_step_refused"]
     assert found["detached_while_offloaded"]
     assert found["restored"] and found["repr"].startswith("OptimizerStateOffloader(OffloadEngine(")
     assert found["offloaded"] and found["inner_step_reloaded"] and found["restored_after_attach"]
