@@ -5,8 +5,10 @@
 #  2. the smoke set marked `floor` on megatron-core 0.16.1 (Python 3.11);
 #  3. the smoke set and the tests marked `line` (the example pretrain script through the
 #     launcher, bitwise on vs. off and against the line's golden file; the line's source
-#     patches) on megatron-core 0.18.2 and 0.17.1 (Python 3.12, the main environment's torch).
-# 2 and 3 run one after the other beside 1 (the main suite leaves a core idle about a third
+#     patches) on megatron-core 0.18.2 and 0.17.1 (Python 3.12, the main environment's torch);
+#  4. the tests marked `bridge` (Megatron-Bridge 0.6.2's own optimizer setup, train step and
+#     checkpointing with the offload callback) in the Bridge environment, built on the main one.
+# 2, 3 and 4 run one after the other beside 1 (the main suite leaves a core idle about a third
 # of the time: process starts, waits for rank processes); their output is printed after the
 # main suite's. Extra arguments go to the main pytest run.
 set -uo pipefail
@@ -48,6 +50,13 @@ no_tests() {  # pytest's "no tests ran" (exit 5) is a failure too
     "$venv/bin/python" -m pytest -p no:cacheprovider tests -q -m "floor or line"
     rc=$?; no_tests $rc "megatron-core line"; [ $rc -eq 0 ] || status=1
   done
+  if bridge=$(scripts/venv.sh bridge); then
+    banner "Megatron-Bridge $("$bridge/bin/python" -c 'from importlib.metadata import version; print(version("megatron-bridge"))')" "$bridge/bin/python"
+    "$bridge/bin/python" -m pytest -p no:cacheprovider tests -q -m bridge
+    rc=$?; no_tests $rc "Megatron-Bridge"; [ $rc -eq 0 ] || status=1
+  else
+    echo "== Megatron-Bridge: its environment could not be built (above)" >&2; status=1
+  fi
   echo "$status" > "$work/lines-status"
 ) > "$work/lines.log" 2>&1 &
 lines_job=$!

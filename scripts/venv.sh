@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Usage: scripts/venv.sh py312|py311-floor|mcore-0.17|mcore-0.18
+# Usage: scripts/venv.sh py312|py311-floor|mcore-0.17|mcore-0.18|bridge
 # Prints the path of a virtual environment with requirements/<name>.txt installed, creating
 # it on first use. Environments are cached under ${MEGATRON_OFFLOAD_CACHE:-~/.cache/megatron-offload}
 # and keyed by the requirements file's hash, so a fresh clone reuses them and a changed
@@ -9,6 +9,11 @@
 # megatron-core (and what that line needs beyond the main environment); everything else
 # (torch, numpy, pytest, ...) is the main environment's own install, linked in (only pip and megatron left out), so every line
 # runs the same torch and costs seconds and megabytes instead of a second multi-GB torch.
+#
+# bridge is Megatron-Bridge on the main environment (its megatron-core included, seen through
+# a .pth file): requirements/bridge-no-deps.txt without the dependencies it declares (most
+# are GPU-only or for model conversion), then requirements/bridge.txt, what its training
+# modules import on a CPU, with their own dependencies (tests/doubles/bridge_imports.py).
 set -euo pipefail
 name=$1
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -18,6 +23,7 @@ case "$name" in
   py312) want=3.12 ;;
   py311-floor) want=3.11 ;;
   mcore-*) want=3.12; base=py312 ;;
+  bridge) want=3.12; base=py312 ;;
   *) echo "unknown environment $name" >&2; exit 2 ;;
 esac
 
@@ -38,7 +44,8 @@ if [ -n "${base:-}" ]; then
   base_venv=$("$0" "$base") || exit 1
 fi
 # An overlay is also keyed by its base and by this recipe.
-hash=$( { cat "$req"; [ -z "$base_venv" ] || { echo "$base_venv"; cat "$0"; }; } | sha256sum | cut -c1-12)
+extra="$root/requirements/$name-no-deps.txt"
+hash=$( { cat "$req"; [ ! -f "$extra" ] || cat "$extra"; [ -z "$base_venv" ] || { echo "$base_venv"; cat "$0"; }; } | sha256sum | cut -c1-12)
 cache=${MEGATRON_OFFLOAD_CACHE:-$HOME/.cache/megatron-offload}
 venv="$cache/venv-$name-$hash"
 if [ ! -f "$venv/.complete" ]; then
@@ -54,7 +61,16 @@ if [ ! -f "$venv/.complete" ]; then
       if [ -z "$link" ] || [ ! -e "$link" ]; then rm -rf "$old"; fi
     done
   fi
-  if [ -n "$base_venv" ]; then
+  if [ "$name" = bridge ]; then
+    python=$(readlink -f "$base_venv/bin/python")
+    "$python" -m venv "$venv" >&2
+    site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    base_site=$("$base_venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    # megatron is a namespace package: megatron/bridge here and megatron/core there merge.
+    echo "$base_site" > "$site/zz-main-environment.pth"
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -r "$extra" >&2
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$req" >&2
+  elif [ -n "$base_venv" ]; then
     # A venv of the base interpreter whose site-packages sees the base environment's packages
     # through a directory of links that leaves out megatron (a namespace package: a second
     # copy on sys.path would merge into this line's) and pip.

@@ -1,5 +1,8 @@
 """Frameworks that train with megatron-core through loops of their own.
 
+Megatron-Bridge calls callbacks at fixed points of its loop: ``bridge.OptimizerStateOffloadCallback``
+is the one to add (``pretrain(cfg, forward_step, callbacks=[OptimizerStateOffloadCallback()])``).
+
 RL frameworks move the optimizer's states themselves around their phases (generation,
 log-prob inference, weight refit, training, checkpoints). With an offloader attached those
 moves would undo ours (reading the states brings them back) and, on a GPU, swap our tracked

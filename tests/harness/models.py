@@ -203,6 +203,7 @@ def build(
     optimizer: str = 'adam',
     use_distributed_optimizer: bool = True,
     layer_wise: bool = False,
+    make_optimizer=None,
 ):
     """Build (model_chunks, optimizer, config) for the current parallel_state.
 
@@ -225,6 +226,8 @@ def build(
     layer_wise: for emerging optimizers, what megatron.training builds from
         --use-distributed-optimizer: DDP without the distributed optimizer and a
         LayerWiseDistributedOptimizer (each rank updates whole parameters of its own).
+    make_optimizer: ``make_optimizer(optimizer_config, model_chunks)`` builds the optimizer
+        instead of megatron-core's ``get_megatron_optimizer`` (a framework's own setup).
     The returned config is the model config the schedule uses; its training hooks
     (finalize_model_grads_func, grad_scale_func, no_sync_func, ...) are set as
     megatron.training.training.train() sets them.
@@ -293,7 +296,7 @@ def build(
         use_distributed_optimizer=use_distributed_optimizer,
         **(optimizer_overrides or {}),
     )
-    optimizer = get_megatron_optimizer(optimizer_config, model_chunks)
+    optimizer = (make_optimizer or get_megatron_optimizer)(optimizer_config, model_chunks)
 
     # Training hooks, as megatron.training.training.train() installs them
     # (align_grad_reduce defaults to True; align_param_gather is off without virtual PP).

@@ -1,0 +1,93 @@
+"""The Megatron-Bridge callback's refusals, without Bridge: what the user gets wrong is said
+before anything is touched (``test_bridge.py`` trains through Bridge itself)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from megatron_offload.frameworks.bridge import OptimizerStateOffloadCallback
+
+
+def test_options_are_checked_when_the_callback_is_made():
+    with pytest.raises(TypeError, match="offload_moments"):
+        OptimizerStateOffloadCallback(offload_moments=True)
+    with pytest.raises((TypeError, ValueError), match="offload_primary_weights"):
+        OptimizerStateOffloadCallback(offload_primary_weights="yes")
+
+
+class _Recorder:
+    def __init__(self):
+        self.scalars = []
+
+    def add_scalar(self, name, value, step):
+        self.scalars.append((name, step))
+
+
+def refusal_job():
+    from tests.harness import models
+
+    chunks, optimizer, config = models.build("gpt", "bf16", overlap_grad_reduce=True)
+    finalize = config.finalize_model_grads_func
+    context = types.SimpleNamespace(model=chunks, optimizer=optimizer)
+    found = {}
+    for flag in ("optimizer_cpu_offload", "optimizer_cuda_graph"):
+        for distrib in models.distributed_optimizers(optimizer):
+            setattr(distrib.config, flag, True)
+        callback = OptimizerStateOffloadCallback()
+        try:
+            callback.on_train_start(context)
+        except ValueError as error:
+            found[flag] = str(error)
+        # Nothing touched: no offloader, Bridge's hook as it was, and the end event harmless.
+        found[f"{flag}_untouched"] = (
+            callback.offloader is None
+            and config.finalize_model_grads_func is finalize
+            and all(getattr(d, "_state_offloader", None) is None for d in models.distributed_optimizers(optimizer))
+        )
+        callback.on_train_end(context)
+        for distrib in models.distributed_optimizers(optimizer):
+            setattr(distrib.config, flag, False)
+    # Accepted: attached, the gradient-reduction hook prefetches; a second start is refused;
+    # the end gives the hook back and detaches.
+    callback = OptimizerStateOffloadCallback()
+    callback.on_train_start(context)
+    found["wrapped"] = config.finalize_model_grads_func is not finalize
+    try:
+        callback.on_train_start(context)
+    except RuntimeError as error:
+        found["twice"] = str(error)
+    models.train_step(chunks, optimizer, config, 0)
+    offloader = callback.offloader
+    stats = offloader.stats()
+    found["offloaded_after_step"] = stats["offloaded_bytes"] == stats["tracked_bytes"] > 0
+    # A save that had to bring the states back (TE's FP8 moments): offloaded again at once.
+    offloader.reload()
+    offloader.wait()
+    callback.on_checkpoint_save(context)
+    stats = offloader.stats()
+    found["offloaded_after_save"] = stats["offloaded_bytes"] == stats["tracked_bytes"]
+    # Bridge's writers get the figures at its log interval only.
+    recorder = _Recorder()
+    state = types.SimpleNamespace(cfg=types.SimpleNamespace(logger=types.SimpleNamespace(log_interval=2)),
+                                  train_state=types.SimpleNamespace(step=1), tensorboard_logger=recorder,
+                                  wandb_logger=None)
+    bridge_context = types.SimpleNamespace(model=chunks, optimizer=optimizer, state=state)
+    callback.on_train_step_end(bridge_context)
+    state.train_state.step = 2
+    callback.on_train_step_end(bridge_context)
+    found["logged"] = sorted({step for _, step in recorder.scalars})
+    callback.on_train_end(context)
+    found["restored"] = config.finalize_model_grads_func is finalize and callback.offloader.detached
+    return found
+
+
+def test_refusals_then_the_events_of_an_accepted_run(rank_pool):
+    for found in rank_pool.run(refusal_job):
+        assert "optimizer_cpu_offload" in found["optimizer_cpu_offload"]
+        assert "optimizer_cuda_graph" in found["optimizer_cuda_graph"]
+        assert found["optimizer_cpu_offload_untouched"] and found["optimizer_cuda_graph_untouched"]
+        assert found["wrapped"] and "train started twice" in found["twice"] and found["restored"]
+        assert found["offloaded_after_step"] and found["offloaded_after_save"]
+        assert found["logged"] == [2]
