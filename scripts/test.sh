@@ -8,27 +8,17 @@
 #     patches) on megatron-core 0.18.2 and 0.17.1 (Python 3.12, the main environment's torch);
 #  4. the tests marked `bridge` (Megatron-Bridge 0.6.2's own optimizer setup, train step and
 #     checkpointing with the offload callback) in the Bridge environment, built on the main one.
-# 2, 3 and 4 run one after the other beside 1 (the main suite leaves a core idle about a third
-# of the time: process starts, waits for rank processes); their output is printed after the
-# main suite's. Extra arguments go to the main pytest run.
+# 2, 3 and 4 (each environment built just before its run) go one after the other beside 1,
+# which waits only for its own environment (the main suite leaves a core idle about a third of
+# the time: process starts, waits for rank processes); their output is printed after the main
+# suite's. Extra arguments go to the main pytest run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-# The two base environments are built side by side (downloads and unpacking overlap), then
-# the line overlays on the main one.
-scripts/venv.sh py312 > "$work/main" &
-main_job=$!
-scripts/venv.sh py311-floor > "$work/floor" || exit 1
-wait "$main_job" || exit 1
-main=$(cat "$work/main") floor=$(cat "$work/floor")
-lines=()
-for line in mcore-0.18 mcore-0.17; do
-  venv=$(scripts/venv.sh "$line") || exit 1
-  lines+=("$venv")
-done
+main=$(scripts/venv.sh py312) || exit 1
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
 
 banner() {  # name python
@@ -42,10 +32,17 @@ no_tests() {  # pytest's "no tests ran" (exit 5) is a failure too
 # The floor and the other lines, in the background: their status is the file's last line.
 (
   status=0
-  banner "compatibility floor" "$floor/bin/python"
-  "$floor/bin/python" -m pytest -p no:cacheprovider tests -q -m floor
-  rc=$?; no_tests $rc "compatibility floor"; [ $rc -eq 0 ] || status=1
-  for venv in "${lines[@]}"; do
+  if floor=$(scripts/venv.sh py311-floor); then
+    banner "compatibility floor" "$floor/bin/python"
+    "$floor/bin/python" -m pytest -p no:cacheprovider tests -q -m floor
+    rc=$?; no_tests $rc "compatibility floor"; [ $rc -eq 0 ] || status=1
+  else
+    echo "== compatibility floor: its environment could not be built (above)" >&2; status=1
+  fi
+  for line in mcore-0.18 mcore-0.17; do
+    if ! venv=$(scripts/venv.sh "$line"); then
+      echo "== $line: its environment could not be built (above)" >&2; status=1; continue
+    fi
     banner "megatron-core line" "$venv/bin/python"
     "$venv/bin/python" -m pytest -p no:cacheprovider tests -q -m "floor or line"
     rc=$?; no_tests $rc "megatron-core line"; [ $rc -eq 0 ] || status=1

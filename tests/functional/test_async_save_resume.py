@@ -22,6 +22,7 @@ import shutil
 import torch
 
 from tests.functional import runner
+from tests.support.checkpoints import torch_dist_tensors
 
 ASYNC_FLAGS = ('--async-save', '--use-persistent-ckpt-worker', '--async-strategy', 'mcore')
 CASE = runner.Case('dp2-async', 2, ('--bf16',) + ASYNC_FLAGS, save_interval=3,
@@ -36,27 +37,6 @@ REFERENCE = runner.Case('dp2-sync', 2, ('--bf16',), save_interval=3,
 
 def _values(run, rank):
     return [(e['lm_loss'], e['grad_norm'], e['skipped']) for e in run.ranks[rank]['iterations']]
-
-
-def _tensors(checkpoint, scratch):
-    """Every tensor of a torch_dist checkpoint directory, by key (read in this process)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    dcp_to_torch_save(checkpoint, scratch)
-    flat = {}
-
-    def walk(prefix, value):
-        if isinstance(value, torch.Tensor):
-            flat[prefix] = value
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                walk(f'{prefix}/{key}', item)
-        elif isinstance(value, (list, tuple)):
-            for index, item in enumerate(value):
-                walk(f'{prefix}/{index}', item)
-
-    walk('', torch.load(scratch, weights_only=False))
-    return flat
 
 
 def _files(directory):
@@ -80,8 +60,8 @@ def test_async_saves_from_the_host_and_resume_bitwise(tmp_path):
     # also hold the run's arguments, whose --save path differs).
     assert _files(on_dir) == _files(off_dir)
     for iteration in ('iter_0000003', 'iter_0000005'):
-        written_on = _tensors(os.path.join(on_dir, iteration), str(tmp_path / 'on.pt'))
-        written_off = _tensors(os.path.join(off_dir, iteration), str(tmp_path / 'off.pt'))
+        written_on = torch_dist_tensors(os.path.join(on_dir, iteration), str(tmp_path / 'on.pt'))
+        written_off = torch_dist_tensors(os.path.join(off_dir, iteration), str(tmp_path / 'off.pt'))
         assert written_on.keys() == written_off.keys()
         assert any('exp_avg_sq' in key for key in written_on) and any('fp32_param' in key or '.param' in key
                                                                       for key in written_on), list(written_on)

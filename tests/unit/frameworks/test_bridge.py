@@ -19,13 +19,13 @@ fires them. With ``OptimizerStateOffloadCallback``:
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import shutil
-import tempfile
 
 import pytest
 
-import importlib.util
+from tests.support.checkpoints import torch_dist_tensors
 
 pytestmark = [
     pytest.mark.bridge,
@@ -214,32 +214,6 @@ def _assert_bitwise(reference, other, *, first: int = 0):
             assert not different, f"{section} differ: {different[:5]}"
 
 
-def _checkpoint_tensors(directory: str) -> dict:
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    scratch = tempfile.mktemp(suffix=".pt")
-    dcp_to_torch_save(directory, scratch)
-    try:
-        loaded = torch.load(scratch, weights_only=False)
-    finally:
-        os.remove(scratch)
-    flat = {}
-
-    def walk(prefix, value):
-        if isinstance(value, torch.Tensor):
-            flat[prefix] = value
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                walk(f"{prefix}/{key}", item)
-        elif isinstance(value, (list, tuple)):
-            for index, item in enumerate(value):
-                walk(f"{prefix}/{index}", item)
-
-    walk("", loaded)
-    return flat
-
-
 def test_bridge_train_step_with_the_callback_is_bitwise_offloaded_and_resumes(rank_pool, tmp_path):
     import torch
 
@@ -263,8 +237,8 @@ def test_bridge_train_step_with_the_callback_is_bitwise_offloaded_and_resumes(ra
 
     # What Bridge wrote while offloaded is bit for bit what it wrote without the callback.
     step_dir = f"iter_{SAVE_AT:07d}"
-    plain = _checkpoint_tensors(os.path.join(plain_dir, step_dir))
-    written = _checkpoint_tensors(os.path.join(offloaded_dir, step_dir))
+    plain = torch_dist_tensors(os.path.join(plain_dir, step_dir))
+    written = torch_dist_tensors(os.path.join(offloaded_dir, step_dir))
     assert plain.keys() == written.keys() and plain
     different = [k for k in plain if not torch.equal(plain[k], written[k])]
     assert not different, different[:5]
