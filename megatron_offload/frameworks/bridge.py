@@ -19,7 +19,8 @@ made. At Bridge's events:
   offloads after itself.
 * ``on_checkpoint_save``: Bridge's saves go through megatron-core's ``sharded_state_dict``,
   served from the host copy; states a save had to bring back (Transformer Engine's FP8
-  moments) are offloaded again at once instead of at the next step.
+  moments) are offloaded again at once instead of at the next step, unless an asynchronous
+  writer other than megatron-core's own (``async_strategy="mcore"``) may still read them.
 * ``on_train_step_end``: every ``cfg.logger.log_interval`` iterations, the figures (max over
   ranks; collective, as Bridge's own logging) are printed and written to Bridge's
   TensorBoard and W&B writers.
@@ -35,6 +36,7 @@ from __future__ import annotations
 from ..config import OffloadConfig
 from ..integration.attach import attach, prefetching_finalize
 from ..integration.stats_log import log_offload_stats
+from ..integration.training import save_is_staged_on_return
 
 
 class OptimizerStateOffloadCallback:
@@ -71,8 +73,14 @@ class OptimizerStateOffloadCallback:
 
     def on_checkpoint_save(self, context) -> None:
         offloader = self.offloader
-        if offloader is not None and not offloader.detached and _resident_bytes(offloader):
-            offloader.offload()
+        if offloader is None or offloader.detached or not _resident_bytes(offloader):
+            return
+        checkpoint = getattr(getattr(getattr(context, "state", None), "cfg", None), "checkpoint", None)
+        if checkpoint is not None and not save_is_staged_on_return(checkpoint):
+            # An asynchronous writer other than megatron-core's own may still read the device
+            # tensors: they stay until the next step's offload.
+            return
+        offloader.offload()
 
     def on_train_step_end(self, context) -> None:
         if not self.log or self.offloader is None or self.offloader.detached:
