@@ -61,8 +61,9 @@ import megatron_offload  # noqa: E402
 VOCAB, SEQ, MICRO_BATCH = 256, 32, 4
 
 
-def build(args):
-    """GPT + DDP + DistributedOptimizer, as megatron.training would build them."""
+def build(args, make_optimizer=None):
+    """GPT + DDP + DistributedOptimizer, as megatron.training would build them
+    (``make_optimizer(model)``: another framework's optimizer setup instead)."""
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     config = TransformerConfig(
@@ -80,7 +81,7 @@ def build(args):
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=True, overlap_grad_reduce=True, grad_reduce_in_fp32=args.bf16)
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-    optimizer = get_megatron_optimizer(
+    optimizer = make_optimizer(model) if make_optimizer else get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=1e-3, bf16=args.bf16, use_distributed_optimizer=True,
                         clip_grad=1.0),
         [model],

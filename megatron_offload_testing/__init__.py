@@ -2,7 +2,8 @@
 benchmarks and the CPU runs of the examples import it from the repository root): a device that
 models accelerator streams on the CPU and checks ordering, a model of the CUDA caching
 allocator that says when freed device memory is reusable, and the CPU stand-ins that let
-megatron-core and megatron.training run on gloo ranks (``cpu_megatron``, ``cpu_training``)."""
+megatron-core and megatron.training run on gloo ranks (``cpu_megatron``, ``cpu_training``), and
+Megatron-Bridge's training modules import on a CPU (``bridge_imports``)."""
 
 from .allocator_model import AllocatorModel, ModelledOutOfMemory
 from .checked_device import (

@@ -13,7 +13,7 @@
 # bridge is Megatron-Bridge on the main environment (its megatron-core included, seen through
 # a .pth file): requirements/bridge-no-deps.txt without the dependencies it declares (most
 # are GPU-only or for model conversion), then requirements/bridge.txt, what its training
-# modules import on a CPU, with their own dependencies (tests/doubles/bridge_imports.py).
+# modules import on a CPU, with their own dependencies (megatron_offload_testing/bridge_imports.py).
 set -euo pipefail
 name=$1
 root=$(cd "$(dirname "$0")/.." && pwd)

@@ -1,7 +1,7 @@
 """Megatron-Bridge's own optimizer setup, train step and checkpointing, with the callback.
 
 Runs in the Bridge environment (``scripts/venv.sh bridge``: megatron-bridge 0.6.2 on the main
-environment's megatron-core 0.19.2; ``tests/doubles/bridge_imports.py`` says what is stubbed
+environment's megatron-core 0.19.2; ``megatron_offload_testing/bridge_imports.py`` says what is stubbed
 and why), on 2 gloo ranks: the harness's bf16 GPT (DistributedOptimizer, overlapped gradient
 reduction and parameter gather), its optimizer and scheduler made by Bridge's
 ``setup_optimizer``, trained by Bridge's ``train_step`` with a real ``ConfigContainer`` and
@@ -77,7 +77,7 @@ def _bridge_config(save_dir: str, load_dir: str | None):
 
 def bridge_job(offload: bool, save_dir: str, resume: bool = False) -> dict:
     """Bridge's train loop pieces on this rank: setup_optimizer, train_step, save/load."""
-    from tests.doubles import bridge_imports
+    from megatron_offload_testing import bridge_imports
 
     bridge_imports.install()
     import torch
