@@ -309,7 +309,10 @@ class SlotStream:
                     group.host_valid = True
             if h2d_issued:
                 engine._host.last_h2d = device.record_event(h2d)
-            del slots, typed_views  # and with them every view of the slots
+            # The slots, and every view of them, go back to the allocator (under the
+            # record_stream above) now, not when this frame ends.
+            slots.clear()
+            typed_views.clear()
 
 
 def aligned_bytes(tensor: torch.Tensor) -> int:
