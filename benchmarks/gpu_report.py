@@ -40,28 +40,15 @@ FREED_MIN_RATIO = 0.99  # allocator drop at the offload against the bytes it sho
 GIB = float(1 << 30)
 MIB = float(1 << 20)
 
-OFFLOAD_LINE = re.compile(
-    r"\[optimizer-state offload\] iteration +(?P<iteration>\d+) \| "
-    r"offloaded: (?P<offloaded_gib>[0-9.]+) GiB \| host: (?P<host_gib>[0-9.]+) GiB \| "
-    r"D2H: (?P<d2h_ms>[0-9.]+) ms \((?P<d2h_gbps>[0-9.]+) GB/s\) \| "
-    r"H2D: (?P<h2d_ms>[0-9.]+) ms \((?P<h2d_gbps>[0-9.]+) GB/s\) \| "
-    r"exposed: (?P<exposed_ms>[0-9.]+) ms \| issue: (?P<issue_ms>[0-9.]+) ms \|"
-    r"(?: checkpoint wait: (?P<checkpoint_wait_ms>[0-9.]+) ms \|)?"
-    r"(?: \(max over (?P<ranks>\d+) ranks[^)]*\))?"
-)
 JOB_LINE = re.compile(r"\[gpu-report\] (\{.*\})\s*$", re.MULTILINE)
 
 
 # ------------------------------------------------------------------------------ parsing
 def parse_offload_lines(log: str) -> list[dict]:
     """The offloader's log lines (reduced over ranks), in order."""
-    rows = []
-    for match in OFFLOAD_LINE.finditer(log):
-        row = {k: float(v) for k, v in match.groupdict().items() if k not in ("iteration", "ranks") and v is not None}
-        row["iteration"] = int(match["iteration"])
-        row["ranks"] = int(match["ranks"]) if match["ranks"] else 1
-        rows.append(row)
-    return rows
+    from megatron_offload.integration.stats_log import parse_log_lines
+
+    return parse_log_lines(log)
 
 
 def parse_job_lines(log: str) -> dict:

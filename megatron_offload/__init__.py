@@ -11,9 +11,16 @@ adapters that make NeMo-RL's and verl's own optimizer moves delegate to the offl
 """
 
 from .config import OffloadConfig
-from .engine import HostMemoryBudgetError, OffloadStateError, SlotSizeError
+from .errors import (
+    HostMemoryBudgetError,
+    OffloadArgumentError,
+    OffloadError,
+    OffloadStateError,
+    PinError,
+    SlotSizeError,
+)
 from .integration import OptimizerStateOffloader, attach
-from .integration.arguments import OffloadArgumentError, add_arguments, validate_args
+from .integration.arguments import add_arguments, validate_args
 from .integration.training import find_offloader, patch_megatron, unpatch_megatron
 
 __version__ = "0.1.0"
@@ -22,8 +29,10 @@ __all__ = [
     "HostMemoryBudgetError",
     "OffloadArgumentError",
     "OffloadConfig",
+    "OffloadError",
     "OffloadStateError",
     "OptimizerStateOffloader",
+    "PinError",
     "SlotSizeError",
     "add_arguments",
     "attach",

@@ -79,7 +79,7 @@ class OffloadConfig:
     allocator can then hand the first pieces to the next forward pass while the later ones
     are still being copied, and a regrowth never needs one huge contiguous block. Smaller
     pieces mean finer reuse but more copies per cycle (bytes / piece + groups per direction,
-    a few microseconds of launch each); see the README's "Memory on a real GPU"."""
+    a few microseconds of launch each); see docs/memory-on-gpu.md."""
 
     stream_priority: int = 0
     """Priority of the offloader's side streams (the D2H and H2D copies), in CUDA's

@@ -61,12 +61,7 @@ def page_size() -> int:
         return 4096
 
 
-class PinError(RuntimeError):
-    """Registering (part of) a host buffer failed; nothing of it is registered any more."""
-
-    def __init__(self, message: str, *, code: int, address: int, nbytes: int) -> None:
-        super().__init__(message)
-        self.code, self.address, self.nbytes = code, address, nbytes
+from ..errors import PinError  # noqa: E402,F401 - raised here; every exception lives in errors.py
 
 
 def split_ranges(

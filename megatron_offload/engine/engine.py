@@ -81,8 +81,7 @@ Collect = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 DEFAULT_MAX_PIECE_BYTES = 256 << 20
 
 
-class OffloadStateError(RuntimeError):
-    """An offload operation was called in a state where it cannot be honoured."""
+from ..errors import OffloadStateError  # noqa: E402,F401 - raised here; every exception lives in errors.py
 
 
 class OffloadEngine(LayoutMixin):

@@ -25,8 +25,7 @@ from .labels import HOST_FREE_AFTER_COPIES
 REUSE_SLACK = 8
 
 
-class HostMemoryBudgetError(MemoryError):
-    """Offloading would hold more host memory than the configured budget."""
+from ..errors import HostMemoryBudgetError  # noqa: E402,F401 - raised here; every exception lives in errors.py
 
 
 class HostBudget:
@@ -61,7 +60,8 @@ class HostBudget:
         if others + nbytes > self.limit:
             raise HostMemoryBudgetError(
                 f"{name}: offloading needs {nbytes:,} bytes of host memory ({others:,} already "
-                f"held by the other optimizers), over host_memory_budget={self.limit:,}. Raise "
+                f"held by the other optimizers), over host_memory_budget={self.limit:,}. Nothing "
+                "was allocated. Raise "
                 "host_memory_budget, or offload less: offload_fraction, per_optimizer, or "
                 "offload_primary_weights=False."
             )
@@ -100,11 +100,12 @@ class HostArena:
 
     def reserve(self, nbytes: int, name: str) -> bool:
         """Allocate a buffer of ``nbytes`` now, for a layout to come (only when the arena has
-        none and the budget holds it); True if one was allocated."""
+        none); True if one was allocated. A budget that cannot hold it is refused here,
+        before anything is allocated (``HostMemoryBudgetError``), not at the first offload,
+        which runs inside a training step."""
         if self.buffer is not None or nbytes <= 0:
             return False
-        if self.budget is not None and not self.budget.fits(self, nbytes):
-            return False  # the first offload reports the budget, with what it really needs
+        self.check(nbytes, name)
         self.replace(nbytes)
         return True
 

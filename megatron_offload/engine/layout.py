@@ -85,9 +85,10 @@ class LayoutMixin:
         at the first step) is a meta tensor of its shape and dtype, ``device`` where it will
         live. ``in_state``: streamed by a chunked update (see ``streamed``). The arena is
         sized exactly as ``_rebuild`` lays those tensors out (movability, fraction, pieces,
-        alignment); the first layout reuses it when it fits. None, an arena already there, or
-        a budget too small for it: nothing is reserved (the first offload allocates, and
-        reports the budget). Returns the bytes reserved.
+        alignment); the first layout reuses it when it fits. None or an arena already there:
+        nothing is reserved (the first offload allocates, and checks the budget then). A
+        budget too small for it raises ``HostMemoryBudgetError`` before anything is
+        allocated. Returns the bytes reserved.
         """
         if expected is None or self._closed or self._host.buffer is not None:
             return 0

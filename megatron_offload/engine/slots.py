@@ -49,8 +49,7 @@ from .groups import FlatGroup, Place, aligned_size
 SLOT_REUSE_AFTER_D2H = "slot-reuse-after-d2h"  # a slot is refilled only after its D2H read it
 
 
-class SlotSizeError(ValueError):
-    """One unit (one parameter's states) does not fit in a slot."""
+from ..errors import SlotSizeError  # noqa: E402,F401 - raised here; every exception lives in errors.py
 
 
 @dataclass

@@ -10,6 +10,8 @@ to change.
 
 from __future__ import annotations
 
+from ..errors import OffloadArgumentError, OffloadStateError
+
 
 def _wrapper_classes() -> tuple[type, ...]:
     """The Megatron optimizer classes that wrap one torch optimizer (and keep the masters)."""
@@ -75,7 +77,7 @@ def refuse_unsupported(distrib_optimizer) -> None:
     """Raise before anything is touched if offloading cannot work with this optimizer."""
     existing = getattr(distrib_optimizer, "_state_offloader", None)
     if existing is not None:
-        raise RuntimeError(
+        raise OffloadStateError(
             "this optimizer already has a state offloader attached; use that one "
             "(optimizer._state_offloader), or call its detach() before attaching again."
         )
@@ -86,28 +88,28 @@ def refuse_unsupported(distrib_optimizer) -> None:
     ):
         # Megatron-LM's development line has an offloader of its own; two would each move and
         # free the same states.
-        raise ValueError(
+        raise OffloadArgumentError(
             "Megatron's own chunked optimizer-state offloader manages this optimizer "
             "(OptimizerConfig.chunked_optimizer_state_offload, --chunked-optimizer-state-offload, "
             "or the deprecated OptimizerConfig.offload_optimizer_states); only one offloader may "
             "manage the optimizer states. Build the optimizer without it to use this one."
         )
     if getattr(config, "optimizer_cpu_offload", False):
-        raise ValueError(
+        raise OffloadArgumentError(
             "optimizer-state offloading cannot be combined with optimizer_cpu_offload "
             "(--optimizer-cpu-offload), which already keeps states on the host and runs Adam "
             "on the CPU. Use one of them: drop --optimizer-cpu-offload to keep the update on "
             "the accelerator and offload states between steps."
         )
     if getattr(config, "optimizer_cuda_graph", False):
-        raise ValueError(
+        raise OffloadArgumentError(
             "optimizer-state offloading cannot be combined with optimizer_cuda_graph "
             "(--optimizer-cuda-graph): a captured step replays fixed device addresses, while "
             "offloading frees and reallocates the state memory. Disable one of them."
         )
     ddp_config = getattr(distrib_optimizer, "ddp_config", None)
     if getattr(ddp_config, "use_megatron_fsdp", False):
-        raise ValueError(
+        raise OffloadArgumentError(
             "optimizer-state offloading does not support Megatron-FSDP (--use-megatron-fsdp); "
             "use the DistributedOptimizer with --use-distributed-optimizer instead."
         )

@@ -23,10 +23,14 @@ of the backward pass (``prefetch=<fraction>``).
 from __future__ import annotations
 
 import functools
+import gc
+import warnings
 
 from ..adapters import megatron_wrappers as wrappers
 from ..config import OffloadConfig
+from ..errors import OffloadArgumentError
 from . import allocator_warnings
+from .acceptance import is_stub, megatron_optimizers
 from .chunked import ChunkedUpdate
 from .offloader import OptimizerStateOffloader
 
@@ -38,18 +42,87 @@ def attach(optimizer, config: OffloadConfig | None = None, **options) -> Optimiz
     """Offload ``optimizer``'s states between steps; returns the offloader (the handle).
 
     ``optimizer`` is what ``get_megatron_optimizer`` returned (a ChainedOptimizer or a
-    DistributedOptimizer). Options are the fields of ``OffloadConfig``. Attach to the object
-    whose ``step()`` the training loop calls.
+    DistributedOptimizer): the object whose ``step()`` the training loop calls. Options are
+    the fields of ``OffloadConfig``.
+
+    All or nothing: every refusal comes before anything is touched, and if any later step
+    fails (host memory, pinning, a chunked plan) the optimizer is left exactly as it was,
+    so that an ``attach`` with corrected options works.
     """
-    _refuse_backward_prefetch_under_cuda_graphs(optimizer, OffloadConfig.from_options(config, **options))
-    offloader = OptimizerStateOffloader(optimizer, config, **options)
+    config = OffloadConfig.from_options(config, **options)
+    _refuse_chain_member(optimizer)
+    _refuse_backward_prefetch_under_cuda_graphs(optimizer, config)
+    trigger = None
+    if config.prefetch != "step":
+        served = [wrapper for wrapper in megatron_optimizers(optimizer) if not is_stub(wrapper)]
+        trigger = _prefetch_trigger(served, float(config.prefetch))
+    offloader = OptimizerStateOffloader(optimizer, config)
     try:
-        offloader._automatic = _AutomaticCycle(offloader)
+        offloader._automatic = _AutomaticCycle(offloader, trigger)
+        allocator_warnings.warn_where_frees_wait(offloader)
     except BaseException:
         offloader.detach()  # leave the optimizer as it was: a later attach must work
         raise
-    allocator_warnings.warn_where_frees_wait(offloader)
+    _warn_if_nothing_selected(offloader)
     return offloader
+
+
+def _refuse_chain_member(optimizer) -> None:
+    """Attaching to one optimizer of a ChainedOptimizer while the loop steps the chain would
+    offload nothing: the chain's step calls its members' ``step_with_ready_grads``, never
+    their ``step``. Refused, naming the object to attach to."""
+    chain = _chain_holding(optimizer)
+    if chain is None:
+        return
+    index = next(i for i, member in enumerate(chain.chained_optimizers) if member is optimizer)
+    raise OffloadArgumentError(
+        f"attach() got chained_optimizers[{index}] ({type(optimizer).__name__}) of a "
+        f"{type(chain).__name__}. The training loop steps the ChainedOptimizer, whose step() "
+        "does not call its members' step(), so nothing would be offloaded. Attach to the "
+        "ChainedOptimizer (what get_megatron_optimizer returned): "
+        "megatron_offload.attach(optimizer); per_optimizer selects what each member offloads, "
+        f"by index ({index} for this one)."
+    )
+
+
+def _chain_holding(optimizer):
+    """The ChainedOptimizer whose ``chained_optimizers`` holds ``optimizer``, or None.
+
+    megatron-core's members keep no reference to their chain, so the chain is found among
+    the referrers of the lists holding the optimizer (two scans of the garbage collector's
+    objects, once per attach)."""
+    from megatron.core.optimizer import ChainedOptimizer
+
+    lists = [r for r in gc.get_referrers(optimizer) if type(r) is list]
+    if not lists:
+        return None
+    for owner in gc.get_referrers(*lists):
+        if isinstance(owner, ChainedOptimizer) and any(owner.chained_optimizers is r for r in lists):
+            return owner
+        if type(owner) is dict and any(owner.get("chained_optimizers") is r for r in lists):
+            for chain in gc.get_referrers(owner):  # an instance dict outside its object
+                if isinstance(chain, ChainedOptimizer) and vars(chain) is owner:
+                    return chain
+    return None
+
+
+def _warn_if_nothing_selected(offloader: OptimizerStateOffloader) -> None:
+    """An attach that will move nothing says so once (it costs a wrapper per step)."""
+    kinds = [kind for engine_kinds in offloader.configured_kinds for kind in engine_kinds]
+    if not offloader.engines:
+        why = "no optimizer of it has parameters on this rank"
+    elif not kinds:
+        why = "offload_optimizer_states and offload_primary_weights are off for every optimizer"
+    elif offloader.config.offload_fraction == 0:
+        why = "offload_fraction=0 keeps every tensor on the device"
+    else:
+        return
+    warnings.warn(
+        f"megatron_offload.attach: nothing will be offloaded ({why}). Turn a selection on, or "
+        "do not attach.",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def prefetching_finalize(finalize_model_grads_func, offloader):
@@ -75,32 +148,36 @@ def prefetching_finalize(finalize_model_grads_func, offloader):
 class _AutomaticCycle:
     """The hooks of one attached offloader; ``remove`` undoes all of them."""
 
-    def __init__(self, offloader: OptimizerStateOffloader) -> None:
+    def __init__(self, offloader: OptimizerStateOffloader, prefetch_trigger=None) -> None:
         self._offloader = offloader
         self._handles = []
-        config = offloader.config
         self._chunked = []
+        self._target = None  # the optimizer whose step is wrapped, once it is
+        try:
+            self._install(prefetch_trigger)
+        except BaseException:
+            self.remove()  # all or nothing: what was installed so far is undone
+            raise
+
+    def _install(self, prefetch_trigger) -> None:
+        offloader = self._offloader
+        config = offloader.config
         if config.chunked_update_bytes is not None:
             # Each optimizer's index among all of a chain's (for ``per_optimizer``).
             indices = getattr(offloader, "_indices", None) or list(range(len(offloader.engines)))
-            try:
-                for index, (engine, distrib_optimizer) in enumerate(zip(offloader.engines, offloader._distributed)):
-                    self._chunked.append(
-                        ChunkedUpdate(
-                            engine,
-                            distrib_optimizer,
-                            total_bytes=config.chunked_update_bytes,
-                            slots=config.chunked_update_slots,
-                            kinds=config.kinds(indices[index]),
-                            owner=offloader,
-                            undo=config.chunked_update_undo,
-                        )
-                    )
-            except BaseException:
-                for chunked in self._chunked:  # leave every inner optimizer as it was
-                    chunked.remove()
-                raise
-            self._handles += self._chunked
+            for index, (engine, distrib_optimizer) in enumerate(zip(offloader.engines, offloader._distributed)):
+                chunked = ChunkedUpdate(
+                    engine,
+                    distrib_optimizer,
+                    total_bytes=config.chunked_update_bytes,
+                    slots=config.chunked_update_slots,
+                    kinds=config.kinds(indices[index]),
+                    owner=offloader,
+                    undo=config.chunked_update_undo,
+                )
+                self._chunked.append(chunked)
+                self._handles.append(chunked)
+                chunked.install()
             if any(any(True for _ in wrappers.in_state(d)) for d in offloader._distributed):
                 # States made before attach (the precision-aware path creates them with the
                 # optimizer) go to the host now, so that the first update streams them too.
@@ -109,10 +186,9 @@ class _AutomaticCycle:
             chunked = self._chunked[index] if self._chunked else None
             hook = functools.partial(_before_inner_step, engine, chunked)
             self._handles.append(distrib_optimizer.optimizer.register_step_pre_hook(hook))
-        if offloader.config.prefetch != "step":
-            self._handles += _backward_prefetch_hooks(offloader, float(offloader.config.prefetch))
+        if prefetch_trigger is not None:
+            self._handles.append(_backward_prefetch_hook(offloader, prefetch_trigger))
         target = offloader.optimizer
-        self._target = target
         self._had_instance_step = "step" in vars(target)
         self._previous_step = target.step
 
@@ -120,6 +196,7 @@ class _AutomaticCycle:
             return self._step(*args, **kwargs)
 
         target.step = functools.update_wrapper(step, self._previous_step)
+        self._target = target
 
     def _step(self, *args, **kwargs):
         offloader = self._offloader
@@ -160,13 +237,16 @@ class _AutomaticCycle:
         return tuple(self._chunked)
 
     def remove(self) -> None:
-        for handle in self._handles:
+        for handle in reversed(self._handles):
             handle.remove()
         self._handles = []
+        target, self._target = self._target, None
+        if target is None:
+            return
         if self._had_instance_step:
-            self._target.step = self._previous_step
+            target.step = self._previous_step
         else:
-            del self._target.step
+            del target.step
 
 
 # TransformerConfig.cuda_graph_impl values that capture layers' forward and backward.
@@ -179,37 +259,34 @@ def _refuse_backward_prefetch_under_cuda_graphs(optimizer, config: OffloadConfig
     silently move to the step. Refused before anything is touched."""
     if config.prefetch == "step":
         return
-    from .acceptance import megatron_optimizers
-
     for wrapper in megatron_optimizers(optimizer):
         for chunk in getattr(wrapper, "model_chunks", None) or ():
             model_config = getattr(chunk, "config", None)
             impl = getattr(model_config, "cuda_graph_impl", "none")
             if impl in _LAYER_GRAPHS or getattr(model_config, "enable_cuda_graph", False):
-                raise ValueError(
+                raise OffloadArgumentError(
                     f"prefetch={config.prefetch!r} starts the reload from a hook on the backward "
                     f"pass, which the model's CUDA graphs (cuda_graph_impl={impl!r}) replay without "
                     'calling: use prefetch="step" (the default) with CUDA-graphed layers.'
                 )
 
 
-def _backward_prefetch_hooks(offloader, fraction: float) -> list:
-    """Start the reload once the backward pass has produced ``fraction`` of the gradients.
+def _prefetch_trigger(served, fraction: float):
+    """The parameter whose gradient starts the reload once the backward pass has produced
+    ``fraction`` of the gradients (a ValueError, before anything is touched, without one).
 
     Autograd computes gradients roughly in the reverse of the order parameters were
     registered (the last layer first), so the trigger is the parameter at which the bytes
-    counted from the end reach ``fraction``. The hook sits on that parameter's gradient
-    accumulator, as megatron-core's DDP hooks do; it fires at every backward (every
-    micro-batch), and the reload does nothing when the states are already back.
+    counted from the end reach ``fraction``.
     """
     chunks = []
-    for distrib_optimizer in offloader._distributed:
+    for distrib_optimizer in served:
         for chunk in getattr(distrib_optimizer, "model_chunks", None) or ():
             if all(chunk is not c for c in chunks):
                 chunks.append(chunk)
     params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
     if not params:
-        raise ValueError(
+        raise OffloadArgumentError(
             "prefetch as a fraction of the backward pass needs the model: this optimizer has no "
             'model_chunks with trainable parameters. Use prefetch="step".'
         )
@@ -219,6 +296,13 @@ def _backward_prefetch_hooks(offloader, fraction: float) -> list:
         seen += trigger.numel()
         if seen >= fraction * total:
             break
+    return trigger
+
+
+def _backward_prefetch_hook(offloader, trigger) -> "_KeepAlive":
+    """Start the reload when ``trigger``'s gradient is computed: the hook sits on its
+    gradient accumulator, as megatron-core's DDP hooks do; it fires at every backward
+    (every micro-batch), and the reload does nothing when the states are already back."""
 
     def start_reload(*_):
         if not offloader.detached:
@@ -228,7 +312,7 @@ def _backward_prefetch_hooks(offloader, fraction: float) -> list:
     # the node autograd uses for this parameter for the life of the model).
     accumulator = trigger.expand_as(trigger).grad_fn.next_functions[0][0]
     handle = accumulator.register_hook(start_reload)
-    return [_KeepAlive(handle, accumulator)]
+    return _KeepAlive(handle, accumulator)
 
 
 class _KeepAlive:

@@ -148,23 +148,35 @@ class ChunkedUpdate:
         if self.undo is not None:
             # Pinned now, not on a step's path: what a step saves (the streamed states, the
             # parameters, and room for the step counts and scales a state keeps on the device).
-            self.undo.reserve(planned + sum(aligned_bytes(p) + _SMALL_STATE_ROOM for p in params))
+            try:
+                self.undo.reserve(planned + sum(aligned_bytes(p) + _SMALL_STATE_ROOM for p in params))
+            except BaseException:
+                self.undo.close()
+                raise
         self.active = False  # True only inside the automatic cycle's optimizer.step()
-        self._had_instance_step = "step" in vars(self.inner)
-        self._previous_step = self.inner.step
+        self._installed = False
         self._base_steps: dict[int, object] = {}
         self._final_steps: dict[int, object] = {}
         self._cached = None  # (key, layout) of _layout
         self._group_of: dict[int, int] = {}  # id(param) -> index of its param group
 
+    def install(self) -> None:
+        """Wrap the inner optimizer's ``step`` (``remove`` gives it back)."""
+        self._had_instance_step = "step" in vars(self.inner)
+        self._previous_step = self.inner.step
+
         def step(*args, **kwargs):
             return self._step(*args, **kwargs)
 
         self.inner.step = functools.update_wrapper(step, self._previous_step)
+        self._installed = True
 
     def remove(self) -> None:
         if self.undo is not None:
             self.undo.close()
+        if not self._installed:
+            return
+        self._installed = False
         if self._had_instance_step:
             self.inner.step = self._previous_step
         else:

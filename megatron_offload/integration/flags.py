@@ -10,8 +10,7 @@ OFFLOAD_FLAG = '--offload-optimizer-states'
 CHUNKED_FLAG = '--offload-chunked-update-bytes'
 
 
-class OffloadArgumentError(ValueError):
-    """A command line that optimizer-state offloading cannot run with."""
+from ..errors import OffloadArgumentError  # noqa: E402,F401 - raised here; every exception lives in errors.py
 
 
 def offload_enabled(args) -> bool:

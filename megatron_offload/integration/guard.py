@@ -59,7 +59,38 @@ STATE_METHODS = (
     "sharded_param_state_fs_model_space",
     "sharded_param_state_fsdp_dtensor",
     "reload_model_params",
+    # MXFP8 parameter all-gather (reuse_grad_buf_for_mxfp8_param_ag with overlapped param
+    # gather): copies the fp32 masters into the parameter buffer outside the step.
+    "prepare_model_params_for_param_sync",
 )
+# Public methods of megatron-core's optimizers (0.16-0.19) that touch the optimizer states or
+# the master weights but are not served by a host view, and why that is safe. With
+# STATE_METHODS and the RL helpers they are the whole contract: the suite finds, in the
+# installed megatron-core's own code, every public method that reaches the state mapping,
+# the parameter groups or the master lists, and fails on any method in none of them
+# (tests/unit/integration/test_state_contract.py).
+SAFE_METHODS = {
+    "__init__": "builds the optimizer: before any offloader exists",
+    "step": "the step: the inner optimizer's step pre-hook brings every state back (and orders "
+    "the copy) before the update reads any, and the masters stay until the offload after it",
+    "step_with_ready_grads": "the update and the copy of the masters into the model: as step",
+    "prepare_grads": "the step's gradient preparation: reads and writes the masters' .grad "
+    "(never their data) before the update",
+    "get_grad_norm": "reads the masters' .grad, never their data",
+    "clip_grad_norm": "scales the masters' .grad, never their data",
+    "count_zeros": "reads the masters' .grad, never their data",
+    "get_grads_for_grad_norm": "returns the masters' .grad, never their data",
+    "get_main_grads_for_grad_norm": "(up to 0.18) returns the masters' .grad, never their data",
+    "has_grad_norm_group": "looks up parameter attributes, no tensor data",
+    "get_parameters": "returns the parameter objects (megatron-core reads their .grad)",
+    "zero_grad": "sets the masters' .grad to None",
+    "state": "the inner optimizer's state mapping, guarded itself (GuardedState): a read "
+    "between steps is served from the host copy",
+    "param_groups": "hands out the parameter groups without reading them; the masters found "
+    "there between steps are a documented limit (docs/usage.md: read them inside host_view())",
+}
+# Methods routed to the offloader instead (StateAccessGuard wraps them).
+ROUTED_METHODS = ("offload_to_cpu", "restore_from_cpu")
 # Loads after which megatron-core may have shared one ``step`` tensor between parameters.
 LOAD_METHODS = frozenset(name for name in STATE_METHODS if name.startswith("load"))
 # Methods that only read the states and return copies (no references the caller could
@@ -189,16 +220,6 @@ class StateAccessGuard:
         self._offloader = offloader
         self._wrapped: list[tuple[object, str, bool, object]] = []
         self._hooks = []
-        targets = [offloader.optimizer] + [
-            o for o in offloader._distributed if o is not offloader.optimizer
-        ]
-        for target in targets:
-            for name in STATE_METHODS:
-                if callable(getattr(type(target), name, None)):
-                    self._wrap(target, name, self._resident_call(target, name))
-            if all(callable(getattr(type(target), n, None)) for n in ("offload_to_cpu", "restore_from_cpu")):
-                self._wrap(target, "offload_to_cpu", _rl_offload(offloader))
-                self._wrap(target, "restore_from_cpu", _rl_restore(offloader))
         # The state mappings of the inner optimizers (see GuardedState): the objects they
         # replaced (given back, refilled, by remove()), and whether an optimizer step is
         # running (the step reads the mapping itself, some of it still on the host while a
@@ -206,6 +227,24 @@ class StateAccessGuard:
         self._inners = [d.optimizer for d in offloader._distributed]
         self._originals: dict[int, object] = {}
         self.stepping = 0
+        try:
+            self._install_all()
+        except BaseException:
+            self.remove()  # all or nothing: what was wrapped so far is given back
+            raise
+
+    def _install_all(self) -> None:
+        offloader = self._offloader
+        targets = [offloader.optimizer] + [
+            o for o in offloader._distributed if o is not offloader.optimizer
+        ]
+        for target in targets:
+            for name in STATE_METHODS:
+                if callable(getattr(type(target), name, None)):
+                    self._wrap(target, name, self._resident_call(target, name))
+            if all(callable(getattr(type(target), n, None)) for n in ROUTED_METHODS):
+                self._wrap(target, "offload_to_cpu", _rl_offload(offloader))
+                self._wrap(target, "restore_from_cpu", _rl_restore(offloader))
         for inner in self._inners:
             self._install(inner)
         for distrib_optimizer in offloader._distributed:

@@ -44,6 +44,7 @@ from ..device import device_for, numa
 from ..engine import HostBudget, OffloadEngine, OffloadStateError, Place
 from ..engine.figures import gbps
 from .acceptance import distributed_optimizers, is_stub, megatron_optimizers, refuse_unsupported  # noqa: F401 - re-exported
+from . import stats_log
 from .guard import StateAccessGuard
 from .host_view import HostView
 
@@ -73,33 +74,6 @@ class OptimizerStateOffloader:
         self._indices = [index for index, _ in served]
         # What each served optimizer offloads as configured (``per_optimizer`` applied).
         self._configured_kinds = [self.config.kinds(index) for index in self._indices]
-        distributed = self._distributed
-        self._engines: list[OffloadEngine] = []
-        budget = HostBudget(self.config.host_memory_budget)
-        for index, distrib_optimizer in enumerate(distributed):
-            torch_device = wrappers.device_of(distrib_optimizer)
-            factory = self.config.device_factory or functools.partial(
-                device_for, stream_priority=self.config.stream_priority
-            )
-            self._engines.append(
-                OffloadEngine(
-                    factory(torch_device),
-                    _collector(distrib_optimizer),
-                    name=f"optimizer {self._indices[index]} ({type(distrib_optimizer).__name__} of "
-                    f"{type(distrib_optimizer.optimizer).__name__})",
-                    fingerprint=_fingerprinter(distrib_optimizer),
-                    budget=budget,
-                    fraction=float(self.config.offload_fraction),
-                    streamed=_in_state(distrib_optimizer) if self.config.chunked_update_bytes else None,
-                    max_piece_bytes=self.config.max_piece_bytes,
-                )
-            )
-        for engine, distrib_optimizer in zip(self._engines, distributed):
-            # Allocate and pin the host arena now, not inside the first offload (the step's path).
-            engine.reserve_host(wrappers.expected(distrib_optimizer))
-        for distrib_optimizer in distributed:
-            distrib_optimizer._state_offloader = self
-        self._guard = StateAccessGuard(self)
         #: True once ``detach()`` ran: the optimizer is a plain optimizer again.
         self.detached = False
         self._cycles = 0
@@ -122,6 +96,58 @@ class OptimizerStateOffloader:
         }
         self._offload_pre_hooks: dict[int, Callable] = collections.OrderedDict()
         self._offload_post_hooks: dict[int, Callable] = collections.OrderedDict()
+        self._engines: list[OffloadEngine] = []
+        self._marked: list[tuple[object, bool, object]] = []  # (optimizer, had one, previous)
+        # All or nothing: a step that fails (a budget the arena does not fit, pinning, a wrap)
+        # undoes the steps before it, and the optimizer is left exactly as it was.
+        with contextlib.ExitStack() as undo:
+            self._make_engines(undo)
+            undo.callback(self._unmark)
+            for distrib_optimizer in self._distributed:
+                self._mark(distrib_optimizer)
+            self._guard = StateAccessGuard(self)
+            undo.pop_all()
+
+    def _make_engines(self, undo: contextlib.ExitStack) -> None:
+        """One engine per served optimizer, each with its host arena allocated (and pinned)
+        now, not inside the first offload (the step's path), within the budget."""
+        budget = HostBudget(self.config.host_memory_budget)
+        factory = self.config.device_factory or functools.partial(
+            device_for, stream_priority=self.config.stream_priority
+        )
+        for index, distrib_optimizer in zip(self._indices, self._distributed):
+            engine = OffloadEngine(
+                factory(wrappers.device_of(distrib_optimizer)),
+                _collector(distrib_optimizer),
+                name=f"optimizer {index} ({type(distrib_optimizer).__name__} of "
+                f"{type(distrib_optimizer.optimizer).__name__})",
+                fingerprint=_fingerprinter(distrib_optimizer),
+                budget=budget,
+                fraction=float(self.config.offload_fraction),
+                streamed=_in_state(distrib_optimizer) if self.config.chunked_update_bytes else None,
+                max_piece_bytes=self.config.max_piece_bytes,
+            )
+            undo.callback(engine.close)
+            self._engines.append(engine)
+        for engine, distrib_optimizer in zip(self._engines, self._distributed):
+            engine.reserve_host(wrappers.expected(distrib_optimizer))
+
+    def _mark(self, distrib_optimizer) -> None:
+        """Make this offloader reachable as ``_state_offloader`` (the name of Megatron-LM's
+        own unreleased offloader); ``_unmark`` puts back what was there."""
+        had = "_state_offloader" in vars(distrib_optimizer)
+        self._marked.append((distrib_optimizer, had, vars(distrib_optimizer).get("_state_offloader")))
+        distrib_optimizer._state_offloader = self
+
+    def _unmark(self) -> None:
+        for distrib_optimizer, had, previous in reversed(self._marked):
+            if getattr(distrib_optimizer, "_state_offloader", None) is not self:
+                continue
+            if had:
+                distrib_optimizer._state_offloader = previous
+            else:
+                del distrib_optimizer._state_offloader
+        self._marked = []
 
     # --------------------------------------------------------------- hooks
     def register_offload_pre_hook(self, hook: Callable[["OptimizerStateOffloader"], None]) -> RemovableHandle:
@@ -144,6 +170,12 @@ class OptimizerStateOffloader:
     @property
     def engines(self) -> tuple[OffloadEngine, ...]:
         return tuple(self._engines)
+
+    @property
+    def configured_kinds(self) -> tuple[tuple[str, ...], ...]:
+        """What each served optimizer offloads as configured (``per_optimizer`` applied),
+        in the order of ``engines``."""
+        return tuple(self._configured_kinds)
 
     @property
     def automatic(self) -> bool:
@@ -399,9 +431,7 @@ class OptimizerStateOffloader:
         self._guard.remove()
         for engine in self._engines:
             engine.close()
-        for distrib_optimizer in self._distributed:
-            if getattr(distrib_optimizer, "_state_offloader", None) is self:
-                distrib_optimizer._state_offloader = None
+        self._unmark()
         self.detached = True
 
     # ----------------------------------------------------------------- internals
@@ -506,6 +536,15 @@ class OptimizerStateOffloader:
         if name in _NOT_OFFERED:
             raise AttributeError(f"OptimizerStateOffloader has no {name}(): {_NOT_OFFERED[name]}")
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def summary(self) -> str:
+        """``stats()`` in one line for people, sizes in KiB/MiB/GiB as they come: offloaded,
+        host, the last D2H and H2D with GB/s (once measured), the exposed wait, the cycles."""
+        return stats_log.summary(self.stats())
+
+    def __str__(self) -> str:
+        state = "detached" if self.detached else f"{len(self._engines)} optimizer(s)"
+        return f"OptimizerStateOffloader ({state}): {self.summary()}"
 
     def __repr__(self) -> str:
         return f"OptimizerStateOffloader({', '.join(map(repr, self._engines))})"

@@ -50,6 +50,7 @@ import inspect
 import weakref
 
 from ..adapters.megatron_wrappers import PRIMARY_WEIGHTS, master_weights
+from ..errors import print_refusals_once, restore_excepthook
 from . import allocator_warnings, coexistence
 from .arguments import add_arguments, config_from_args, offload_enabled, validate_args
 from .attach import WRAPPER_MARK as _MARK, attach, prefetching_finalize
@@ -404,11 +405,13 @@ def patch_megatron() -> None:
     """Hook megatron.training so that ``--offload-optimizer-states`` works (idempotent).
 
     Call it before the script parses its arguments (``parse_and_validate_args``). Runs
-    without the flag are unaffected.
+    without the flag are unaffected. A refusal (a command line or optimizer offloading
+    cannot run with) is printed once, by rank 0, as its message (``errors.print_refusals_once``).
     """
     import megatron.training.arguments as arguments_module
     import megatron.training.training as training_module
 
+    print_refusals_once()
     if getattr(arguments_module, '_OPTIMIZER_STATE_OFFLOAD_PATCH', None):
         return  # a source tree with patches/ applied already has every hook
     _replace(arguments_module, 'add_megatron_arguments', _wrap_add_megatron_arguments)
@@ -432,6 +435,7 @@ def patch_megatron() -> None:
 
 def unpatch_megatron() -> None:
     """Restore everything ``patch_megatron()`` replaced."""
+    restore_excepthook()
     for (module, name), original in list(_ORIGINALS.items()):
         setattr(module, name, original)
         del _ORIGINALS[(module, name)]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -43,11 +42,7 @@ MODEL_FLAGS = [
     '--no-persist-layer-norm', '--no-masked-softmax-fusion',
     '--eval-iters', '0', '--eval-interval', '1000', '--log-interval', '2',
 ]
-OFFLOAD_LINE = re.compile(
-    r'\[optimizer-state offload\] iteration +(\d+) \| offloaded: ([0-9.]+) GiB \| '
-    r'host: ([0-9.]+) GiB \| D2H: ([0-9.]+) ms \(([0-9.]+) GB/s\) \| '
-    r'H2D: ([0-9.]+) ms \(([0-9.]+) GB/s\) \| exposed: ([0-9.]+) ms \| issue: ([0-9.]+) ms \|'
-)
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,20 +86,10 @@ class Run:
     command: list
 
     def offload_lines(self) -> list[dict]:
-        lines = []
-        for match in OFFLOAD_LINE.finditer(self.log):
-            lines.append({
-                'iteration': int(match.group(1)),
-                'offloaded_gib': float(match.group(2)),
-                'host_gib': float(match.group(3)),
-                'd2h_ms': float(match.group(4)),
-                'd2h_gbps': float(match.group(5)),
-                'h2d_ms': float(match.group(6)),
-                'h2d_gbps': float(match.group(7)),
-                'exposed_ms': float(match.group(8)),
-                'issue_ms': float(match.group(9)),
-            })
-        return lines
+        """The offloader's log lines (``stats_log.parse_log_lines``)."""
+        from megatron_offload.integration.stats_log import parse_log_lines
+
+        return parse_log_lines(self.log)
 
 
 _CACHE: dict = {}

@@ -225,7 +225,7 @@ def test_dist_checkpoint_while_offloaded_resumes_bitwise(rank_pool, tmp_path, re
         if moments == "fp8":
             # Not served from the host (host_view.servable): TE dequantizes FP8 moments with a
             # device kernel, so the save and the load bring the states back, as much as is
-            # tracked (the README's Checkpointing section), and the next step offloads again.
+            # tracked (docs/checkpointing.md), and the next step offloads again.
             assert off["save"]["peak_state_bytes"] == off["save"]["tracked_bytes"] > 0, off["save"]
             assert not off["save"]["released_after"]
         else:

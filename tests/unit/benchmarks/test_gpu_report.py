@@ -36,11 +36,13 @@ def modelled():
 
 
 def _offload_line(it, stats, ranks):
+    from megatron_offload.integration.stats_log import human_bytes
+
     scope = f" (max over {ranks} ranks)" if ranks > 1 else ""
-    return (f" [optimizer-state offload] iteration {it:8d} | offloaded: {stats['offloaded_bytes'] / 2**30:.6f} GiB |"
-            f" host: {stats['host_bytes'] / 2**30:.6f} GiB | D2H: {stats['d2h_ms']:.3f} ms ({stats['d2h_gbps']:.2f} GB/s) |"
+    return (f" [optimizer-state offload] iteration {it:8d} | offloaded: {human_bytes(stats['offloaded_bytes'])} |"
+            f" host: {human_bytes(stats['host_bytes'])} | D2H: {stats['d2h_ms']:.3f} ms ({stats['d2h_gbps']:.2f} GB/s) |"
             f" H2D: {stats['h2d_ms']:.3f} ms ({stats['h2d_gbps']:.2f} GB/s) | exposed: {stats['exposed_ms']:.3f} ms |"
-            f" issue: 0.412 ms | checkpoint wait: 0.000 ms |{scope}")
+            f" issue: 0.412 ms |{scope}")
 
 
 def synthetic_log(tmp_path, row, *, offload, world=2, bench_factor=1.0, freed_factor=1.0,

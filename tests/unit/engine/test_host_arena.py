@@ -120,18 +120,18 @@ def test_the_first_offload_uses_the_arena_reserved_at_attach(isolated, options):
     assert len(with_reserve["values"]) == len(without["values"])
 
 
-def test_a_reservation_the_budget_cannot_hold_is_left_to_the_first_offload():
+def test_a_reservation_the_budget_cannot_hold_is_refused_before_anything_is_allocated():
     masters, distrib = _model()
     expected = adapter.expected(distrib)
     need = OffloadEngine(CountingDevice(), lambda: adapter.collect(distrib)).reserve_host(expected)
     device = CountingDevice()
     engine = OffloadEngine(device, lambda: adapter.collect(distrib), budget=HostBudget(need - 1))
-    assert engine.reserve_host(expected) == 0 and device.buffers == []
-    _grads(masters, 0)
-    distrib.optimizer.step()
-    with pytest.raises(HostMemoryBudgetError, match=f"needs {need:,} bytes"):
-        engine.offload()
-    assert _host_bytes(engine) == 0
+    with pytest.raises(HostMemoryBudgetError, match=f"needs {need:,} bytes.*Nothing was allocated"):
+        engine.reserve_host(expected)
+    assert device.buffers == [] and _host_bytes(engine) == 0
+    # The budget that holds it reserves exactly the need.
+    engine = OffloadEngine(device, lambda: adapter.collect(distrib), budget=HostBudget(need))
+    assert engine.reserve_host(expected) == need
 
 
 def test_unforeseeable_states_reserve_nothing():

@@ -74,6 +74,7 @@ def run_failing_copy(fail_in: str, fail_at: int) -> dict:
     device = FailingDevice()
     engine = OffloadEngine(device, lambda: adapter.collect(distrib), streamed=lambda: adapter.in_state(distrib))
     chunked = ChunkedUpdate(engine, distrib, total_bytes=2 * 512, slots=2, kinds=(STATES,))
+    chunked.install()
     error = None
     for step in range(3):
         _grads(params, step)

@@ -101,6 +101,7 @@ class _Run:
         self.engine = OffloadEngine(self.device, lambda: adapter.collect(self.distrib),
                                     streamed=lambda: adapter.in_state(self.distrib))
         self.chunked = ChunkedUpdate(self.engine, self.distrib, total_bytes=budget, slots=2, kinds=kinds, undo=undo)
+        self.chunked.install()
         self.peaks, self.transients = [], []
         opt.register_step_post_hook(self._measure)
 

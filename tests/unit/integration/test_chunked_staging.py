@@ -56,6 +56,7 @@ def run_first_steps(steps=3, undo=False) -> dict:
     device = CountingDevice()
     engine = OffloadEngine(device, lambda: adapter.collect(distrib), streamed=lambda: adapter.in_state(distrib))
     chunked = ChunkedUpdate(engine, distrib, total_bytes=2 * 512, slots=2, kinds=(STATES,), undo=undo)
+    chunked.install()
     at_attach = list(device.buffers)
     per_step = []
     for step in range(steps):

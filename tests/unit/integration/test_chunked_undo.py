@@ -269,6 +269,7 @@ def test_the_undo_buffer_counts_in_the_host_memory_budget():
         engine = OffloadEngine(CheckedDevice(), lambda: adapter.collect(distrib),
                                streamed=lambda: adapter.in_state(distrib), budget=budget)
         chunked = ChunkedUpdate(engine, distrib, total_bytes=1024, slots=2, kinds=("optimizer_states",), undo=undo)
+        chunked.install()
         held = sum(budget._held.values())
         chunked.remove()
         return held, sum(budget._held.values())
@@ -361,6 +362,7 @@ def run_modelled_step_time(undo):
     engine = OffloadEngine(device, lambda: adapter.collect(distrib), streamed=lambda: adapter.in_state(distrib))
     slot = 2 * 2 * 256 * 4  # two parameters' moments per chunk
     chunked = ChunkedUpdate(engine, distrib, total_bytes=2 * slot, slots=2, kinds=("optimizer_states",), undo=undo)
+    chunked.install()
     # The update kernel of a call: 3x the time its chunk's undo copies take (moments and
     # parameters of two parameters), so that they can hide behind the update before them.
     saved = slot + 2 * 256 * 4 + 2 * 16

@@ -36,6 +36,7 @@ def _attached(opt, budget=2 * 2 * 128):  # two slots of the largest parameter's 
     distrib = types.SimpleNamespace(optimizer=opt)
     engine = OffloadEngine(CPUDevice(), lambda: adapter.collect(distrib), streamed=lambda: adapter.in_state(distrib))
     chunked = ChunkedUpdate(engine, distrib, total_bytes=budget, slots=2, kinds=("optimizer_states",))
+    chunked.install()
     return engine, chunked
 
 

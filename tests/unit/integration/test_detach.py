@@ -71,33 +71,33 @@ def readme_example_job(offload):
     data = data_for(range(3))
     losses_seen = []
 
-    # ---- README.md, "Use it in your own training loop", call for call ----
+    # ---- README.md, "Quick start 1: your own training loop", call for call ----
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", bf16=True, use_distributed_optimizer=True, lr=1e-4),
         model_chunks,
     )
     if offload:
-        offloader = megatron_offload.attach(optimizer)   # one line: states live on the host between steps
+        offloader = megatron_offload.attach(optimizer)   # attach to what the loop steps
 
+    printed = io.StringIO()
     for batch in data:
         optimizer.zero_grad()
-        losses = forward_backward(batch)              # states are not on the device here
-        optimizer.step()                              # reloads (asynchronously), updates, offloads
+        losses = forward_backward(batch)   # the states are not on the device here
+        optimizer.step()                   # reloads (asynchronously), updates, offloads again
+        if offload:
+            with contextlib.redirect_stdout(printed):
+                print(offloader.summary())
         losses_seen.append([float(x["lm loss"][0]) for x in losses])
 
-    # RL: free the states for a rollout, even mid-run; nests and composes with the step cycle.
     if offload:
-        with offloader.offloaded():
+        with offloader.offloaded():        # free them outside the step cycle too (an RL rollout)
             rollouts = generate(model_chunks)
     else:
         rollouts = generate(model_chunks)
 
-    printed = io.StringIO()
     if offload:
         offloaded_at_detach = offloader.is_offloaded
-        with contextlib.redirect_stdout(printed):
-            print(offloader.stats())   # offloaded_bytes, resident_bytes, host_bytes, copies and seconds
-        offloader.detach()         # optional: back to a plain optimizer
+        offloader.detach()                 # optional: a plain optimizer again
     # ---- end of the README's snippet ----
 
     distrib = models.distributed_optimizers(optimizer)[0]
@@ -129,7 +129,9 @@ def test_the_readme_example_runs_as_written_and_detach_leaves_a_plain_optimizer(
         _assert_same(ref, off)
         # detach() ran right after the step cycle had offloaded the states.
         assert off["offloaded_at_detach"] is True
-        assert "'offloaded_bytes':" in off["printed"] and "'host_bytes':" in off["printed"]
+        printed = off["printed"].splitlines()
+        assert len(printed) == 3 and all(line.startswith("offloaded ") for line in printed)
+        assert printed[-1].endswith("| 3 cycles") and "last D2H" in printed[-1]
         assert off["plain"] == ref["plain"] == {"state_type": "defaultdict", "step_restored": True,
                                                 "offloader_gone": True, "all_resident": True}
 

@@ -41,7 +41,7 @@ def misuse_job():
     models.train_step(chunks, optimizer, config, 0)  # the step offloads
     found["offloaded_after_step"] = offloader.is_offloaded
     offloader.detach()  # while offloaded: the states come back first
-    found["detached"] = distrib._state_offloader is None and "step" not in vars(optimizer)
+    found["detached"] = "_state_offloader" not in vars(distrib) and "step" not in vars(optimizer)
     found["use_after_detach"] = _error(offloader.offload)
     found["reload_after_detach"] = _error(offloader.reload)
     found["block_after_detach"] = _error(lambda: offloader.offloaded().__enter__())
@@ -129,9 +129,9 @@ def test_more_misuse_and_the_upstream_call_sequence(rank_pool):
     kind, message = found["chained_with_other"]
     assert kind == "TypeError" and "SGD" in message
     kind, message = found["optimizer_cuda_graph"]
-    assert kind == "ValueError" and "--optimizer-cuda-graph" in message
+    assert kind == "OffloadArgumentError" and "--optimizer-cuda-graph" in message
     kind, message = found["use_megatron_fsdp"]
-    assert kind == "ValueError" and "--use-megatron-fsdp" in message
+    assert kind == "OffloadArgumentError" and "--use-megatron-fsdp" in message
     assert found["resident_without_attach"] and found["moments_only"] and found["reloaded"]
     assert "offload() frees the device memory itself" in found["release_gpu_memory_refused"]
     assert "call wait()" in found["sync_before_step_refused"]
@@ -139,7 +139,7 @@ def test_more_misuse_and_the_upstream_call_sequence(rank_pool):
     assert found["restored"] and found["repr"].startswith("OptimizerStateOffloader(OffloadEngine(")
     assert found["offloaded"] and found["inner_step_reloaded"] and found["restored_after_attach"]
     kind, message = found["prefetch_without_model"]
-    assert kind == "ValueError" and 'prefetch="step"' in message
+    assert kind == "OffloadArgumentError" and 'prefetch="step"' in message
     assert found["attach_after_refusal"] is None
 
 
@@ -153,12 +153,12 @@ def test_misuse_is_refused_with_clear_messages(rank_pool):
     kind, message = found["bad_option_type"]
     assert kind == "TypeError" and "offload_primary_weights" in message
     kind, message = found["cpu_offload"]
-    assert kind == "ValueError" and "--optimizer-cpu-offload" in message
+    assert kind == "OffloadArgumentError" and "--optimizer-cpu-offload" in message
     assert found["untouched_after_refusal"]
     assert found["reachable_as_state_offloader"]
     for case in ("second_attach", "second_attach_inner"):
         kind, message = found[case]
-        assert kind == "RuntimeError" and "already has a state offloader" in message and "detach()" in message
+        assert kind == "OffloadStateError" and "already has a state offloader" in message and "detach()" in message
     # reload() with nothing offloaded does nothing: no error, nothing copied.
     assert found["reload_before_offload"] == (None, None, False, 0)
     assert found["found_by_framework"]
@@ -237,5 +237,5 @@ def graphs_job():
 def test_backward_prefetch_is_refused_with_cuda_graphed_layers(rank_pool):
     found = rank_pool.run(graphs_job)[0]
     kind, message = found["refused"]
-    assert kind == "ValueError" and 'prefetch="step"' in message and "cuda_graph_impl='local'" in message
+    assert kind == "OffloadArgumentError" and 'prefetch="step"' in message and "cuda_graph_impl='local'" in message
     assert found["untouched"] and found["step_prefetch_attaches"] and found["fraction_without_graphs"]

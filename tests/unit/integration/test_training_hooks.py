@@ -254,7 +254,7 @@ def test_prefetch_skips_a_detached_offloader():
     offloader = FakeOffloader(events)
     optimizer = FakeOptimizer(offloader)
     finalize = hooks.prefetching_finalize(lambda: events.append('finalize'), offloader)
-    optimizer.chained_optimizers[0]._state_offloader = None  # what detach() does
+    del optimizer.chained_optimizers[0]._state_offloader  # what detach() does
     offloader.detached = True
     finalize()
     assert events == ['finalize']
@@ -352,8 +352,8 @@ def test_log_line_and_scalars():
     assert figures == {'offloaded_gib': 1.5, 'host_gib': 1.5, 'd2h_ms': 12.5, 'd2h_gbps': 128.85,
                        'h2d_ms': 3.1, 'h2d_gbps': 519.53, 'exposed_ms': 0.4,
                        'issue_ms': pytest.approx(0.75), 'checkpoint_wait_ms': 2.5}
-    assert printed == [' [optimizer-state offload] iteration       10 | offloaded: 1.500000 GiB'
-                       ' | host: 1.500000 GiB | D2H: 12.500 ms (128.85 GB/s)'
+    assert printed == [' [optimizer-state offload] iteration       10 | offloaded: 1.500 GiB'
+                       ' | host: 1.500 GiB | D2H: 12.500 ms (128.85 GB/s)'
                        ' | H2D: 3.100 ms (519.53 GB/s) | exposed: 0.400 ms | issue: 0.750 ms |'
                        ' checkpoint wait: 2.500 ms |']
     assert [(name, iteration) for name, _, iteration in writer.scalars] == [

@@ -1,0 +1,97 @@
+"""Every exception of the package, under one base class, and how a refusal reaches a person.
+
+``OffloadError`` is the base: ``except megatron_offload.OffloadError`` catches anything the
+package raises on purpose. Each subclass also derives from the built-in exception a caller
+would expect (a refusal is a ``ValueError``, a budget a ``MemoryError``), so existing handlers
+keep working.
+
+A refusal is the same on every rank (it follows from the command line or the optimizer's
+configuration, which every rank shares), so a job of hundreds of ranks would print hundreds
+of identical tracebacks. ``print_refusals_once()`` (installed by ``patch_megatron``) prints a
+refusal once, from rank 0, as its message alone; the exception still ends every rank's
+process with status 1.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+class OffloadError(Exception):
+    """Base class of the exceptions megatron-offload raises."""
+
+    #: True where every rank raises the same error (printed once, by rank 0).
+    same_on_every_rank = False
+
+
+class OffloadArgumentError(OffloadError, ValueError):
+    """A command line, or an optimizer configuration, that offloading cannot run with; raised
+    before anything is touched."""
+
+    same_on_every_rank = True
+
+
+class HostMemoryBudgetError(OffloadError, MemoryError):
+    """Offloading would hold more host memory than the configured budget; raised before
+    anything is allocated."""
+
+
+class OffloadStateError(OffloadError, RuntimeError):
+    """An offload operation was called in a state where it cannot be honoured (for example
+    after ``detach()``)."""
+
+
+class SlotSizeError(OffloadError, ValueError):
+    """One parameter's states do not fit in a slot of the chunked update."""
+
+
+class PinError(OffloadError, RuntimeError):
+    """Registering (part of) a host buffer failed; nothing of it is registered any more."""
+
+    def __init__(self, message: str, *, code: int, address: int, nbytes: int) -> None:
+        super().__init__(message)
+        self.code, self.address, self.nbytes = code, address, nbytes
+
+
+def _rank() -> int:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except Exception:  # noqa: BLE001 - a broken process group must not hide the refusal
+        pass
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+def _excepthook(kind, error, traceback, *, previous=None) -> None:
+    if not isinstance(error, OffloadError):
+        (previous or sys.__excepthook__)(kind, error, traceback)
+        return
+    rank = _rank()
+    if error.same_on_every_rank and rank != 0:
+        return  # rank 0 says it for everyone
+    where = "" if error.same_on_every_rank else f" (rank {rank})"
+    print(f"megatron-offload{where}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+
+
+def print_refusals_once() -> None:
+    """Print an uncaught ``OffloadError`` as one message instead of a traceback per rank:
+    a refusal every rank raises by rank 0 only, any other with its rank. Idempotent;
+    ``restore_excepthook`` undoes it."""
+    if getattr(sys.excepthook, "__offload_previous__", None) is not None:
+        return
+    previous = sys.excepthook
+
+    def excepthook(kind, error, traceback):
+        _excepthook(kind, error, traceback, previous=previous)
+
+    excepthook.__offload_previous__ = previous
+    sys.excepthook = excepthook
+
+
+def restore_excepthook() -> None:
+    previous = getattr(sys.excepthook, "__offload_previous__", None)
+    if previous is not None:
+        sys.excepthook = previous

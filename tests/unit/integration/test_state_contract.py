@@ -1,0 +1,96 @@
+"""The state-access contract, checked against the installed megatron-core's own code: every
+public method of the optimizers an offloader serves that touches the optimizer states or the
+master weights is served from the host copy (``guard.STATE_METHODS``), routed to the
+offloader (``guard.ROUTED_METHODS``), or shown safe (``guard.SAFE_METHODS``, with the reason).
+A method a later megatron-core adds fails here, naming it, until it is classified.
+
+Runs on every megatron-core line of the suite (``floor``: 0.16.1; ``line``: 0.17.1, 0.18.2;
+the main suite: 0.19.2).
+"""
+
+import pytest
+import torch
+
+from megatron_offload.integration import guard
+from tests.support.state_contract import optimizer_classes, touching_methods
+
+CLASSIFIED = set(guard.STATE_METHODS) | set(guard.ROUTED_METHODS) | set(guard.SAFE_METHODS)
+
+
+@pytest.mark.floor
+@pytest.mark.line
+def test_every_method_that_touches_states_or_masters_is_served_routed_or_safe():
+    import megatron.core
+
+    unclassified = {}
+    for cls in optimizer_classes():
+        for name, how in touching_methods(cls).items():
+            if name not in CLASSIFIED:
+                unclassified[f"{cls.__name__}.{name}"] = how
+    assert unclassified == {}, f"megatron-core {megatron.core.__version__}: {unclassified}"
+    # The scan sees what it must: served, routed and safe methods of each kind.
+    found = touching_methods(optimizer_classes()[0])
+    assert {"state_dict", "load_state_dict", "sharded_state_dict", "offload_to_cpu", "step"} <= set(found)
+
+
+@pytest.mark.floor
+@pytest.mark.line
+def test_a_planted_method_that_reads_the_masters_is_caught():
+    """Negative control: a subclass with one more public method that reads the masters
+    directly, and one that reaches them through a private helper."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    class Later(DistributedOptimizer):
+        def peek_masters(self):
+            return [p.sum() for group in self.shard_fp32_from_float16_groups for p in group]
+
+        def _helper(self):
+            return self.param_groups
+
+        def summarize(self):
+            return self._helper()
+
+    found = touching_methods(Later)
+    assert found["peek_masters"] == "names shard_fp32_from_float16_groups"
+    assert found["summarize"] == "calls _helper"
+    assert {"peek_masters", "summarize"} - CLASSIFIED == {"peek_masters", "summarize"}
+
+
+def mxfp8_staging_job(offload):
+    """``prepare_model_params_for_param_sync`` (MXFP8 parameter all-gather reusing the gradient
+    buffer, with overlapped param gather) copies the fp32 masters into the parameter buffer
+    outside the step: served from the host copy while they are offloaded."""
+    import megatron_offload
+    from tests.harness import models
+
+    chunks, optimizer, config = models.build("mlp", "bf16", overlap_grad_reduce=True, overlap_param_gather=True,
+                                             bucket_size=1000)
+    offloader = megatron_offload.attach(optimizer) if offload else None
+    for step in range(2):
+        models.train_step(chunks, optimizer, config, step)
+    models.flush_param_gather(chunks)
+    offloaded = offloader.is_offloaded if offload else None
+    for owner in (optimizer, *models.distributed_optimizers(optimizer)):
+        # What megatron.training sets for the MXFP8 recipe with overlapped param gather.
+        owner.config.reuse_grad_buf_for_mxfp8_param_ag = True
+        owner.config.overlap_param_gather = True
+    before = [bucket.param_data.clone() for chunk in chunks for buffer in chunk.buffers for bucket in buffer.buckets]
+    for chunk in chunks:
+        for buffer in chunk.buffers:
+            for bucket in buffer.buckets:
+                bucket.param_data.zero_()  # so that the staging must write every shard
+    optimizer.prepare_model_params_for_param_sync()
+    buffers = [bucket.param_data.clone() for chunk in chunks for buffer in chunk.buffers for bucket in buffer.buckets]
+    staged = [b.ne(0).any().item() for b in buffers]
+    return {"offloaded_before": offloaded, "offloaded_after": offloader.is_offloaded if offload else None,
+            "buffers": buffers, "before": before, "staged": staged}
+
+
+def test_mxfp8_param_staging_reads_the_host_copy_of_the_masters(rank_pool):
+    reference = rank_pool.run(mxfp8_staging_job, False)
+    offloaded = rank_pool.run(mxfp8_staging_job, True)
+    for ref, off in zip(reference, offloaded):
+        assert off["offloaded_before"] is True and off["offloaded_after"] is True
+        assert len(ref["buffers"]) == len(off["buffers"]) > 0
+        assert all(torch.equal(a, b) for a, b in zip(ref["buffers"], off["buffers"]))
+        assert any(ref["staged"])  # the staging ran: this rank's shards were written back
