@@ -17,6 +17,10 @@ setup(
     python_requires=">=3.10",
     # torch and megatron-core are the user's: any megatron-core from 0.16.1 on is supported.
     install_requires=["torch>=2.6", "megatron-core>=0.16.1"],
-    extras_require={"test": ["pytest", "pytest-timeout", "psutil", "coverage"]},
+    extras_require={
+        # The offloader's own CUDA streams (without it: torch's pooled streams, with a warning).
+        "cuda": ["cuda-bindings"],
+        "test": ["pytest", "pytest-timeout", "psutil", "coverage"],
+    },
     license="Apache-2.0",
 )

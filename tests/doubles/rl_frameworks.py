@@ -123,3 +123,104 @@ def verl_modules(root: str = "verl_double"):
     sys.modules[utils.__name__] = utils
     sys.modules[engine.__name__] = engine
     return utils, engine
+
+
+# ------------------------------------------------------------- verl's engine and its registry
+class EngineRegistry:
+    """verl's ``verl/workers/engine/base.py`` registry: ``register`` maps (model type,
+    backend) to an engine class, the last registration winning; ``new`` builds one."""
+
+    _engines: dict = {}
+
+    @classmethod
+    def register(cls, model_type: str, backend: str, device: str = "cuda"):
+        def decorator(engine_class):
+            cls._engines[(model_type, backend)] = engine_class
+            return engine_class
+
+        return decorator
+
+    @classmethod
+    def new(cls, model_type: str, backend: str, *args, **kwargs):
+        return cls._engines[(model_type, backend)](*args, **kwargs)
+
+
+class MegatronEngine:
+    """The optimizer side of verl's ``MegatronEngine`` (``transformer_impl.py``):
+    ``initialize()`` builds the model, then the optimizer (``_build_optimizer``), then moves
+    the optimizer to the host when ``optimizer_offload`` is set; ``train_mode()`` brings it
+    back on entry and moves it out again on exit (``to``), through the module-level names
+    ``load_megatron_optimizer`` / ``offload_megatron_optimizer`` of the engine's module."""
+
+    def __init__(self, build, optimizer_offload: bool = True) -> None:
+        self._build = build  # () -> (model_chunks, optimizer, config): the harness's build
+        self._is_offload_optimizer = optimizer_offload
+        self.module = self.optimizer = self.config = None
+
+    def _build_optimizer(self):
+        return self._optimizer_built
+
+    def initialize(self) -> None:
+        self.module, self._optimizer_built, self.config = self._build()
+        self.optimizer = self._build_optimizer()
+        self.to("cpu", optimizer=self._is_offload_optimizer)
+
+    def to(self, device: str, optimizer: bool = True) -> None:
+        # verl's engine module imported the moves by name: looked up there at call time.
+        module = sys.modules.get(_ENGINE_MODULE) or sys.modules[__name__]
+        if optimizer and self.optimizer is not None:
+            (module.offload_megatron_optimizer if device == "cpu" else module.load_megatron_optimizer)(self.optimizer)
+
+    def train_mode(self):
+        engine = self
+
+        class _TrainMode:
+            def __enter__(self):
+                engine.to("cuda", optimizer=engine._is_offload_optimizer)
+                return engine
+
+            def __exit__(self, *exc):
+                engine.to("cpu", optimizer=engine._is_offload_optimizer)
+
+        return _TrainMode()
+
+
+class MegatronEngineWithLMHead(MegatronEngine):
+    """The class verl registers for ("language_model", "megatron")."""
+
+
+_ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
+
+
+def install_real_names():
+    """Register the stand-ins under the module names the frameworks use (``verl.*``,
+    ``nemo_rl.*``), as they would be in a worker process of either framework, so that code
+    written against them (``examples/rl/``) imports them; ``remove_real_names`` undoes it."""
+    EngineRegistry._engines = {}
+    EngineRegistry.register("language_model", "megatron")(MegatronEngineWithLMHead)
+    utils = types.ModuleType("verl.utils.megatron_utils")
+    utils.offload_megatron_optimizer = offload_megatron_optimizer
+    utils.load_megatron_optimizer = load_megatron_optimizer
+    base = types.ModuleType("verl.workers.engine.base")
+    base.EngineRegistry = EngineRegistry
+    impl = types.ModuleType(_ENGINE_MODULE)
+    impl.MegatronEngine, impl.MegatronEngineWithLMHead = MegatronEngine, MegatronEngineWithLMHead
+    impl.offload_megatron_optimizer = offload_megatron_optimizer  # imported by name, as verl's
+    impl.load_megatron_optimizer = load_megatron_optimizer
+    worker = types.ModuleType("nemo_rl.models.policy.workers.megatron_policy_worker")
+    worker.MegatronPolicyWorker = type("MegatronPolicyWorker", (MegatronPolicyWorker,),
+                                       {"move_optimizer": MegatronPolicyWorker.move_optimizer})
+    modules = {m.__name__: m for m in (utils, base, impl, worker)}
+    for name in list(modules):
+        parts = name.split(".")
+        for end in range(1, len(parts)):
+            modules.setdefault(".".join(parts[:end]), types.ModuleType(".".join(parts[:end])))
+    for name, module in modules.items():
+        assert name not in sys.modules, f"{name} is imported already: not a stand-in's place"
+        sys.modules[name] = module
+    return list(modules)
+
+
+def remove_real_names(names) -> None:
+    for name in names:
+        sys.modules.pop(name, None)
