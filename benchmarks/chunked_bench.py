@@ -60,18 +60,24 @@ def _live(allocations: list) -> dict:
 
 def chunked_job(cfg: dict) -> dict:
     import megatron_offload
-    from megatron_offload.adapters import megatron_wrappers as adapter
     from megatron_offload.adapters import inner_optimizers
-
+    from megatron_offload.adapters import megatron_wrappers as adapter
     from tests.harness import models
 
     from .megatron_bench import _Memory, _train_step
 
-    device = torch.device("cuda", torch.cuda.current_device()) if cfg["device"] == "cuda" else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if cfg["device"] == "cuda"
+        else torch.device("cpu")
+    )
     sync = device_sync(device)
     memory = _Memory(device)
     chunks, optimizer, config = models.build(
-        model=cfg["model"], dtype=cfg["dtype"], num_layers=cfg["layers"], hidden=cfg["hidden"],
+        model=cfg["model"],
+        dtype=cfg["dtype"],
+        num_layers=cfg["layers"],
+        hidden=cfg["hidden"],
         heads=cfg["heads"],
     )
     distributed = models.distributed_optimizers(optimizer)
@@ -95,7 +101,9 @@ def chunked_job(cfg: dict) -> dict:
                 held.pop(key, None)
             for group in distrib.optimizer.param_groups:
                 for param in group["params"]:
-                    for _, tensor in inner_optimizers.state_tensors(param, distrib.optimizer.state.get(param) or {}):
+                    for _, tensor in inner_optimizers.state_tensors(
+                        param, distrib.optimizer.state.get(param) or {}
+                    ):
                         storage = tensor.untyped_storage()
                         if storage.data_ptr() not in masters:
                             held[storage.data_ptr()] = storage.nbytes()
@@ -115,8 +123,14 @@ def chunked_job(cfg: dict) -> dict:
             sync()
             times.append(perf_counter() - start)
             stats = offloader.stats()
-            per_step.append({"footprint": peak["bytes"], "chunks": stats["update_chunks"],
-                             "copies": stats["update_copies"], "offloaded": stats["offloaded_bytes"]})
+            per_step.append(
+                {
+                    "footprint": peak["bytes"],
+                    "chunks": stats["update_chunks"],
+                    "copies": stats["update_copies"],
+                    "offloaded": stats["offloaded_bytes"],
+                }
+            )
     offloader.reload()
     offloader.wait()
     models.flush_param_gather(chunks)
@@ -131,13 +145,24 @@ def chunked_job(cfg: dict) -> dict:
     }
 
 
-def job_config(*, model="mlp", dtype="bf16", layers=11, hidden=1024, heads=4, steps=6, fraction=0.25,
-               device="cpu") -> dict:
+def job_config(
+    *,
+    model="mlp",
+    dtype="bf16",
+    layers=11,
+    hidden=1024,
+    heads=4,
+    steps=6,
+    fraction=0.25,
+    device="cpu",
+) -> dict:
     """``chunked_job``'s settings (``mode`` is set per run)."""
     return dict(locals())
 
 
-def run_in_rank_pool(cfg: dict, *, world_size: int, tp: int = 1, pp: int = 1, timeout: float = 900.0) -> dict:
+def run_in_rank_pool(
+    cfg: dict, *, world_size: int, tp: int = 1, pp: int = 1, timeout: float = 900.0
+) -> dict:
     """Both modes on CPU gloo ranks; returns their results and whether they agree bitwise."""
     from tests.harness.rank_pool import RankPool
 
@@ -158,5 +183,7 @@ def bitwise(whole: list[dict], chunked: list[dict]) -> bool:
 
 def strip(result: dict) -> dict:
     """The figures without the snapshots (for printing and JSON)."""
-    return {mode: [{k: v for k, v in rank.items() if k != "snapshot"} for rank in result[mode]]
-            for mode in ("whole", "chunked")} | {"bitwise": result["bitwise"]}
+    return {
+        mode: [{k: v for k, v in rank.items() if k != "snapshot"} for rank in result[mode]]
+        for mode in ("whole", "chunked")
+    } | {"bitwise": result["bitwise"]}

@@ -41,9 +41,9 @@ from .timing import (
     interleaved,
     perf_counter,
     profile_table,
-    undisturbed,
     ratio_figures,
     summary,
+    undisturbed,
 )
 
 MiB = 1 << 20
@@ -94,7 +94,9 @@ class SyntheticAdamState:
         self.n_params = n_params
         # Shaped like a DistributedOptimizer for the offloader's fingerprint: an inner
         # optimizer with param groups and a state mapping, and the masters beside it.
-        self.optimizer = types.SimpleNamespace(state=self.state, param_groups=[{"params": list(self.state)}])
+        self.optimizer = types.SimpleNamespace(
+            state=self.state, param_groups=[{"params": list(self.state)}]
+        )
         self.shard_fp32_from_float16_groups = [self.masters]
         # The states are megatron-core's Adam's (torch AdamW's layout), updated in place: the
         # watch need not compare every state tensor's identity, as it does for an optimizer
@@ -157,7 +159,9 @@ def byte_figures(engine: OffloadEngine, stats: dict) -> dict:
         "host_bytes": stats["host_bytes"],
         "host_storage_bytes": host_storage,  # the arena's storage itself, not a counter
         "host_ratio": max(stats["host_bytes"], host_storage) / payload if payload else float("nan"),
-        "host_ratio_stats": stats["host_bytes"] / stats["offloaded_bytes"] if stats["offloaded_bytes"] else float("nan"),
+        "host_ratio_stats": stats["host_bytes"] / stats["offloaded_bytes"]
+        if stats["offloaded_bytes"]
+        else float("nan"),
     }
 
 
@@ -199,7 +203,9 @@ class EngineBench:
         self.fingerprinted = self.fingerprint and engine_accepts_fingerprint()
         if self.fingerprinted:
             options["fingerprint"] = self.state.fingerprint
-        self.engine = OffloadEngine(self.device, self.state.collect, name="benchmark engine", **options)
+        self.engine = OffloadEngine(
+            self.device, self.state.collect, name="benchmark engine", **options
+        )
         self._sync = device_sync(self.torch_device)
         self.records: list[CycleRecord] = []
         # The first offload copies tensor by tensor (nothing is consolidated yet); the first

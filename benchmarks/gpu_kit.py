@@ -77,8 +77,12 @@ def init(dry_run: bool) -> torch.device:
 
         cpu_megatron.install()
     torch.cuda.set_device(0)
-    dist.init_process_group("gloo" if dry_run else "nccl", init_method=f"tcp://127.0.0.1:{_free_port()}",
-                            rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo" if dry_run else "nccl",
+        init_method=f"tcp://127.0.0.1:{_free_port()}",
+        rank=0,
+        world_size=1,
+    )
     parallel_state.initialize_model_parallel(1, 1)
     return torch.device("cpu") if dry_run else torch.device("cuda", 0)
 
@@ -94,8 +98,17 @@ def shutdown() -> None:
 class Trial:
     """One model (built fresh: a failed trial leaves nothing behind), optionally offloaded."""
 
-    def __init__(self, device, *, offload: bool, hidden: int, layers: int, seq: int, micro_batch: int,
-                 vocab: int) -> None:
+    def __init__(
+        self,
+        device,
+        *,
+        offload: bool,
+        hidden: int,
+        layers: int,
+        seq: int,
+        micro_batch: int,
+        vocab: int,
+    ) -> None:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         import megatron_offload
@@ -105,9 +118,18 @@ class Trial:
         model_parallel_cuda_manual_seed(1234)
         self.device = device
         self.chunks, self.optimizer, self.config = models.build(
-            "gpt", "bf16", num_layers=layers, hidden=hidden, heads=max(1, hidden // 128), vocab_size=vocab,
-            seq_length=seq, micro_batch_size=micro_batch, overlap_grad_reduce=True, overlap_param_gather=True,
-            bucket_size=40_000_000)
+            "gpt",
+            "bf16",
+            num_layers=layers,
+            hidden=hidden,
+            heads=max(1, hidden // 128),
+            vocab_size=vocab,
+            seq_length=seq,
+            micro_batch_size=micro_batch,
+            overlap_grad_reduce=True,
+            overlap_param_gather=True,
+            bucket_size=40_000_000,
+        )
         self.offloader = megatron_offload.attach(self.optimizer) if offload else None
         self.params = sum(p.numel() for chunk in self.chunks for p in chunk.parameters())
 
@@ -195,7 +217,11 @@ def freed_figure(device, shape: dict) -> dict:
             trial.step(index)
         trial.offloader.reload()
         trial.offloader.wait()
-        figures = {"params_per_shard": trial.params, "expected": BYTES_PER_PARAM * trial.params, "freed": None}
+        figures = {
+            "params_per_shard": trial.params,
+            "expected": BYTES_PER_PARAM * trial.params,
+            "freed": None,
+        }
         if device.type == "cuda":
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
@@ -203,7 +229,9 @@ def freed_figure(device, shape: dict) -> dict:
             torch.cuda.synchronize()
             torch.empty(1, device=device)  # lets the allocator process the recorded frees
             figures["freed"] = before - torch.cuda.memory_allocated()
-        figures["numa"] = {k: trial.offloader.stats().get(k) for k in ("numa_node", "numa_bound", "numa_note")}
+        figures["numa"] = {
+            k: trial.offloader.stats().get(k) for k in ("numa_node", "numa_bound", "numa_note")
+        }
         figures["fork"] = fork_figure(trial.offloader.engines[0].host_arena, device)
         return figures
     finally:
@@ -214,15 +242,20 @@ def micro_batch_figure(device, shape: dict, limit: int) -> dict:
     out = {}
     for offload in (False, True):
         out["on" if offload else "off"] = largest(
-            lambda b: _trains(device, offload, **{**shape, "micro_batch": b}) is not None, 1, 1, limit)
+            lambda b: _trains(device, offload, **{**shape, "micro_batch": b}) is not None,
+            1,
+            1,
+            limit,
+        )
     out["retries_at"] = None
     if out["on"] > out["off"]:
         at = out["off"] + 1  # the smallest micro-batch that needs the freed memory
         run = _trains(device, True, steps=STEPS + 3, **{**shape, "micro_batch": at})
         out["retries_at"] = at
         retries = run["retries"] if run else None
-        out["retries_after_warmup"] = (None if not retries or None in retries
-                                       else retries[-1] - retries[WARMUP])
+        out["retries_after_warmup"] = (
+            None if not retries or None in retries else retries[-1] - retries[WARMUP]
+        )
     return out
 
 
@@ -231,7 +264,10 @@ def width_figure(device, shape: dict, limit: int) -> dict:
     for offload in (False, True):
         out["on" if offload else "off"] = largest(
             lambda h: _trains(device, offload, **{**shape, "hidden": h}) is not None,
-            shape["hidden"], WIDTH_STEP, limit)
+            shape["hidden"],
+            WIDTH_STEP,
+            limit,
+        )
     return out
 
 
@@ -255,7 +291,8 @@ def checkpoint_figure(device, shape: dict, repeats: int = 3) -> dict:
                     # dp_reshardable: megatron-core 0.19.2 cannot save its default sharding type
                     # (fully_sharded_model_space: "flattened_range is not supported").
                     optimizer = trial.optimizer.sharded_state_dict(
-                        model, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+                        model, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
+                    )
                     state = {"model": model, "optimizer": optimizer}
                     dist_checkpointing.save(state, where)
                     _sync(device)
@@ -305,8 +342,9 @@ def fork_figure(arena: torch.Tensor, device) -> dict:
     if device.type == "cuda":
         control = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     else:  # no pinning on CPU: a private mapping, faulted in
-        control = torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
-                                   dtype=torch.uint8)
+        control = torch.frombuffer(
+            mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8
+        )
     control.fill_(1)
     return {"arena": _fork(arena), "control": _fork(control)}
 
@@ -318,40 +356,88 @@ def goals(fig: dict) -> list[tuple[str, str, bool]]:
     missing = [name for name in ("freed", "checkpoint", "micro_batch", "width") if name not in fig]
     if missing:
         rows.append(("every figure measured", f"not measured: {', '.join(missing)}", False))
-    fig = {"freed": {"expected": 0, "params_per_shard": 0, "fork": None}, "micro_batch": {"on": 0, "off": 0},
-           "width": {"on": 0, "off": 0}, "checkpoint": {"on": 0.0, "off": 0.0}, **fig}
+    fig = {
+        "freed": {"expected": 0, "params_per_shard": 0, "fork": None},
+        "micro_batch": {"on": 0, "off": 0},
+        "width": {"on": 0, "off": 0},
+        "checkpoint": {"on": 0.0, "off": 0.0},
+        **fig,
+    }
     freed = fig["freed"]
-    ratio = freed["freed"] / freed["expected"] if freed.get("freed") is not None and freed["expected"] else None
-    rows.append((f"offload() frees >= {FREED_MIN_RATIO} x 12 B/param of the shard",
-                 f"{_gib(freed.get('freed'))} freed, {_gib(freed['expected'])} expected "
-                 f"({freed['params_per_shard']:,} params): {_ratio(ratio)}",
-                 ratio is not None and ratio >= FREED_MIN_RATIO))
+    ratio = (
+        freed["freed"] / freed["expected"]
+        if freed.get("freed") is not None and freed["expected"]
+        else None
+    )
+    rows.append(
+        (
+            f"offload() frees >= {FREED_MIN_RATIO} x 12 B/param of the shard",
+            f"{_gib(freed.get('freed'))} freed, {_gib(freed['expected'])} expected "
+            f"({freed['params_per_shard']:,} params): {_ratio(ratio)}",
+            ratio is not None and ratio >= FREED_MIN_RATIO,
+        )
+    )
     mb = fig["micro_batch"]
-    rows.append(("largest micro-batch under the cap: on > off", f"on {mb['on']}, off {mb['off']}", mb["on"] > mb["off"]))
+    rows.append(
+        (
+            "largest micro-batch under the cap: on > off",
+            f"on {mb['on']}, off {mb['off']}",
+            mb["on"] > mb["off"],
+        )
+    )
     grew = mb.get("retries_after_warmup")
-    rows.append(("num_alloc_retries after the warm-up, at a micro-batch that uses the freed memory",
-                 f"+{grew} at micro-batch {mb.get('retries_at')}", grew == 0))
+    rows.append(
+        (
+            "num_alloc_retries after the warm-up, at a micro-batch that uses the freed memory",
+            f"+{grew} at micro-batch {mb.get('retries_at')}",
+            grew == 0,
+        )
+    )
     width = fig["width"]
-    rows.append(("largest hidden size under the cap: on >= off", f"on {width['on']}, off {width['off']}",
-                 width["on"] >= width["off"] > 0))
+    rows.append(
+        (
+            "largest hidden size under the cap: on >= off",
+            f"on {width['on']}, off {width['off']}",
+            width["on"] >= width["off"] > 0,
+        )
+    )
     ckpt = fig["checkpoint"]
     ratio = ckpt["on"] / ckpt["off"] if ckpt.get("off") else None
-    rows.append((f"checkpoint save while offloaded <= {SAVE_MAX_RATIO} x resident",
-                 f"on {ckpt['on'] * 1e3:.1f} ms, off {ckpt['off'] * 1e3:.1f} ms ({_ratio(ratio)}); "
-                 f"still offloaded after: {ckpt.get('still_offloaded')}",
-                 ratio is not None and ratio <= SAVE_MAX_RATIO and bool(ckpt.get("still_offloaded"))))
-    fork = freed["fork"] or {"arena": {"bytes": 0, "child_private_bytes": 0, "fork_ms": 0.0},
-                             "control": {"child_private_bytes": 0, "fork_ms": 0.0}}
-    share = fork["arena"]["child_private_bytes"] / fork["arena"]["bytes"] if fork["arena"]["bytes"] else None
-    rows.append((f"a fork copies <= {FORK_PRIVATE_MAX:.0%} of the arena",
-                 f"arena {_gib(fork['arena']['bytes'])}: child private {_gib(fork['arena']['child_private_bytes'])}, "
-                 f"fork {fork['arena']['fork_ms']:.1f} ms; control (torch pinned): child private "
-                 f"{_gib(fork['control']['child_private_bytes'])}, fork {fork['control']['fork_ms']:.1f} ms",
-                 share is not None and share <= FORK_PRIVATE_MAX))
+    rows.append(
+        (
+            f"checkpoint save while offloaded <= {SAVE_MAX_RATIO} x resident",
+            f"on {ckpt['on'] * 1e3:.1f} ms, off {ckpt['off'] * 1e3:.1f} ms ({_ratio(ratio)}); "
+            f"still offloaded after: {ckpt.get('still_offloaded')}",
+            ratio is not None and ratio <= SAVE_MAX_RATIO and bool(ckpt.get("still_offloaded")),
+        )
+    )
+    fork = freed["fork"] or {
+        "arena": {"bytes": 0, "child_private_bytes": 0, "fork_ms": 0.0},
+        "control": {"child_private_bytes": 0, "fork_ms": 0.0},
+    }
+    share = (
+        fork["arena"]["child_private_bytes"] / fork["arena"]["bytes"]
+        if fork["arena"]["bytes"]
+        else None
+    )
+    rows.append(
+        (
+            f"a fork copies <= {FORK_PRIVATE_MAX:.0%} of the arena",
+            f"arena {_gib(fork['arena']['bytes'])}: child private {_gib(fork['arena']['child_private_bytes'])}, "
+            f"fork {fork['arena']['fork_ms']:.1f} ms; control (torch pinned): child private "
+            f"{_gib(fork['control']['child_private_bytes'])}, fork {fork['control']['fork_ms']:.1f} ms",
+            share is not None and share <= FORK_PRIVATE_MAX,
+        )
+    )
     numa = freed.get("numa") or {}
-    rows.append(("host arena NUMA node reported", f"node {numa.get('numa_node')}, "
-                 f"{'bound' if numa.get('numa_bound') else 'not bound'} {numa.get('numa_note') or ''}".strip(),
-                 "numa_node" in numa))
+    rows.append(
+        (
+            "host arena NUMA node reported",
+            f"node {numa.get('numa_node')}, "
+            f"{'bound' if numa.get('numa_bound') else 'not bound'} {numa.get('numa_note') or ''}".strip(),
+            "numa_node" in numa,
+        )
+    )
     return rows
 
 
@@ -378,7 +464,9 @@ def measure(args) -> int:
         if device.type == "cuda":
             total = torch.cuda.get_device_properties(0).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GIB / total))
-        shape = dict(hidden=args.hidden, layers=args.layers, seq=args.seq, micro_batch=1, vocab=args.vocab)
+        shape = dict(
+            hidden=args.hidden, layers=args.layers, seq=args.seq, micro_batch=1, vocab=args.vocab
+        )
         started = time.perf_counter()
         fig = {"cap_gib": args.cap_gib, "shape": shape, "dry_run": args.dry_run, "skipped": []}
         parts = (
@@ -408,6 +496,7 @@ def measure(args) -> int:
 
 def collect(work: Path) -> dict:
     """Everything one ``scripts/gpu.sh run`` measured, from the files it left in ``work``."""
+
     def read(name):
         path = work / name
         return path.read_text().strip() if path.exists() else None
@@ -417,8 +506,12 @@ def collect(work: Path) -> dict:
         return json.loads(text) if text else None
 
     tests_rc = read("tests.rc")
-    return {"machine": read("machine.txt"), "tests_rc": None if tests_rc is None else int(tests_rc),
-            "gpu_report": load("gpu_report.json"), "kit": load("kit.json")}
+    return {
+        "machine": read("machine.txt"),
+        "tests_rc": None if tests_rc is None else int(tests_rc),
+        "gpu_report": load("gpu_report.json"),
+        "kit": load("kit.json"),
+    }
 
 
 def table(results: dict) -> str:
@@ -429,14 +522,18 @@ def table(results: dict) -> str:
         lines += ["```", results["machine"], "```", ""]
     lines += ["| figure | measured | met |", "| --- | --- | --- |"]
     rc = results.get("tests_rc")
-    lines.append(f"| GPU tests (`pytest -m 'gpu or te_gpu' tests/unit`) | exit code {rc} | {'yes' if rc == 0 else 'NO'} |")
+    lines.append(
+        f"| GPU tests (`pytest -m 'gpu or te_gpu' tests/unit`) | exit code {rc} | {'yes' if rc == 0 else 'NO'} |"
+    )
     report = results.get("gpu_report")
     if report:
         for label, entry in report.items():
             for name, measured, ok in entry["guards"]:
                 lines.append(f"| {label}: {name} | {measured} | {'yes' if ok else 'NO'} |")
     else:
-        lines.append("| benchmarks.gpu_report (pretrain example on and off) | wrote no figures | NO |")
+        lines.append(
+            "| benchmarks.gpu_report (pretrain example on and off) | wrote no figures | NO |"
+        )
     kit = results.get("kit")
     if kit:
         for name, measured, met in kit["goals"]:
@@ -447,8 +544,11 @@ def table(results: dict) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_kit", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu_kit",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="command", required=True)
     m = sub.add_parser("measure", help="take the kit's figures (one GPU)")
     m.add_argument("--dry-run", action="store_true", help="CPU ranks, small sizes, no CUDA figures")
@@ -460,9 +560,15 @@ def parse_args(argv=None):
     m.add_argument("--vocab", type=int, default=32768)
     m.add_argument("--max-micro-batch", type=int, default=64)
     m.add_argument("--max-hidden", type=int, default=8192)
-    m.add_argument("--budget-s", type=float, default=150.0,
-                   help="no part starts after this many seconds (the searches come last)")
-    t = sub.add_parser("table", help="results.md and results.json in OUT from the files a run left in WORK")
+    m.add_argument(
+        "--budget-s",
+        type=float,
+        default=150.0,
+        help="no part starts after this many seconds (the searches come last)",
+    )
+    t = sub.add_parser(
+        "table", help="results.md and results.json in OUT from the files a run left in WORK"
+    )
     t.add_argument("work")
     t.add_argument("out")
     return p.parse_args(argv)

@@ -35,9 +35,21 @@ import time
 
 MARKER = "[gpu-report]"
 STATS_KEYS = (
-    "offloaded_bytes", "offloaded_payload_bytes", "host_bytes", "d2h_bytes", "h2d_bytes",
-    "d2h_ms", "h2d_ms", "d2h_gbps", "h2d_gbps", "exposed_ms", "offload_seconds", "reload_seconds",
-    "numa_node", "numa_bound", "numa_note",
+    "offloaded_bytes",
+    "offloaded_payload_bytes",
+    "host_bytes",
+    "d2h_bytes",
+    "h2d_bytes",
+    "d2h_ms",
+    "h2d_ms",
+    "d2h_gbps",
+    "h2d_gbps",
+    "exposed_ms",
+    "offload_seconds",
+    "reload_seconds",
+    "numa_node",
+    "numa_bound",
+    "numa_note",
 )
 COPY_REPEATS = 5
 
@@ -76,7 +88,12 @@ class Probe:
 
     def snapshot(self) -> dict:
         if not self.cuda:
-            return {"max_allocated": None, "reserved": None, "alloc_retries": None, "allocated_exit": None}
+            return {
+                "max_allocated": None,
+                "reserved": None,
+                "alloc_retries": None,
+                "allocated_exit": None,
+            }
         import torch  # NOT EXERCISED (CUDA only)
 
         return {
@@ -134,8 +151,16 @@ def master_grad_bytes(optimizer) -> int:
 class IterationRecorder:
     """Wraps ``train_step`` (and the offload of an attached offloader) and emits the lines."""
 
-    def __init__(self, *, offload: bool, probe: Probe, rank: int, world_size: int,
-                 emit=emit, clock=time.perf_counter) -> None:
+    def __init__(
+        self,
+        *,
+        offload: bool,
+        probe: Probe,
+        rank: int,
+        world_size: int,
+        emit=emit,
+        clock=time.perf_counter,
+    ) -> None:
         self.offload, self.probe, self.rank, self.world_size = offload, probe, rank, world_size
         self.emit, self.clock = emit, clock
         self.iteration = 0
@@ -153,16 +178,26 @@ class IterationRecorder:
 
         def before(offloader):
             pending["stats"] = offloader.stats()
-            pending["grads"] = master_grad_bytes(optimizer) if offloader.config.release_master_grads else 0
+            pending["grads"] = (
+                master_grad_bytes(optimizer) if offloader.config.release_master_grads else 0
+            )
             pending["before"] = recorder.probe.allocated()
 
         def after(offloader):
             allocated = recorder.probe.allocated()
-            released = offloader.stats()["offloaded_payload_bytes"] - pending["stats"]["offloaded_payload_bytes"]
-            recorder.offloads.append({
-                "before": pending["before"], "after": allocated, "expected": released + pending["grads"],
-                "released_payload": released, "master_grads": pending["grads"],
-            })
+            released = (
+                offloader.stats()["offloaded_payload_bytes"]
+                - pending["stats"]["offloaded_payload_bytes"]
+            )
+            recorder.offloads.append(
+                {
+                    "before": pending["before"],
+                    "after": allocated,
+                    "expected": released + pending["grads"],
+                    "released_payload": released,
+                    "master_grads": pending["grads"],
+                }
+            )
 
         offloader.register_offload_pre_hook(before)
         offloader.register_offload_post_hook(after)
@@ -193,12 +228,18 @@ class IterationRecorder:
         loss_dict, skipped, grad_norm = result[0], result[1], result[5]
         calls = [c for c in self.offloads if c["before"] is not None and c["after"] is not None]
         entry = {
-            "kind": "iteration", "rank": self.rank, "world_size": self.world_size,
-            "offload": self.offload, "iteration": self.iteration,
-            "t_entry": t_entry, "t_exit": t_exit, "allocated_entry": allocated_entry,
+            "kind": "iteration",
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "offload": self.offload,
+            "iteration": self.iteration,
+            "t_entry": t_entry,
+            "t_exit": t_exit,
+            "allocated_entry": allocated_entry,
             **self.probe.snapshot(),
             "lm_loss": _hex(loss_dict.get("lm loss")) if loss_dict else None,
-            "grad_norm": _hex(grad_norm), "skipped": int(skipped),
+            "grad_norm": _hex(grad_norm),
+            "skipped": int(skipped),
             "state_bytes": state_bytes(optimizer) if optimizer is not None else None,
             "offload_calls": len(self.offloads),
             "freed": sum(c["before"] - c["after"] for c in calls) if calls else None,
@@ -237,7 +278,13 @@ def copy_bench(nbytes_d2h: int, nbytes_h2d: int, repeats: int = COPY_REPEATS) ->
             end.synchronize()
             times.append(start.elapsed_time(end))
         ms = statistics.median(times)
-        out.update({f"{name}_bytes": nbytes, f"{name}_ms": ms, f"{name}_gbps": nbytes / (ms * 1e6) if ms else None})
+        out.update(
+            {
+                f"{name}_bytes": nbytes,
+                f"{name}_ms": ms,
+                f"{name}_gbps": nbytes / (ms * 1e6) if ms else None,
+            }
+        )
         del host, device
     return out
 
@@ -248,13 +295,20 @@ def single_process_env(environ) -> None:
         return
     from .gpu import _free_port
 
-    environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(_free_port()))
+    environ.update(
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+    )
 
 
 def main(argv: list[str]) -> None:
     if len(argv) < 2 or argv[0] not in ("launch", "direct"):
-        raise SystemExit("usage: python -m benchmarks.gpu_report_job launch|direct SCRIPT.py [ARGS...]")
+        raise SystemExit(
+            "usage: python -m benchmarks.gpu_report_job launch|direct SCRIPT.py [ARGS...]"
+        )
     route, script_argv = argv[0], argv[1:]
     single_process_env(os.environ)
     import torch
@@ -266,8 +320,12 @@ def main(argv: list[str]) -> None:
         cpu_training.install()
     import megatron.training.training as training
 
-    recorder = IterationRecorder(offload=route == "launch", probe=Probe(cuda),
-                                 rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    recorder = IterationRecorder(
+        offload=route == "launch",
+        probe=Probe(cuda),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
     training.train_step = recorder.wrap_train_step(training.train_step)
     if route == "launch":
         from megatron_offload import launch

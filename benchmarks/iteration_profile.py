@@ -70,10 +70,16 @@ def count(entries: dict[tuple[str, int, str], int]) -> dict:
     table = []
     for (filename, line, name), calls in entries.items():
         if _ours(filename) and name not in ANONYMOUS:
-            table.append((str(Path(filename).resolve().relative_to(PACKAGE.parent)), line, name, calls))
+            table.append(
+                (str(Path(filename).resolve().relative_to(PACKAGE.parent)), line, name, calls)
+            )
     table.sort()
-    return {"files": len({t[0] for t in table}), "functions": len(table), "calls": sum(t[3] for t in table),
-            "table": table}
+    return {
+        "files": len({t[0] for t in table}),
+        "functions": len(table),
+        "calls": sum(t[3] for t in table),
+        "table": table,
+    }
 
 
 def profile_job(chunked: bool) -> dict:
@@ -97,12 +103,15 @@ def profile_job(chunked: bool) -> dict:
     try:
         torch.manual_seed(1234)
         model_parallel_cuda_manual_seed(1234)
-        chunks, optimizer, config = models.build("gpt", "bf16", overlap_grad_reduce=True, overlap_param_gather=True,
-                                                 bucket_size=3000)
+        chunks, optimizer, config = models.build(
+            "gpt", "bf16", overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=3000
+        )
         options = {"chunked_update_bytes": 512 << 10} if chunked else {}
         offloader = megatron_offload.attach(optimizer, **options)
         # The reload starts while the gradients are reduced, as in Megatron's loop.
-        config.finalize_model_grads_func = prefetching_finalize(config.finalize_model_grads_func, offloader)
+        config.finalize_model_grads_func = prefetching_finalize(
+            config.finalize_model_grads_func, offloader
+        )
         for step in range(3):
             models.train_step(chunks, optimizer, config, step)
         out = count(starts(lambda: models.train_step(chunks, optimizer, config, 3)))
@@ -114,22 +123,27 @@ def profile_job(chunked: bool) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.iteration_profile", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.iteration_profile",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--list", action="store_true", help="print every function counted")
     parser.add_argument("--mode", choices=("whole", "chunked", "both"), default="both")
     args = parser.parse_args(argv)
     from tests.support.isolated import IsolatedProcess
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    for mode in (("whole", "chunked") if args.mode == "both" else (args.mode,)):
+    for mode in ("whole", "chunked") if args.mode == "both" else (args.mode,):
         process = IsolatedProcess(timeout=600)
         try:
             out = process.run(profile_job, mode == "chunked")
         finally:
             process.close()
-        print(f"{mode}: {out['files']} files, {out['functions']} functions, {out['calls']} calls "
-              f"(offloaded {out['offloaded']:,} bytes between steps)")
+        print(
+            f"{mode}: {out['files']} files, {out['functions']} functions, {out['calls']} calls "
+            f"(offloaded {out['offloaded']:,} bytes between steps)"
+        )
         if args.list:
             for path, line, name, calls in out["table"]:
                 print(f"  {path}:{line} {name} x{calls}")

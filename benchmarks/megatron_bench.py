@@ -34,9 +34,9 @@ from .timing import (
     interleaved,
     perf_counter,
     profile_table,
-    undisturbed,
     ratio_figures,
     summary,
+    undisturbed,
 )
 
 
@@ -123,12 +123,12 @@ def _timed_steps(step, first_index: int, count: int, sync, memory: _Memory) -> d
 
 def offload_job(cfg: dict) -> dict:
     """Everything measured on one rank (see the module docstring); ``cfg`` from ``job_config``."""
-    import megatron_offload
     from megatron.core import parallel_state
+
+    import megatron_offload
     from megatron_offload.adapters import collect as adapter_collect
     from megatron_offload.device import device_for
     from megatron_offload.integration import distributed_optimizers
-
     from tests.harness import models
 
     if cfg["device"] == "cuda":
@@ -201,8 +201,12 @@ def offload_job(cfg: dict) -> dict:
         index += steps
     stats = offloader.stats()
     result["layout"] = _layout(offloader, stats)
-    result["automatic_cycle"] = {"d2h_copies": stats["d2h_copies"], "h2d_copies": stats["h2d_copies"],
-                                 "d2h_bytes": stats["d2h_bytes"], "h2d_bytes": stats["h2d_bytes"]}
+    result["automatic_cycle"] = {
+        "d2h_copies": stats["d2h_copies"],
+        "h2d_copies": stats["h2d_copies"],
+        "d2h_bytes": stats["d2h_bytes"],
+        "h2d_bytes": stats["h2d_bytes"],
+    }
 
     # Explicit cycles through the offloader's API, interleaved with the floor.
     def cycle(records: list) -> float:
@@ -239,7 +243,10 @@ def offload_job(cfg: dict) -> dict:
         # As run here (with the harness's CUDA-on-CPU function mode intercepting every torch
         # call on CPU ranks) and with function modes disabled, which is what a process
         # without that harness sees.
-        for label, context in (("as_run", contextlib.nullcontext), ("no_function_mode", torch._C.DisableTorchFunction)):
+        for label, context in (
+            ("as_run", contextlib.nullcontext),
+            ("no_function_mode", torch._C.DisableTorchFunction),
+        ):
             records = []
             with context(), undisturbed():
                 for _ in range(cfg["bookkeeping_repeats"]):
@@ -276,7 +283,9 @@ def _layout(offloader, stats: dict) -> dict:
     return {
         **summed,
         "host_ratio": host / payload if payload else float("nan"),
-        "host_ratio_stats": stats["host_bytes"] / stats["offloaded_bytes"] if stats["offloaded_bytes"] else float("nan"),
+        "host_ratio_stats": stats["host_bytes"] / stats["offloaded_bytes"]
+        if stats["offloaded_bytes"]
+        else float("nan"),
         "device_bytes_held": unique_storage_bytes(
             t for engine in offloader.engines for g in engine.groups for t in g.tensors
         ),
@@ -307,14 +316,31 @@ def job_config(
 
 
 def scaling_config(
-    *, layers: list[int], dtype: str = "bf16", cycles: int = 40, device: str = "cpu", profile: bool = False
+    *,
+    layers: list[int],
+    dtype: str = "bf16",
+    cycles: int = 40,
+    device: str = "cpu",
+    profile: bool = False,
 ) -> dict:
     """``scaling_job``'s settings as a plain (picklable) dict."""
-    return {"layers": list(layers), "dtype": dtype, "cycles": cycles, "device": device, "profile": profile}
+    return {
+        "layers": list(layers),
+        "dtype": dtype,
+        "cycles": cycles,
+        "device": device,
+        "profile": profile,
+    }
 
 
 def run_in_rank_pool(
-    main: dict | None, scaling: dict | None, *, world_size: int, tp: int = 1, pp: int = 1, timeout: float = 900.0
+    main: dict | None,
+    scaling: dict | None,
+    *,
+    world_size: int,
+    tp: int = 1,
+    pp: int = 1,
+    timeout: float = 900.0,
 ) -> tuple[list | None, list | None]:
     """``offload_job`` in the chosen layout and ``scaling_job`` on CPU gloo ranks of the test
     harness's rank pool (started once for both).
@@ -351,14 +377,19 @@ def scaling_job(cfg: dict) -> list[dict]:
     import megatron_offload
     from megatron_offload.device import device_for
     from megatron_offload.integration import distributed_optimizers
-
     from tests.harness import models
 
-    device = torch.device("cuda", torch.cuda.current_device()) if cfg["device"] == "cuda" else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if cfg["device"] == "cuda"
+        else torch.device("cpu")
+    )
     sync = device_sync(device)
     out = []
     for layers in cfg["layers"]:
-        chunks, optimizer, _config = models.build(model="mlp", dtype=cfg["dtype"], num_layers=layers, hidden=8)
+        chunks, optimizer, _config = models.build(
+            model="mlp", dtype=cfg["dtype"], num_layers=layers, hidden=8
+        )
         devices: list[TimingDevice] = []
 
         def factory(torch_device, devices=devices):
@@ -388,7 +419,10 @@ def scaling_job(cfg: dict) -> list[dict]:
         stats = offloader.stats()  # copies of the last (steady) offload and reload
         layout = _layout(offloader, stats)
         bookkeeping = {}
-        for label, context in (("no_function_mode", torch._C.DisableTorchFunction), ("as_run", contextlib.nullcontext)):
+        for label, context in (
+            ("no_function_mode", torch._C.DisableTorchFunction),
+            ("as_run", contextlib.nullcontext),
+        ):
             with context(), undisturbed():
                 bookkeeping[label] = summary([cycle() for _ in range(cfg["cycles"])])
         profile = None
@@ -401,7 +435,9 @@ def scaling_job(cfg: dict) -> list[dict]:
                 "layers": layers,
                 "model_param_tensors": sum(1 for c in chunks for _ in c.parameters()),
                 "optimizer_shards": sum(
-                    len(g["params"]) for d in distributed_optimizers(optimizer) for g in d.optimizer.param_groups
+                    len(g["params"])
+                    for d in distributed_optimizers(optimizer)
+                    for g in d.optimizer.param_groups
                 ),
                 "first_offload_d2h_copies": first_copies,
                 "d2h_copies": stats["d2h_copies"],

@@ -41,8 +41,14 @@ def _tensors(total: int, count: int, scale: int, seed: int = 0) -> list[torch.Te
     return [torch.zeros(int(n)) for n in elements]
 
 
-def measure(layout: str, link: float, *, state_bytes: int = 20 * GB, tensors: int = 600,
-            scale: int = 1 << 14) -> dict:
+def measure(
+    layout: str,
+    link: float,
+    *,
+    state_bytes: int = 20 * GB,
+    tensors: int = 600,
+    scale: int = 1 << 14,
+) -> dict:
     """One offload after the step, modelled; see the module doc."""
     from megatron_offload.engine import OffloadEngine
     from megatron_offload_testing import ModelledDevice
@@ -53,7 +59,9 @@ def measure(layout: str, link: float, *, state_bytes: int = 20 * GB, tensors: in
     state = _tensors(state_bytes, tensors, scale)
     device = ModelledDevice(capacity=1 << 62, d2h_bandwidth=link, h2d_bandwidth=link, scale=scale)
     bound = {"pieces": PIECE // scale, "one block": None, "per tensor": 1}[layout]
-    engine = OffloadEngine(device, lambda: (("optimizer_states", t) for t in state), max_piece_bytes=bound)
+    engine = OffloadEngine(
+        device, lambda: (("optimizer_states", t) for t in state), max_piece_bytes=bound
+    )
     model = device.model
 
     def offload():
@@ -71,7 +79,9 @@ def measure(layout: str, link: float, *, state_bytes: int = 20 * GB, tensors: in
     total = sum(g.nbytes for g in engine.groups) * scale
     # The device: the state plus one 256 MiB piece, from a clean cache.
     model.empty_cache()
-    model.capacity = sum(segment_size(g.nbytes * scale) for g in engine.groups) + segment_size(PIECE)
+    model.capacity = sum(segment_size(g.nbytes * scale) for g in engine.groups) + segment_size(
+        PIECE
+    )
     stalls_before = model.num_alloc_retries
     t0 = model.now  # the step ends: the offload is issued now
     offload()
@@ -100,10 +110,19 @@ def measure(layout: str, link: float, *, state_bytes: int = 20 * GB, tensors: in
     for block in blocks:
         model.free(block)
     floor = total / link
-    return {"layout": layout, "link": link, "bytes": total, "copies": copies, "stalls": stalls, "oom": oom,
-            "half_s": half, "full_s": full, "floor_s": floor,
-            "half_ratio": None if half is None else half / floor,
-            "full_ratio": None if full is None else full / floor}
+    return {
+        "layout": layout,
+        "link": link,
+        "bytes": total,
+        "copies": copies,
+        "stalls": stalls,
+        "oom": oom,
+        "half_s": half,
+        "full_s": full,
+        "floor_s": floor,
+        "half_ratio": None if half is None else half / floor,
+        "full_ratio": None if full is None else full / floor,
+    }
 
 
 def run(links=DEFAULT_LINKS, **options) -> list[dict]:
@@ -111,14 +130,21 @@ def run(links=DEFAULT_LINKS, **options) -> list[dict]:
 
 
 def print_rows(rows: list[dict]) -> None:
-    print("\n== Modelled GPU: device memory reusable after the step (caching-allocator model, "
-          f"{rows[0]['bytes'] / GB:.1f} GB per rank)")
-    print(f"  {'link':>9} {'layout':<11} {'50% reusable':>18} {'100% reusable':>18} {'floor':>9} "
-          f"{'copies':>7} {'stalls':>7}")
+    print(
+        "\n== Modelled GPU: device memory reusable after the step (caching-allocator model, "
+        f"{rows[0]['bytes'] / GB:.1f} GB per rank)"
+    )
+    print(
+        f"  {'link':>9} {'layout':<11} {'50% reusable':>18} {'100% reusable':>18} {'floor':>9} "
+        f"{'copies':>7} {'stalls':>7}"
+    )
     for r in rows:
+
         def at(seconds, ratio):
             return "never" if seconds is None else f"{seconds * 1e3:8.1f} ms {ratio:5.2f}x"
 
-        print(f"  {r['link'] / GB:>5.0f} GB/s {r['layout']:<11} {at(r['half_s'], r['half_ratio']):>18} "
-              f"{at(r['full_s'], r['full_ratio']):>18} {r['floor_s'] * 1e3:>6.1f} ms {r['copies']:>7} "
-              f"{r['stalls']:>7}{' OOM' if r['oom'] else ''}")
+        print(
+            f"  {r['link'] / GB:>5.0f} GB/s {r['layout']:<11} {at(r['half_s'], r['half_ratio']):>18} "
+            f"{at(r['full_s'], r['full_ratio']):>18} {r['floor_s'] * 1e3:>6.1f} ms {r['copies']:>7} "
+            f"{r['stalls']:>7}{' OOM' if r['oom'] else ''}"
+        )

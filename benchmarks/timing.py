@@ -15,8 +15,8 @@ from __future__ import annotations
 import cProfile
 import gc
 import os
-import pstats
 import platform
+import pstats
 import statistics
 import sys
 import time
@@ -302,7 +302,9 @@ def profile_table(fn: Callable[[], object], calls: int, top: int = 12) -> dict:
         profiler.disable()
         profiled = (perf_counter() - start) / calls
     rows = []
-    for (filename, line, name), (_cc, ncalls, tottime, cumtime, _callers) in pstats.Stats(profiler).stats.items():
+    for (filename, line, name), (_cc, ncalls, tottime, cumtime, _callers) in pstats.Stats(
+        profiler
+    ).stats.items():
         rows.append(
             {
                 "function": f"{_short(filename)}:{line}({name})",

@@ -64,21 +64,50 @@ def bridge_config(args) -> ConfigContainer:
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     world = torch.distributed.get_world_size()
     cfg = ConfigContainer(
-        train=TrainingConfig(micro_batch_size=demo.MICRO_BATCH, global_batch_size=demo.MICRO_BATCH * world,
-                             train_iters=args.steps),
-        model=GPTModelProvider(num_layers=2, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512,
-                               seq_length=demo.SEQ, vocab_size=demo.VOCAB, bf16=args.bf16, params_dtype=dtype),
-        optimizer=OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=0.0, clip_grad=1.0, bf16=args.bf16,
-                                  params_dtype=dtype, use_distributed_optimizer=True),
-        scheduler=SchedulerConfig(lr_decay_style="constant", lr_warmup_iters=0, start_weight_decay=0.01,
-                                  end_weight_decay=0.01, weight_decay_incr_style="constant"),
-        dataset=MockGPTDatasetConfig(random_seed=0, seq_length=demo.SEQ, reset_position_ids=False,
-                                     reset_attention_mask=False, eod_mask_loss=False),
+        train=TrainingConfig(
+            micro_batch_size=demo.MICRO_BATCH,
+            global_batch_size=demo.MICRO_BATCH * world,
+            train_iters=args.steps,
+        ),
+        model=GPTModelProvider(
+            num_layers=2,
+            hidden_size=128,
+            num_attention_heads=4,
+            ffn_hidden_size=512,
+            seq_length=demo.SEQ,
+            vocab_size=demo.VOCAB,
+            bf16=args.bf16,
+            params_dtype=dtype,
+        ),
+        optimizer=OptimizerConfig(
+            optimizer="adam",
+            lr=1e-3,
+            min_lr=0.0,
+            clip_grad=1.0,
+            bf16=args.bf16,
+            params_dtype=dtype,
+            use_distributed_optimizer=True,
+        ),
+        scheduler=SchedulerConfig(
+            lr_decay_style="constant",
+            lr_warmup_iters=0,
+            start_weight_decay=0.01,
+            end_weight_decay=0.01,
+            weight_decay_incr_style="constant",
+        ),
+        dataset=MockGPTDatasetConfig(
+            random_seed=0,
+            seq_length=demo.SEQ,
+            reset_position_ids=False,
+            reset_attention_mask=False,
+            eod_mask_loss=False,
+        ),
         logger=LoggerConfig(log_interval=args.steps),
         tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=demo.VOCAB),
         checkpoint=CheckpointConfig(save=None),
-        ddp=DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True,
-                                          grad_reduce_in_fp32=args.bf16),
+        ddp=DistributedDataParallelConfig(
+            use_distributed_optimizer=True, overlap_grad_reduce=True, grad_reduce_in_fp32=args.bf16
+        ),
     )
     cfg.validate()  # what Bridge's pretrain() does first
     return cfg
@@ -96,16 +125,27 @@ def train(args, offload: bool):
     scheduler = made["scheduler"]
     state = GlobalState()
     state.cfg = cfg
-    init_num_microbatches_calculator(torch.distributed.get_rank(), None, cfg.train.global_batch_size,
-                                     cfg.train.micro_batch_size, parallel_state.get_data_parallel_world_size())
+    init_num_microbatches_calculator(
+        torch.distributed.get_rank(),
+        None,
+        cfg.train.global_batch_size,
+        cfg.train.micro_batch_size,
+        parallel_state.get_data_parallel_world_size(),
+    )
     manager = CallbackManager()
     callback = OptimizerStateOffloadCallback() if offload else None  # the one line
     if callback is not None:
         manager.add(callback)
 
     def context(**extra):
-        return CallbackContext(state=state, model=[model], user_state=manager.user_state,
-                               optimizer=optimizer, scheduler=scheduler, **extra)
+        return CallbackContext(
+            state=state,
+            model=[model],
+            user_state=manager.user_state,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            **extra,
+        )
 
     rows, stats = [], None
     try:
@@ -113,10 +153,20 @@ def train(args, offload: bool):
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         for step in range(args.steps):
             loss_dict, skipped, *_ = train_step(
-                demo.forward_step, iter([demo.batch(step)]), [model], optimizer, scheduler, state,
-                pg_collection, get_forward_backward_func(), None)
+                demo.forward_step,
+                iter([demo.batch(step)]),
+                [model],
+                optimizer,
+                scheduler,
+                state,
+                pg_collection,
+                get_forward_backward_func(),
+                None,
+            )
             state.train_state.step += 1
-            manager.fire("on_train_step_end", context(loss_dict=loss_dict, skipped_iter=bool(skipped)))
+            manager.fire(
+                "on_train_step_end", context(loss_dict=loss_dict, skipped_iter=bool(skipped))
+            )
             loss = loss_dict["lm loss"].clone()
             torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
             loss = loss.item() / parallel_state.get_data_parallel_world_size()
@@ -133,8 +183,12 @@ def train(args, offload: bool):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--fp32", dest="bf16", action="store_false",
-                        help="fp32 parameters (default: bf16 parameters with fp32 master weights)")
+    parser.add_argument(
+        "--fp32",
+        dest="bf16",
+        action="store_false",
+        help="fp32 parameters (default: bf16 parameters with fp32 master weights)",
+    )
     args = parser.parse_args()
 
     torch.distributed.init_process_group("nccl" if demo.ON_GPU else "gloo")

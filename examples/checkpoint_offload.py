@@ -35,8 +35,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the model of train_gpt_offload.py
 
 import torch  # noqa: E402
-from train_gpt_offload import batch, build, forward_step  # noqa: E402  (CPU redirects too)
+from train_gpt_offload import batch, build, forward_step  # noqa: E402  (CPU redirects first)
 
+# isort: split
 from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.utils import unwrap_model  # noqa: E402
@@ -51,7 +52,9 @@ def sharded_state_dict(model, optimizer, is_loading=False):
     model_state = unwrap_model(model).sharded_state_dict()  # the GPTModel's own keys
     return {
         "model": model_state,
-        "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=SHARDING),
+        "optimizer": optimizer.sharded_state_dict(
+            model_state, is_loading=is_loading, metadata=SHARDING
+        ),
     }
 
 
@@ -68,7 +71,9 @@ def load_checkpoint(model, optimizer, directory):
     for member in getattr(optimizer, "chained_optimizers", [optimizer]):
         if member.optimizer is not None and not member.optimizer.state:
             member._init_optimizer_states_with_dummy_values()  # megatron-core needs states to load into
-    state = dist_checkpointing.load(sharded_state_dict(model, optimizer, is_loading=True), directory)
+    state = dist_checkpointing.load(
+        sharded_state_dict(model, optimizer, is_loading=True), directory
+    )
     unwrap_model(model).load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
 
@@ -80,8 +85,14 @@ def train_steps(model, optimizer, steps):
         model.zero_grad_buffer()
         optimizer.zero_grad()
         out = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter([batch(step)]), model=[model],
-            num_microbatches=1, seq_length=SEQ, micro_batch_size=MICRO_BATCH, forward_only=False)
+            forward_step_func=forward_step,
+            data_iterator=iter([batch(step)]),
+            model=[model],
+            num_microbatches=1,
+            seq_length=SEQ,
+            micro_batch_size=MICRO_BATCH,
+            forward_only=False,
+        )
         optimizer.step()
         loss = out[0]["lm loss"].clone()
         torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
@@ -112,13 +123,19 @@ def run_resume(args, directory):
     offloader = megatron_offload.attach(optimizer)
     load_checkpoint(model, optimizer, directory)
     losses = train_steps(model, optimizer, range(args.save_at, args.steps))
-    return {"losses": losses, "offloaded_after": offloader.is_offloaded, "summary": offloader.summary()}
+    return {
+        "losses": losses,
+        "offloaded_after": offloader.is_offloaded,
+        "summary": offloader.summary(),
+    }
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", choices=("save", "resume"))
-    parser.add_argument("--dir", required=True, help="the checkpoint directory (shared by the ranks)")
+    parser.add_argument(
+        "--dir", required=True, help="the checkpoint directory (shared by the ranks)"
+    )
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--save-at", type=int, default=3)
     parser.add_argument("--fp32", dest="bf16", action="store_false")
@@ -136,14 +153,20 @@ def main():
         if rank == 0:
             with open(record, "w") as out:
                 json.dump(found["losses"], out)
-            print(f"saved at step {args.save_at} with {found['on_device_at_save']} state bytes on the "
-                  f"device; losses {found['losses']}\n{found['summary']}", flush=True)
+            print(
+                f"saved at step {args.save_at} with {found['on_device_at_save']} state bytes on the "
+                f"device; losses {found['losses']}\n{found['summary']}",
+                flush=True,
+            )
     else:
         found = run_resume(args, os.path.join(args.dir, "checkpoint"))
         if rank == 0:
-            saved = json.load(open(record))[args.save_at:] if os.path.exists(record) else None
-            print(f"resumed: losses {found['losses']}\n  the save run's: {saved}\n"
-                  f"  identical: {'yes' if found['losses'] == saved else 'NO'}\n{found['summary']}", flush=True)
+            saved = json.load(open(record))[args.save_at :] if os.path.exists(record) else None
+            print(
+                f"resumed: losses {found['losses']}\n  the save run's: {saved}\n"
+                f"  identical: {'yes' if found['losses'] == saved else 'NO'}\n{found['summary']}",
+                flush=True,
+            )
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
 

@@ -15,8 +15,8 @@ assumptions to the CPU (``megatron_offload_testing``) so the same command trains
 ranks with ``--distributed-backend gloo`` and the CPU flags listed in examples/README.md.
 """
 
-import os
 import inspect
+import os
 from functools import partial
 
 import torch
@@ -51,7 +51,7 @@ def use_prebuilt_dataset_helpers():
     from megatron.core.datasets import utils as dataset_utils
 
     helpers_dir = os.path.dirname(dataset_utils.__file__)
-    if os.path.exists(os.path.join(helpers_dir, 'Makefile')):
+    if os.path.exists(os.path.join(helpers_dir, "Makefile")):
         return
     try:
         from megatron.core.datasets import helpers_cpp  # noqa: F401
@@ -77,7 +77,7 @@ def get_batch(data_iterator, vp_stage=None):
 
     return tuple(
         to_device(name)
-        for name in ('tokens', 'labels', 'loss_mask', 'attention_mask', 'position_ids')
+        for name in ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
     )
 
 
@@ -88,14 +88,14 @@ def loss_func(loss_mask, output_tensor):
     loss = torch.sum(losses * mask)
     num_tokens = mask.sum().clone().detach().to(torch.int)
     report = torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])
-    return loss, num_tokens, {'lm loss': report}
+    return loss, num_tokens, {"lm loss": report}
 
 
 def forward_step(data_iterator, model):
     timers = get_timers()
-    timers('batch-generator', log_level=2).start()
+    timers("batch-generator", log_level=2).start()
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
-    timers('batch-generator').stop()
+    timers("batch-generator").stop()
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output_tensor, partial(loss_func, loss_mask)
 
@@ -118,8 +118,8 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
         mid_level_dataset_surplus=args.mid_level_dataset_surplus,
     )
     if not args.mock_data:
-        raise SystemExit('examples/pretrain_gpt.py trains on mock data only: pass --mock-data.')
-    print_rank_0('> building mock GPT datasets ...')
+        raise SystemExit("examples/pretrain_gpt.py trains on mock data only: pass --mock-data.")
+    print_rank_0("> building mock GPT datasets ...")
     return BlendedMegatronDatasetBuilder(
         MockGPTDataset,
         train_val_test_num_samples,
@@ -132,18 +132,21 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
 train_valid_test_datasets_provider.is_distributed = True
 
 
-def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None,
-                   pg_collection=None):
+def model_provider(
+    pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None
+):
     """The GPT model, for the lines whose ``pretrain`` takes a model provider (0.17, 0.18):
     megatron-core's local layer spec (``--transformer-impl local``), as their
     pretrain_gpt.py builds it."""
     args = get_args()
-    print_rank_0('building GPT model ...')
+    print_rank_0("building GPT model ...")
     if config is None:
         config = training_arguments.core_transformer_config_from_args(args)
     spec = get_gpt_layer_local_spec(
-        num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm,
-        qk_layernorm=args.qk_layernorm, normalization=args.normalization,
+        num_experts=args.num_experts,
+        moe_grouped_gemm=args.moe_grouped_gemm,
+        qk_layernorm=args.qk_layernorm,
+        normalization=args.normalization,
     )
     kwargs = dict(
         config=config,
@@ -161,7 +164,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         rope_scaling=args.use_rope_scaling,
     )
     accepted = inspect.signature(GPTModel.__init__).parameters
-    for name, value in (('vp_stage', vp_stage), ('pg_collection', pg_collection)):
+    for name, value in (("vp_stage", vp_stage), ("pg_collection", pg_collection)):
         if value is not None and name in accepted:
             kwargs[name] = value
     return GPTModel(**kwargs)
@@ -169,8 +172,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
 
 def main():
     use_prebuilt_dataset_helpers()
-    defaults = {'tokenizer_type': 'NullTokenizer'}
-    if 'cfg_container' not in inspect.signature(pretrain).parameters:
+    defaults = {"tokenizer_type": "NullTokenizer"}
+    if "cfg_container" not in inspect.signature(pretrain).parameters:
         # 0.17: pretrain() parses and validates the arguments itself.
         pretrain(
             train_valid_test_datasets_provider,
@@ -183,19 +186,27 @@ def main():
     from megatron.training import argument_utils
 
     args = training_arguments.parse_and_validate_args(args_defaults=defaults)
-    if hasattr(argument_utils, 'gpt_config_from_args'):
+    if hasattr(argument_utils, "gpt_config_from_args"):
         # 0.19 and later: the model is built from the config container.
         container = argument_utils.pretrain_cfg_container_from_args(
             args, argument_utils.gpt_config_from_args(args)
         )
-        pretrain(container, train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
-                 forward_step)
+        pretrain(
+            container,
+            train_valid_test_datasets_provider,
+            ModelType.encoder_or_decoder,
+            forward_step,
+        )
     else:
         # 0.18: the container holds the training configuration, the provider the model.
-        pretrain(argument_utils.pretrain_cfg_container_from_args(args),
-                 train_valid_test_datasets_provider, model_provider,
-                 ModelType.encoder_or_decoder, forward_step)
+        pretrain(
+            argument_utils.pretrain_cfg_container_from_args(args),
+            train_valid_test_datasets_provider,
+            model_provider,
+            ModelType.encoder_or_decoder,
+            forward_step,
+        )
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
     main()

@@ -67,24 +67,45 @@ def build(args, make_optimizer=None):
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     config = TransformerConfig(
-        num_layers=2, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512,
-        params_dtype=torch.bfloat16 if args.bf16 else torch.float32, bf16=args.bf16,
-        gradient_accumulation_fusion=False, persist_layer_norm=False, masked_softmax_fusion=False,
-        hidden_dropout=0.0, attention_dropout=0.0,
+        num_layers=2,
+        hidden_size=128,
+        num_attention_heads=4,
+        ffn_hidden_size=512,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        bf16=args.bf16,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        masked_softmax_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
     )
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
-                     vocab_size=VOCAB, max_sequence_length=SEQ)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+    )
     if ON_GPU:
         model.cuda()
     if args.bf16:
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=True, overlap_grad_reduce=True, grad_reduce_in_fp32=args.bf16)
+        use_distributed_optimizer=True, overlap_grad_reduce=True, grad_reduce_in_fp32=args.bf16
+    )
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-    optimizer = make_optimizer(model) if make_optimizer else get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-3, bf16=args.bf16, use_distributed_optimizer=True,
-                        clip_grad=1.0),
-        [model],
+    optimizer = (
+        make_optimizer(model)
+        if make_optimizer
+        else get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=1e-3,
+                bf16=args.bf16,
+                use_distributed_optimizer=True,
+                clip_grad=1.0,
+            ),
+            [model],
+        )
     )
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model.no_sync
@@ -98,8 +119,11 @@ def batch(step):
     gen = torch.Generator().manual_seed(1000 * step + parallel_state.get_data_parallel_rank())
     tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=gen)
     position_ids = torch.arange(SEQ).expand(MICRO_BATCH, SEQ)
-    return {"tokens": tokens[:, :-1].to(device), "labels": tokens[:, 1:].to(device),
-            "position_ids": position_ids.to(device)}
+    return {
+        "tokens": tokens[:, :-1].to(device),
+        "labels": tokens[:, 1:].to(device),
+        "position_ids": position_ids.to(device),
+    }
 
 
 def forward_step(data_iterator, model):
@@ -121,8 +145,14 @@ def train(args, offload: bool):
         model.zero_grad_buffer()
         optimizer.zero_grad()
         losses = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter([batch(step)]), model=[model],
-            num_microbatches=1, seq_length=SEQ, micro_batch_size=MICRO_BATCH, forward_only=False)
+            forward_step_func=forward_step,
+            data_iterator=iter([batch(step)]),
+            model=[model],
+            num_microbatches=1,
+            seq_length=SEQ,
+            micro_batch_size=MICRO_BATCH,
+            forward_only=False,
+        )
         optimizer.step()  # reloads the states, updates, offloads them again
         loss = losses[0]["lm loss"].clone()
         torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
@@ -138,7 +168,9 @@ def table(ranks) -> str:
     mib = float(1 << 20)
     world = len(ranks)
     offloaded_head = "offloaded MiB " + "/".join(f"r{r}" for r in range(world))
-    lines = [f"{'step':>4} {'loss (no offload)':>18} {'loss (offload)':>15} {'identical':>9}  {offloaded_head}"]
+    lines = [
+        f"{'step':>4} {'loss (no offload)':>18} {'loss (offload)':>15} {'identical':>9}  {offloaded_head}"
+    ]
     plain0, offloaded0, _ = ranks[0]
     for step, ((a, _), (b, _)) in enumerate(zip(plain0, offloaded0)):
         same = all(p[step][0] == o[step][0] for p, o, _ in ranks)
@@ -147,17 +179,23 @@ def table(ranks) -> str:
     identical = all(p[s][0] == o[s][0] for p, o, _ in ranks for s in range(len(p)))
     host = " / ".join(f"{st['host_bytes'] / mib:.2f}" for _, _, st in ranks)
     _, _, first = ranks[0]
-    lines.append(f"host MiB per rank {host}; copies per cycle {first['d2h_copies']} out + "
-                 f"{first['h2d_copies']} in; losses identical on every rank and step: "
-                 f"{'yes' if identical else 'NO'}")
+    lines.append(
+        f"host MiB per rank {host}; copies per cycle {first['d2h_copies']} out + "
+        f"{first['h2d_copies']} in; losses identical on every rank and step: "
+        f"{'yes' if identical else 'NO'}"
+    )
     return "\n".join(lines)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--fp32", dest="bf16", action="store_false",
-                        help="fp32 parameters (default: bf16 parameters with fp32 master weights)")
+    parser.add_argument(
+        "--fp32",
+        dest="bf16",
+        action="store_false",
+        help="fp32 parameters (default: bf16 parameters with fp32 master weights)",
+    )
     args = parser.parse_args()
 
     torch.distributed.init_process_group("nccl" if ON_GPU else "gloo")

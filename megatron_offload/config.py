@@ -112,25 +112,35 @@ class OffloadConfig:
             if not isinstance(value, bool):
                 raise TypeError(f"OffloadConfig.{name} must be True or False, got {value!r}.")
         fraction = self.offload_fraction
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+        if (
+            isinstance(fraction, bool)
+            or not isinstance(fraction, (int, float))
+            or not 0 <= fraction <= 1
+        ):
             raise ValueError(
                 f"OffloadConfig.offload_fraction must be a number from 0 to 1, got {fraction!r}."
             )
         budget = self.host_memory_budget
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, int) or budget < 0
+        ):
             raise ValueError(
                 f"OffloadConfig.host_memory_budget must be a number of bytes (int >= 0) or None, got {budget!r}."
             )
         prefetch = self.prefetch
         if prefetch != "step" and (
-            isinstance(prefetch, bool) or not isinstance(prefetch, (int, float)) or not 0 < prefetch < 1
+            isinstance(prefetch, bool)
+            or not isinstance(prefetch, (int, float))
+            or not 0 < prefetch < 1
         ):
             raise ValueError(
                 f'OffloadConfig.prefetch must be "step" or a fraction of the backward pass '
                 f"strictly between 0 and 1, got {prefetch!r}."
             )
         chunk = self.chunked_update_bytes
-        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0):
+        if chunk is not None and (
+            isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0
+        ):
             raise ValueError(
                 f"OffloadConfig.chunked_update_bytes must be a number of bytes (int > 0) or None, got {chunk!r}."
             )
@@ -152,7 +162,9 @@ class OffloadConfig:
             )
         slots = self.chunked_update_slots
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-            raise ValueError(f"OffloadConfig.chunked_update_slots must be an int >= 1, got {slots!r}.")
+            raise ValueError(
+                f"OffloadConfig.chunked_update_slots must be an int >= 1, got {slots!r}."
+            )
         if chunk is not None and fraction < 1:
             raise ValueError(
                 "OffloadConfig.chunked_update_bytes cannot be combined with offload_fraction < 1: "
@@ -183,7 +195,9 @@ class OffloadConfig:
                         f"OffloadConfig.per_optimizer[{index}][{name!r}] must be True or False, got {value!r}."
                     )
         if self.device_factory is not None and not callable(self.device_factory):
-            raise TypeError("OffloadConfig.device_factory must be callable(torch_device) -> Device.")
+            raise TypeError(
+                "OffloadConfig.device_factory must be callable(torch_device) -> Device."
+            )
 
     @classmethod
     def from_options(cls, config: "OffloadConfig | None" = None, **options) -> "OffloadConfig":

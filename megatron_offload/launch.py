@@ -18,41 +18,41 @@ import runpy
 import sys
 
 USAGE = (
-    'usage: python -m megatron_offload.launch SCRIPT.py [ARGS...]\n'
-    '       python -m megatron_offload.launch -m MODULE [ARGS...]\n'
-    '\n'
-    'Runs a megatron.training script with --offload-optimizer-states (and the other flags of\n'
-    'megatron_offload.add_arguments) added to its argument parser.'
+    "usage: python -m megatron_offload.launch SCRIPT.py [ARGS...]\n"
+    "       python -m megatron_offload.launch -m MODULE [ARGS...]\n"
+    "\n"
+    "Runs a megatron.training script with --offload-optimizer-states (and the other flags of\n"
+    "megatron_offload.add_arguments) added to its argument parser."
 )
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ('-h', '--help'):
+    if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         raise SystemExit(0 if argv else 2)
 
     from .integration.training import patch_megatron
 
-    if argv[0] == '-m':
+    if argv[0] == "-m":
         if len(argv) < 2:
             print(USAGE, file=sys.stderr)
             raise SystemExit(2)
         module, rest = argv[1], argv[2:]
         patch_megatron()
         sys.argv = [module] + rest
-        runpy.run_module(module, run_name='__main__', alter_sys=True)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
         return
 
     script, rest = argv[0], argv[1:]
     if not os.path.isfile(script):
-        print(f'megatron_offload.launch: no such script: {script}', file=sys.stderr)
+        print(f"megatron_offload.launch: no such script: {script}", file=sys.stderr)
         raise SystemExit(2)
     patch_megatron()
     sys.argv = [script] + rest
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name='__main__')
+    runpy.run_path(script, run_name="__main__")
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
     main()

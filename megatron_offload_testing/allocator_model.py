@@ -164,7 +164,9 @@ class AllocatorModel:
             if not value > 0:
                 raise ValueError(f"{name} must be positive, got {value!r}")
         if compute_copy_bandwidth is not None and not compute_copy_bandwidth > 0:
-            raise ValueError(f"compute_copy_bandwidth must be positive, got {compute_copy_bandwidth!r}")
+            raise ValueError(
+                f"compute_copy_bandwidth must be positive, got {compute_copy_bandwidth!r}"
+            )
         self.capacity = capacity
         self.max_split_size = max_split_size  # PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb, in bytes
         if backend not in ("native", "cudaMallocAsync"):
@@ -205,7 +207,9 @@ class AllocatorModel:
         self._sides.append(stream)
         return stream
 
-    def copy(self, stream: ModelStream, nbytes: int, direction: str | None = None, *, uses=()) -> float:
+    def copy(
+        self, stream: ModelStream, nbytes: int, direction: str | None = None, *, uses=()
+    ) -> float:
         """Queue a copy of ``nbytes`` on ``stream``; returns when it ends.
 
         ``uses``: blocks of device memory the copy reads or writes (for ``hazards``).
@@ -216,7 +220,9 @@ class AllocatorModel:
         if stream is self.compute_stream:
             bandwidth = self.compute_copy_bandwidth or (direction and self.bandwidth[direction])
             if not bandwidth:
-                raise ValueError("a copy on the compute stream needs a direction or compute_copy_bandwidth")
+                raise ValueError(
+                    "a copy on the compute stream needs a direction or compute_copy_bandwidth"
+                )
             end = self.compute(nbytes / bandwidth)
         else:
             if direction is None:
@@ -360,8 +366,12 @@ class AllocatorModel:
 
     def _best_fit(self, stream: ModelStream, small: bool, size: int) -> Block | None:
         fits = [
-            b for b in self._free
-            if b.stream is stream and b.segment.small == small and b.size >= size and self._may_take(b, size)
+            b
+            for b in self._free
+            if b.stream is stream
+            and b.segment.small == small
+            and b.size >= size
+            and self._may_take(b, size)
         ]
         return min(fits, key=lambda b: (b.size, b.address), default=None)
 
@@ -391,8 +401,14 @@ class AllocatorModel:
     def _hand_out(self, block: Block, size: int, requested: int) -> Block:
         self._free.remove(block)
         remainder = block.size - size
-        oversize = self.max_split_size is not None and not block.segment.small and size >= self.max_split_size
-        if not oversize and (remainder > SMALL_REQUEST or (block.segment.small and remainder >= MIN_BLOCK)):
+        oversize = (
+            self.max_split_size is not None
+            and not block.segment.small
+            and size >= self.max_split_size
+        )
+        if not oversize and (
+            remainder > SMALL_REQUEST or (block.segment.small and remainder >= MIN_BLOCK)
+        ):
             rest = Block(block.address + size, remainder, block.segment, block.stream, state="free")
             rest.ready, rest.prev, rest.next = block.ready, block, block.next
             if block.next is not None:

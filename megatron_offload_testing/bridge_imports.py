@@ -85,7 +85,9 @@ def install() -> None:
     if "megatron.bridge" not in sys.modules:
         spec = importlib.util.find_spec("megatron.bridge")
         if spec is None:
-            raise ImportError("megatron-bridge is not installed: run the suite in scripts/venv.sh bridge")
+            raise ImportError(
+                "megatron-bridge is not installed: run the suite in scripts/venv.sh bridge"
+            )
         package = types.ModuleType("megatron.bridge")
         package.__path__ = list(spec.submodule_search_locations)
         package.__spec__ = spec

@@ -16,8 +16,8 @@ from .checked_records import (
     RELEASED_ACCESS,
     UNORDERED_HOST_READ,
     USE_BEFORE_COPY,
-    Violation,
     ProtocolViolation,
+    Violation,
     _Ref,
 )
 
@@ -129,4 +129,3 @@ class DeviceChecks:
             for ref in (op.dst, op.src)
             if ref.ghost is not None
         )
-

@@ -72,32 +72,33 @@ from typing import Iterable
 import torch
 
 from megatron_offload.device.base import Device
+
 from .checked_access import AccessRules
 from .checked_checks import DeviceChecks
 from .checked_records import (  # noqa: F401 - re-exported: named from here by tests and devices
-    UNORDERED_DEVICE_ACCESS,
-    RELEASE_IN_USE,
-    FREED_IN_USE,
-    OVERWRITE_WHILE_READ,
-    RELEASED_ACCESS,
     DEVICE_RACE,
-    USE_BEFORE_COPY,
-    UNORDERED_HOST_READ,
-    HOST_OVERWRITE,
+    FREED_IN_USE,
     HOST_FREED_IN_USE,
-    WRITE_BEFORE_ALLOCATION,
+    HOST_OVERWRITE,
     NEVER_ORDERED,
+    OVERWRITE_WHILE_READ,
     RECORDED_ON_RETIRED_STREAM,
-    Violation,
+    RELEASE_IN_USE,
+    RELEASED_ACCESS,
+    UNORDERED_DEVICE_ACCESS,
+    UNORDERED_HOST_READ,
+    USE_BEFORE_COPY,
+    WRITE_BEFORE_ALLOCATION,
     ProtocolViolation,
-    _Stream,
+    Violation,
+    _Access,
     _Event,
     _Memory,
-    _Access,
-    _Ref,
     _Op,
-    fill_poison,
     _poison_storage,
+    _Ref,
+    _Stream,
+    fill_poison,
 )
 
 
@@ -160,7 +161,9 @@ class CheckedDevice(DeviceChecks, AccessRules, Device):
         protectors = (mem.allocated_on or self._current_compute(), *mem.recorded)
         self._check_other_users(mem)
         for acc in mem.accesses:
-            if acc.stream in protectors or any(self._ordered(s, acc.stream, acc.seq) for s in protectors):
+            if acc.stream in protectors or any(
+                self._ordered(s, acc.stream, acc.seq) for s in protectors
+            ):
                 continue
             if acc.stream not in mem.recorded:
                 self._violation(

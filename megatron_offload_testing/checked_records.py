@@ -27,7 +27,9 @@ UNORDERED_HOST_READ = "unordered-host-read"  # rule 5
 HOST_OVERWRITE = "host-overwrite-while-read"  # rule 5
 HOST_FREED_IN_USE = "host-buffer-freed-in-use"  # rule 5
 WRITE_BEFORE_ALLOCATION = "write-before-allocation"  # rule 7
-RECORDED_ON_RETIRED_STREAM = "recorded-on-retired-stream"  # rule 2 (a stream destroyed under a record)
+RECORDED_ON_RETIRED_STREAM = (
+    "recorded-on-retired-stream"  # rule 2 (a stream destroyed under a record)
+)
 NEVER_ORDERED = "never-ordered"  # rule 4 (device writes) or 5 (host writes)
 
 
@@ -123,7 +125,18 @@ class _Ref:
     stride are captured, without keeping the storage alive.
     """
 
-    __slots__ = ("mem", "offset", "shape", "stride", "dtype", "start", "end", "ghost", "keep", "reported")
+    __slots__ = (
+        "mem",
+        "offset",
+        "shape",
+        "stride",
+        "dtype",
+        "start",
+        "end",
+        "ghost",
+        "keep",
+        "reported",
+    )
 
     def __init__(self, mem: _Memory, tensor: torch.Tensor) -> None:
         self.mem = mem

@@ -42,7 +42,7 @@ class _HostStream:
     """Stand-in for torch.cuda.Stream: on the CPU every op is complete when it returns."""
 
     def __init__(self, device=None, priority=0, **kwargs):
-        self.device = torch.device('cpu')
+        self.device = torch.device("cpu")
         self.priority = priority
 
     def wait_stream(self, stream):
@@ -94,24 +94,24 @@ _HOST_STREAM = _HostStream()
 
 def _is_cuda_device(device) -> bool:
     if isinstance(device, torch.device):
-        return device.type == 'cuda'
+        return device.type == "cuda"
     if isinstance(device, str):
-        return device.startswith('cuda')
+        return device.startswith("cuda")
     # A bare integer device index means a CUDA device to torch; none exists here.
     return isinstance(device, int) and not isinstance(device, bool)
 
 
 def _cuda_type_name(cpu_name: str) -> str:
     # 'torch.FloatTensor' -> 'torch.cuda.FloatTensor'
-    prefix = 'torch.'
-    if cpu_name.startswith(prefix) and not cpu_name.startswith('torch.cuda.'):
-        return 'torch.cuda.' + cpu_name[len(prefix):]
+    prefix = "torch."
+    if cpu_name.startswith(prefix) and not cpu_name.startswith("torch.cuda."):
+        return "torch.cuda." + cpu_name[len(prefix) :]
     return cpu_name
 
 
 def _cpu_type_name(name):
-    if isinstance(name, str) and name.startswith('torch.cuda.'):
-        return 'torch.' + name[len('torch.cuda.'):]
+    if isinstance(name, str) and name.startswith("torch.cuda."):
+        return "torch." + name[len("torch.cuda.") :]
     return name
 
 
@@ -137,20 +137,20 @@ class _CudaOnCpuMode(TorchFunctionMode):
                 return _cuda_type_name(func(*args))
             if len(args) > 1:
                 args = (args[0], _cpu_type_name(args[1])) + tuple(args[2:])
-            if 'dtype' in kwargs:
-                kwargs['dtype'] = _cpu_type_name(kwargs['dtype'])
+            if "dtype" in kwargs:
+                kwargs["dtype"] = _cpu_type_name(kwargs["dtype"])
             return func(*args, **kwargs)
         if func is torch.Tensor.cuda:
             # A real .cuda() returns the tensor itself when it already lives on the device.
             return args[0]
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
-            args = (args[0], 'cpu') + tuple(args[2:])
-        if _is_cuda_device(kwargs.get('device')):
-            kwargs['device'] = 'cpu'
+            args = (args[0], "cpu") + tuple(args[2:])
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
         return func(*args, **kwargs)
 
 
-def _cpu_get_rng_state(device='cuda'):
+def _cpu_get_rng_state(device="cuda"):
     return torch.get_rng_state()
 
 
@@ -158,7 +158,7 @@ def _cpu_set_rng_state(new_state, device=-1, graph_safe=False):
     torch.set_rng_state(new_state)
 
 
-def _cpu_get_rng_state_megatron(device='cuda', clone=False, graph_safe=False):
+def _cpu_get_rng_state_megatron(device="cuda", clone=False, graph_safe=False):
     return torch.get_rng_state()
 
 
@@ -179,50 +179,50 @@ def install() -> None:
     # megatron.core.jit wraps fused helpers (bias-gelu, bias-dropout-add) in torch.compile.
     # The model builders run either way, but megatron.training's JIT warm-up compiles them at
     # start-up and fails under the function mode below. The eager versions compute the same.
-    os.environ['TORCH_COMPILE_DISABLE'] = '1'
+    os.environ["TORCH_COMPILE_DISABLE"] = "1"
     import torch._dynamo.config as dynamo_config
 
-    _patch(dynamo_config, 'disable', True)
+    _patch(dynamo_config, "disable", True)
 
     cuda = torch.cuda
     # Needed: ParamAndGradBuffer, DistributedOptimizer, tensor_parallel layers and
     # rotary embeddings allocate with `device=torch.cuda.current_device()`.
-    _patch(cuda, 'current_device', lambda: torch.device('cpu'))
+    _patch(cuda, "current_device", lambda: torch.device("cpu"))
     # Needed (0.19): _ParamAndGradBucketGroup.start_grad_sync/finish_grad_sync call
     # torch.cuda.current_stream() on every gradient reduction.
-    _patch(cuda, 'current_stream', lambda device=None: _HOST_STREAM)
+    _patch(cuda, "current_stream", lambda device=None: _HOST_STREAM)
 
     # Not reached by build()/train_step, kept for the megatron-core paths tests may add:
     # initialize_megatron skips model-parallel and RNG setup when device_count() == 0, and
     # pins each rank with set_device(rank % device_count()).
-    _patch(cuda, 'device_count', lambda: 1)
-    _patch(cuda, 'set_device', lambda device: None)
+    _patch(cuda, "device_count", lambda: 1)
+    _patch(cuda, "set_device", lambda device: None)
     # DDP with num_distributed_optimizer_instances > 1 creates a communication Stream and
     # enters torch.cuda.stream(); 0.16 also waits on default_stream() there.
-    _patch(cuda, 'Stream', _HostStream)
-    _patch(cuda, 'Event', _HostEvent)
-    _patch(cuda, 'default_stream', lambda device=None: _HOST_STREAM)
-    _patch(cuda, 'stream', lambda stream=None: contextlib.nullcontext(stream))
+    _patch(cuda, "Stream", _HostStream)
+    _patch(cuda, "Event", _HostEvent)
+    _patch(cuda, "default_stream", lambda device=None: _HOST_STREAM)
+    _patch(cuda, "stream", lambda stream=None: contextlib.nullcontext(stream))
     # DDP.offload_grad_buffers/restore_grad_buffers, MegatronOptimizer.offload_to_cpu and the
     # dist_checkpointing save strategies synchronize / empty the cache.
-    _patch(cuda, 'synchronize', lambda device=None: None)
-    _patch(cuda, 'empty_cache', lambda: None)
+    _patch(cuda, "synchronize", lambda device=None: None)
+    _patch(cuda, "empty_cache", lambda: None)
 
     # The model-parallel RNG tracker (tensor_parallel/random.py) saves, seeds and restores the
     # CUDA generator around weight init and dropout; CPU kernels draw from the CPU default
     # generator, so the tracker must drive that one. Found by leaving each out:
     # - CudaRNGStatesTracker.add reads torch.cuda.get_rng_state(): raises without CUDA.
-    _patch(cuda, 'get_rng_state', _cpu_get_rng_state)
+    _patch(cuda, "get_rng_state", _cpu_get_rng_state)
     # - model_parallel_cuda_manual_seed/add call torch.cuda.manual_seed(), which without CUDA
     #   is queued forever: every tracker state silently equals the current CPU state.
-    _patch(cuda, 'manual_seed', _cpu_manual_seed)
+    _patch(cuda, "manual_seed", _cpu_manual_seed)
     from megatron.core.tensor_parallel import random as mcore_random
 
     # - fork() switches states with _set_cuda_rng_state, which defers through
     #   torch.cuda._lazy_call and so never runs: silently different dropout/init draws.
-    _patch(mcore_random, '_set_cuda_rng_state', _cpu_set_rng_state)
+    _patch(mcore_random, "_set_cuda_rng_state", _cpu_set_rng_state)
     # - fork() reads the current state through torch.cuda.random.get_rng_state().
-    _patch(mcore_random, '_get_cuda_rng_state', _cpu_get_rng_state_megatron)
+    _patch(mcore_random, "_get_cuda_rng_state", _cpu_get_rng_state_megatron)
     # With one generator in both roles, fork() sees the "CPU" state change inside every forked
     # region (dropout) and logs a warning each time; that is expected here.
     logging.getLogger(mcore_random.__name__).setLevel(logging.ERROR)

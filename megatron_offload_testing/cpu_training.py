@@ -43,7 +43,7 @@ def _allow_no_cuda(initialize_megatron):
 
     @functools.wraps(initialize_megatron)
     def initialize(*args, **kwargs):
-        kwargs['allow_no_cuda'] = True
+        kwargs["allow_no_cuda"] = True
         return initialize_megatron(*args, **kwargs)
 
     return initialize
@@ -62,9 +62,9 @@ def install() -> None:
 
     # Needed: pretrain() calls initialize_megatron() without allow_no_cuda, which asserts CUDA.
     wrapped = _allow_no_cuda(initialize.initialize_megatron)
-    _patch(initialize, 'initialize_megatron', wrapped)
-    _patch(training, 'initialize_megatron', wrapped)
-    _patch(megatron.training, 'initialize_megatron', wrapped)
+    _patch(initialize, "initialize_megatron", wrapped)
+    _patch(training, "initialize_megatron", wrapped)
+    _patch(megatron.training, "initialize_megatron", wrapped)
 
     # Needed with tensor (or context) parallelism: validate_args asks for the compute capability
     # (torch.cuda.get_device_properties, which initializes CUDA). Report 0, "no CUDA arch":
@@ -77,14 +77,17 @@ def install() -> None:
 
     # Where each line keeps (or re-exports) it: megatron.training.utils is a module up to 0.17
     # and a package with common_utils from 0.18 on.
-    for name in ('megatron.training.arguments', 'megatron.training.utils',
-                 'megatron.training.utils.common_utils'):
+    for name in (
+        "megatron.training.arguments",
+        "megatron.training.utils",
+        "megatron.training.utils.common_utils",
+    ):
         try:
             owner = importlib.import_module(name)
         except ImportError:
             continue
-        if hasattr(owner, 'get_device_arch_version'):
-            _patch(owner, 'get_device_arch_version', no_cuda_arch)
+        if hasattr(owner, "get_device_arch_version"):
+            _patch(owner, "get_device_arch_version", no_cuda_arch)
 
     # The first torch_dist checkpoint save creates a multiprocessing Manager for its write
     # results with the 'spawn' context, which re-imports __main__ (the whole training script,
@@ -94,10 +97,10 @@ def install() -> None:
     original_queue = filesystem_async.get_write_results_queue
 
     @functools.wraps(original_queue)
-    def fork_results_queue(mp_mode: str = 'fork'):
-        return original_queue('fork')
+    def fork_results_queue(mp_mode: str = "fork"):
+        return original_queue("fork")
 
-    _patch(filesystem_async, 'get_write_results_queue', fork_results_queue)
+    _patch(filesystem_async, "get_write_results_queue", fork_results_queue)
 
     # Needed for a resumed run to train as the run that never stopped: with the CPU generator
     # standing in for the CUDA RNG tracker, building the data iterators draws from the
@@ -110,7 +113,7 @@ def install() -> None:
     def build_iterators(*args, **kwargs):
         from megatron.training.global_vars import get_args
 
-        if not getattr(get_args(), 'iteration', 0):
+        if not getattr(get_args(), "iteration", 0):
             return original_build(*args, **kwargs)
         state = torch.random.get_rng_state()
         try:
@@ -118,7 +121,7 @@ def install() -> None:
         finally:
             torch.random.set_rng_state(state)
 
-    _patch(training, 'build_train_valid_test_data_iterators', build_iterators)
+    _patch(training, "build_train_valid_test_data_iterators", build_iterators)
     _installed = True
 
 

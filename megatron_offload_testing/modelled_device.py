@@ -32,6 +32,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from megatron_offload.device.allocator import splittable_piece_bytes
+
 from .allocator_model import AllocatorModel, Block, ModelEvent, ModelStream
 from .checked_device import CheckedDevice, _Event, _Stream
 
@@ -86,7 +87,9 @@ class ModelledDevice(CheckedDevice):
         elif model_args:
             raise TypeError(f"pass either a model or its arguments, not both: {sorted(model_args)}")
         self.model = model
-        self._streams_of: dict[_Stream, ModelStream] = {super().current_stream(): model.compute_stream}
+        self._streams_of: dict[_Stream, ModelStream] = {
+            super().current_stream(): model.compute_stream
+        }
         self._owned: dict[int, _Owned] = {}
         self._hazards_seen = 0
 
@@ -154,7 +157,9 @@ class ModelledDevice(CheckedDevice):
 
     def record_event(self, stream: _Stream, *, timing: bool = False) -> _ModelledEvent:
         event = super().record_event(stream)
-        return _ModelledEvent(event.stream, event.vector, self.model.record_event(self._streams_of[stream]))
+        return _ModelledEvent(
+            event.stream, event.vector, self.model.record_event(self._streams_of[stream])
+        )
 
     def elapsed_ms(self, start: _ModelledEvent, end: _ModelledEvent) -> float | None:
         """Modelled milliseconds, once the modelled clock has reached ``end``."""

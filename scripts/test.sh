@@ -7,7 +7,8 @@
 #     launcher, bitwise on vs. off and against the line's golden file; the line's source
 #     patches) on megatron-core 0.18.2 and 0.17.1 (Python 3.12, the main environment's torch);
 #  4. the tests marked `bridge` (Megatron-Bridge 0.6.2's own optimizer setup, train step and
-#     checkpointing with the offload callback) in the Bridge environment, built on the main one.
+#     checkpointing with the offload callback) in the Bridge environment, built on the main one;
+# and, before all of them, `ruff check` and `ruff format --check` (pyproject.toml).
 # 2, 3 and 4 (each environment built just before its run) go one after the other beside 1,
 # which waits only for its own environment (the main suite leaves a core idle about a third of
 # the time: process starts, waits for rank processes); their output is printed after the main
@@ -20,6 +21,16 @@ trap 'rm -rf "$work"' EXIT
 
 main=$(scripts/venv.sh py312) || exit 1
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
+
+# Lint and formatting (pyproject.toml), first: they take a second.
+lint_status=0
+if lint=$(scripts/venv.sh lint); then
+  echo "== ruff $("$lint/bin/ruff" --version | cut -d' ' -f2): check and format --check"
+  "$lint/bin/ruff" check . || lint_status=1
+  "$lint/bin/ruff" format --check . || lint_status=1
+else
+  echo "== ruff: its environment could not be built (above)" >&2; lint_status=1
+fi
 
 banner() {  # name python
   echo "== $1: $("$2" -c 'import megatron.core, sys; print("megatron-core", megatron.core.__version__, "python", sys.version.split()[0])')"
@@ -58,7 +69,7 @@ no_tests() {  # pytest's "no tests ran" (exit 5) is a failure too
 ) > "$work/lines.log" 2>&1 &
 lines_job=$!
 
-status=0
+status=$lint_status
 banner "main suite" "$main/bin/python"
 "$main/bin/python" -m coverage erase
 COVERAGE_PROCESS_START="$root/.coveragerc" \

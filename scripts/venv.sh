@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Usage: scripts/venv.sh py312|py311-floor|mcore-0.17|mcore-0.18|bridge
+# Usage: scripts/venv.sh py312|py311-floor|mcore-0.17|mcore-0.18|bridge|lint
 # Prints the path of a virtual environment with requirements/<name>.txt installed, creating
 # it on first use. Environments are cached under ${MEGATRON_OFFLOAD_CACHE:-~/.cache/megatron-offload}
 # and keyed by the requirements file's hash, so a fresh clone reuses them and a changed
@@ -22,6 +22,7 @@ req="$root/requirements/$name.txt"
 case "$name" in
   py312) want=3.12 ;;
   py311-floor) want=3.11 ;;
+  lint) want=3.12 ;;
   mcore-*) want=3.12; base=py312 ;;
   bridge) want=3.12; base=py312 ;;
   *) echo "unknown environment $name" >&2; exit 2 ;;

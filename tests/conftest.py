@@ -19,9 +19,9 @@ REPO_ROOT = str(Path(__file__).resolve().parents[1])
 # able to import them and the package under test from the repository root.
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
-_pythonpath = os.environ.get('PYTHONPATH', '')
+_pythonpath = os.environ.get("PYTHONPATH", "")
 if REPO_ROOT not in _pythonpath.split(os.pathsep):
-    os.environ['PYTHONPATH'] = os.pathsep.join(p for p in (REPO_ROOT, _pythonpath) if p)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, _pythonpath) if p)
 
 from tests.harness.rank_pool import RankPool  # noqa: E402
 
@@ -35,13 +35,13 @@ def _session_pool(world_size: int):
         pool.close()
 
 
-@pytest.fixture(scope='session')
+@pytest.fixture(scope="session")
 def rank_pool():
     """A RankPool of 2 ranks shared by the whole session."""
     yield from _session_pool(2)
 
 
-@pytest.fixture(scope='session')
+@pytest.fixture(scope="session")
 def rank_pool4():
     """A RankPool of 4 ranks shared by the whole session (created on first use)."""
     yield from _session_pool(4)
@@ -51,25 +51,42 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked ``bridge`` need Megatron-Bridge: elsewhere they are skipped, and say so."""
     import importlib.util
 
-    if importlib.util.find_spec('megatron.bridge') is not None:
+    if importlib.util.find_spec("megatron.bridge") is not None:
         return
-    skip = pytest.mark.skip(reason='megatron-bridge is not in this environment: the `bridge` tests run in '
-                                   'scripts/venv.sh bridge (the README\'s test command runs them there)')
+    skip = pytest.mark.skip(
+        reason="megatron-bridge is not in this environment: the `bridge` tests run in "
+        "scripts/venv.sh bridge (the README's test command runs them there)"
+    )
     for item in items:
-        if 'bridge' in item.keywords:
+        if "bridge" in item.keywords:
             item.add_marker(skip)
 
 
 def pytest_terminal_summary(terminalreporter):
     """Say how large the correctness matrix was, when it ran."""
-    matrix = sys.modules.get('tests.unit.integration.test_matrix')
+    matrix = sys.modules.get("tests.unit.integration.test_matrix")
     if matrix is None:
         return
-    ran = [r for r in terminalreporter.stats.get('passed', []) + terminalreporter.stats.get('failed', [])
-           if 'test_matrix_offloading_is_bitwise_invisible' in r.nodeid]
-    dims = {name: sorted({str(case[i]) for case in matrix.CASES})
-            for i, name in enumerate(('layout', 'dtype', 'model', 'overlap_grad_reduce',
-                                      'overlap_param_gather', 'bucket_size', 'micro_batches'))}
+    ran = [
+        r
+        for r in terminalreporter.stats.get("passed", []) + terminalreporter.stats.get("failed", [])
+        if "test_matrix_offloading_is_bitwise_invisible" in r.nodeid
+    ]
+    dims = {
+        name: sorted({str(case[i]) for case in matrix.CASES})
+        for i, name in enumerate(
+            (
+                "layout",
+                "dtype",
+                "model",
+                "overlap_grad_reduce",
+                "overlap_param_gather",
+                "bucket_size",
+                "micro_batches",
+            )
+        )
+    }
     terminalreporter.write_line(
-        f'correctness matrix: {len(matrix.CASES)} cases ({len(ran)} ran) over '
-        + '; '.join(f'{k}={"/".join(v)}' for k, v in dims.items()))
+        f"correctness matrix: {len(matrix.CASES)} cases ({len(ran)} ran) over "
+        + "; ".join(f"{k}={'/'.join(v)}" for k, v in dims.items())
+    )

@@ -17,9 +17,10 @@ second does nothing: the states come back only inside each ``optimizer.step()``,
 is served from the host copy.
 """
 
+from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyWorker
+
 import megatron_offload
 from megatron_offload.frameworks import nemo_rl as nemo_rl_offload
-from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyWorker
 
 nemo_rl_offload.install()  # MegatronPolicyWorker.move_optimizer delegates
 
@@ -27,4 +28,6 @@ nemo_rl_offload.install()  # MegatronPolicyWorker.move_optimizer delegates
 class OffloadingMegatronPolicyWorker(MegatronPolicyWorker):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)  # builds the model and the optimizer
-        self.offloader = megatron_offload.attach(self.optimizer) if self.optimizer is not None else None
+        self.offloader = (
+            megatron_offload.attach(self.optimizer) if self.optimizer is not None else None
+        )

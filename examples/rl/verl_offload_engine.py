@@ -18,10 +18,11 @@ rollouts, log-prob computation, the forward and backward passes. Masters, moment
 buffers and the masters' gradients all leave, in a few large asynchronous copies.
 """
 
-import megatron_offload
-from megatron_offload.frameworks import verl as verl_offload
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+
+import megatron_offload
+from megatron_offload.frameworks import verl as verl_offload
 
 verl_offload.install()  # verl's offload_megatron_optimizer / load_megatron_optimizer delegate
 

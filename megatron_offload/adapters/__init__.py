@@ -1,7 +1,7 @@
 """Adapters: where each optimizer kind keeps the tensors worth offloading."""
 
-from .megatron_wrappers import KINDS, OPTIMIZER_STATES, PRIMARY_WEIGHTS, collect
 from .inner_optimizers import StateAccess, kind_of, state_access
+from .megatron_wrappers import KINDS, OPTIMIZER_STATES, PRIMARY_WEIGHTS, collect
 
 __all__ = [
     "KINDS",

@@ -141,7 +141,10 @@ def is_master_key(key: str) -> bool:
 
 def kind_of(optimizer) -> str:
     """Which of megatron-core's Adams ``optimizer`` is (by what it offers, not by import)."""
-    if all(hasattr(optimizer, name) for name in ("get_unscaled_state", "set_scaled_state", "name_to_dtype_map")):
+    if all(
+        hasattr(optimizer, name)
+        for name in ("get_unscaled_state", "set_scaled_state", "name_to_dtype_map")
+    ):
         return TE_FUSED_ADAM
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         return TORCH_ADAM
@@ -159,7 +162,9 @@ def _aligned(numel: int, itemsize: int) -> int:
 def _te_state_dtypes(optimizer, param) -> dict[str, torch.dtype]:
     """State name -> the dtype of the memory TE's FusedAdam will allocate for ``param``
     (read from the optimizer's own configuration, as its ``_initialize_state`` does)."""
-    names = ["exp_avg", "exp_avg_sq"] + (["master_param"] if getattr(optimizer, "master_weights", False) else [])
+    names = ["exp_avg", "exp_avg_sq"] + (
+        ["master_param"] if getattr(optimizer, "master_weights", False) else []
+    )
     dtypes = {}
     for name in names:
         dtype = optimizer.name_to_dtype_map[name]

@@ -110,7 +110,10 @@ def collect(distrib_optimizer) -> Iterator[tuple[str, torch.Tensor]]:
         if not entries:
             continue  # apex FusedAdam: no state until the parameter had a gradient
         for key, tensor in inner_optimizers.state_tensors(param, entries):
-            yield (PRIMARY_WEIGHTS if inner_optimizers.is_master_key(key) else OPTIMIZER_STATES), tensor
+            yield (
+                (PRIMARY_WEIGHTS if inner_optimizers.is_master_key(key) else OPTIMIZER_STATES),
+                tensor,
+            )
 
 
 def in_state(distrib_optimizer) -> Iterator[torch.Tensor]:
@@ -174,14 +177,19 @@ def expected(distrib_optimizer) -> list[tuple[str, torch.Tensor, bool, torch.dev
     foreseen (FP8 moments, other optimizers): nothing is reserved then.
     """
     inner = distrib_optimizer.optimizer
-    found = [(PRIMARY_WEIGHTS, master, False, master.device) for master in master_weights(distrib_optimizer)]
+    found = [
+        (PRIMARY_WEIGHTS, master, False, master.device)
+        for master in master_weights(distrib_optimizer)
+    ]
     state = inner.state
     for group in inner.param_groups:
         for param in group["params"]:
             entries = _entries(state, param)
             if entries:
                 for key, tensor in inner_optimizers.state_tensors(param, entries):
-                    kind = PRIMARY_WEIGHTS if inner_optimizers.is_master_key(key) else OPTIMIZER_STATES
+                    kind = (
+                        PRIMARY_WEIGHTS if inner_optimizers.is_master_key(key) else OPTIMIZER_STATES
+                    )
                     found.append((kind, tensor, True, tensor.device))
                 continue
             future = _future_states(inner, group, param)
@@ -189,7 +197,9 @@ def expected(distrib_optimizer) -> list[tuple[str, torch.Tensor, bool, torch.dev
                 return None
             for key, dtype in future:  # sorted by key, as state_tensors visits them
                 kind = PRIMARY_WEIGHTS if inner_optimizers.is_master_key(key) else OPTIMIZER_STATES
-                found.append((kind, torch.empty(param.shape, dtype=dtype, device="meta"), True, param.device))
+                found.append(
+                    (kind, torch.empty(param.shape, dtype=dtype, device="meta"), True, param.device)
+                )
     return found
 
 
@@ -204,8 +214,12 @@ def _future_states(inner, group, param) -> list[tuple[str, torch.dtype]] | None:
         plain = (torch.float32, torch.bfloat16, torch.float16)
         states = [(key, dtypes.get(key)) for key in ("exp_avg", "exp_avg_sq")]
         if getattr(inner, "master_weights", False):
-            remainders = getattr(inner, "store_param_remainders", False) and param.dtype == torch.bfloat16
-            states.append(("master_param", torch.int16 if remainders else dtypes.get("master_param")))
+            remainders = (
+                getattr(inner, "store_param_remainders", False) and param.dtype == torch.bfloat16
+            )
+            states.append(
+                ("master_param", torch.int16 if remainders else dtypes.get("master_param"))
+            )
         if any(dtype not in plain + (torch.int16,) for _, dtype in states):
             return None
         return sorted(states)
@@ -263,7 +277,11 @@ class StateWatch:
         if not changed and self._watched:
             # A watched parameter's state dict has other entries than at the last look.
             entries = self._state
-            get = (lambda param: dict.get(entries, param)) if isinstance(entries, dict) else entries.get
+            get = (
+                (lambda param: dict.get(entries, param))
+                if isinstance(entries, dict)
+                else entries.get
+            )
             changed = any(len(get(param) or ()) != seen for param, seen in self._watched)
         if not changed and self.identities:
             changed = self._tensor_identities() != self._tensor_ids
@@ -275,7 +293,11 @@ class StateWatch:
         """The ids of each parameter's state tensors (``identities`` mode), O(state tensors)."""
         get = _getter(self._state)
         return [
-            tuple(id(value) for value in (get(param) or {}).values() if isinstance(value, torch.Tensor))
+            tuple(
+                id(value)
+                for value in (get(param) or {}).values()
+                if isinstance(value, torch.Tensor)
+            )
             for param in self._params
         ]
 
@@ -329,8 +351,14 @@ class StateWatch:
             new = entries.get(key)
             if type(new) is not torch.Tensor:
                 continue
-            if new is not old and _same_kind(new, old) and old.is_contiguous() and old.untyped_storage().nbytes() \
-                    and new.untyped_storage().nbytes() and id(new) not in seen:
+            if (
+                new is not old
+                and _same_kind(new, old)
+                and old.is_contiguous()
+                and old.untyped_storage().nbytes()
+                and new.untyped_storage().nbytes()
+                and id(new) not in seen
+            ):
                 with torch.no_grad():
                     old.copy_(new)
                 entries[key] = old
@@ -354,7 +382,9 @@ class StateWatch:
         self()
         if not any(m.grad is not None for m in self._probes):
             return False
-        collections.deque(map(setattr, self._masters, itertools.repeat("grad"), itertools.repeat(None)), maxlen=0)
+        collections.deque(
+            map(setattr, self._masters, itertools.repeat("grad"), itertools.repeat(None)), maxlen=0
+        )
         return True
 
     def forget(self) -> None:

@@ -90,8 +90,13 @@ class AcceleratorDevice(Device):
                 return unregister(address)
 
         try:
-            ranges = pinned.pin(whole, register=register_here, unregister=unregister_here, threads=self.pin_threads,
-                                cpus=place.cpus if self.numa_bound else ())
+            ranges = pinned.pin(
+                whole,
+                register=register_here,
+                unregister=unregister_here,
+                threads=self.pin_threads,
+                cpus=place.cpus if self.numa_bound else (),
+            )
         except pinned.PinError as error:
             # A failed cudaHostRegister leaves the error as CUDA's last error, where the next
             # unrelated error check (torch's, after any kernel) would report it.
@@ -103,7 +108,9 @@ class AcceleratorDevice(Device):
                 "host-memory need (offload_fraction, per_optimizer, offload_primary_weights=False)"
             )
             if not self.pageable_fallback:
-                raise RuntimeError(message + ", or set AcceleratorDevice.pageable_fallback = True.") from error
+                raise RuntimeError(
+                    message + ", or set AcceleratorDevice.pageable_fallback = True."
+                ) from error
             warnings.warn(
                 message + ". Falling back to pageable memory: every copy to or from it is "
                 "synchronous with the host, so offloading no longer overlaps computation.",
@@ -118,7 +125,9 @@ class AcceleratorDevice(Device):
         if self.placement is None:
             try:
                 props = self._module.get_device_properties(self.torch_device)
-                bus_id = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+                bus_id = (
+                    f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+                )
             except (AttributeError, RuntimeError, TypeError):
                 bus_id = None
             self.placement = numa.placement(bus_id)
@@ -298,7 +307,9 @@ def private_cuda_stream(module, torch_device: torch.device, priority: int):
         return None, "cuda-python is not installed (pip install cuda-bindings)"
     try:
         with module.device(torch_device):  # the stream belongs to the current device
-            err, handle = runtime.cudaStreamCreateWithPriority(runtime.cudaStreamNonBlocking, priority)
+            err, handle = runtime.cudaStreamCreateWithPriority(
+                runtime.cudaStreamNonBlocking, priority
+            )
     except Exception as error:  # e.g. cuda-python built for a newer CUDA than the driver's
         return None, f"cudaStreamCreateWithPriority raised {error!r}"
     if int(err) != 0:

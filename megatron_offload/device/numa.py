@@ -72,7 +72,9 @@ def placement(pci_bus_id: str | None, *, sysfs: str = SYSFS) -> Placement:
     text = _read(os.path.join(sysfs, "bus/pci/devices", pci_bus_id.lower(), "numa_node"))
     node = int(text) if text and text.strip().lstrip("-").isdigit() else -1
     if node < 0 or node not in nodes:
-        return Placement(None, len(nodes), note=f"the platform does not say which node {pci_bus_id} is on")
+        return Placement(
+            None, len(nodes), note=f"the platform does not say which node {pci_bus_id} is on"
+        )
     cpus = _read(os.path.join(sysfs, f"devices/system/node/node{node}/cpulist"))
     return Placement(node, len(nodes), tuple(parse_list(cpus or "")))
 
@@ -85,7 +87,9 @@ def figures(devices) -> dict:
     return {
         "numa_node": -1 if placement is None or placement.node is None else placement.node,
         "numa_bound": any(getattr(d, "numa_bound", False) for d in devices),
-        "numa_note": note if placement is not None else "host memory is not placed (no accelerator)",
+        "numa_note": note
+        if placement is not None
+        else "host memory is not placed (no accelerator)",
     }
 
 
@@ -100,8 +104,13 @@ def bind(address: int, nbytes: int, node: int) -> str:
     mask = (ctypes.c_ulong * words)()
     mask[node // 64] = 1 << (node % 64)
     result = libc.syscall(
-        ctypes.c_long(number), ctypes.c_void_p(address), ctypes.c_ulong(nbytes), ctypes.c_int(_MPOL_BIND),
-        mask, ctypes.c_ulong(64 * words), ctypes.c_uint(0),
+        ctypes.c_long(number),
+        ctypes.c_void_p(address),
+        ctypes.c_ulong(nbytes),
+        ctypes.c_int(_MPOL_BIND),
+        mask,
+        ctypes.c_ulong(64 * words),
+        ctypes.c_uint(0),
     )
     if result != 0:
         return f"mbind failed: {os.strerror(ctypes.get_errno())}"

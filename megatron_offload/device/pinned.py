@@ -65,7 +65,12 @@ from ..errors import PinError  # noqa: E402,F401 - raised here; every exception 
 
 
 def split_ranges(
-    address: int, nbytes: int, parts: int, *, page: int | None = None, min_bytes: int = MIN_RANGE_BYTES
+    address: int,
+    nbytes: int,
+    parts: int,
+    *,
+    page: int | None = None,
+    min_bytes: int = MIN_RANGE_BYTES,
 ) -> list[tuple[int, int]]:
     """``[(address, nbytes), ...]`` covering ``[address, address + nbytes)`` in at most
     ``parts`` ranges of at least ``min_bytes`` (except when the whole is smaller).
@@ -158,7 +163,9 @@ def pin(
         if code != 0:
             raise PinError(
                 f"registering {nbytes:,} bytes of host memory failed with error {code}",
-                code=code, address=base, nbytes=nbytes,
+                code=code,
+                address=base,
+                nbytes=nbytes,
             )
         return ((base, nbytes),)
     failed = [(r, code) for r, code in zip(ranges, codes) if code != 0]
@@ -168,7 +175,9 @@ def pin(
         raise PinError(
             f"registering {size:,} of {nbytes:,} bytes of host memory (at offset {start - base:,}) "
             f"failed with error {code}; the {len(ranges) - len(failed)} range(s) registered were unregistered",
-            code=code, address=start, nbytes=size,
+            code=code,
+            address=start,
+            nbytes=size,
         )
     return tuple(ranges)
 

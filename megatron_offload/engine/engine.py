@@ -57,7 +57,9 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from ..device import Device
+from .figures import CopyTimes, CycleStats, count_by_kind
 from .groups import FlatGroup, Place, release_separate_storages
+from .host import HostArena, HostBudget, HostMemoryBudgetError  # noqa: F401 - HostMemoryBudgetError re-exported
 from .labels import (  # noqa: F401 - re-exported: the labels are named from here
     D2H_AFTER_USERS,
     D2H_AFTER_WRITERS,
@@ -71,8 +73,6 @@ from .labels import (  # noqa: F401 - re-exported: the labels are named from her
     USER_AFTER_D2H,
     WRITE_AFTER_D2H,
 )
-from .figures import CopyTimes, CycleStats, count_by_kind
-from .host import HostArena, HostBudget, HostMemoryBudgetError  # noqa: F401 - HostMemoryBudgetError re-exported
 from .layout import _NEVER, MANY_COPIES, LayoutMixin, _typed, _unmovable_reason  # noqa: F401 - re-exported
 
 Collect = Callable[[], Iterable[tuple[str, torch.Tensor]]]
@@ -134,9 +134,13 @@ class OffloadEngine(LayoutMixin):
             raise ValueError(f"offload fraction must be between 0 and 1, got {fraction!r}.")
         self._fraction = fraction
         if max_piece_bytes is not None and (
-            isinstance(max_piece_bytes, bool) or not isinstance(max_piece_bytes, int) or max_piece_bytes <= 0
+            isinstance(max_piece_bytes, bool)
+            or not isinstance(max_piece_bytes, int)
+            or max_piece_bytes <= 0
         ):
-            raise ValueError(f"max_piece_bytes must be a positive number of bytes or None, got {max_piece_bytes!r}.")
+            raise ValueError(
+                f"max_piece_bytes must be a positive number of bytes or None, got {max_piece_bytes!r}."
+            )
         # The allocator cannot split a freed block above its bound (``max_split_size_mb``):
         # such a piece would serve nothing else once released, so pieces stay under it.
         bound = device.piece_bound()
@@ -206,7 +210,8 @@ class OffloadEngine(LayoutMixin):
             "offloaded_payload_bytes": payload,
             "resident_bytes": tracked - on_host + kept,
             # The arena, and host buffers handed over with ``adopt`` until the arena takes them.
-            "host_bytes": self._host.nbytes + sum({id(b): b.numel() for *_, b in self._adopted.values()}.values()),
+            "host_bytes": self._host.nbytes
+            + sum({id(b): b.numel() for *_, b in self._adopted.values()}.values()),
             "kept_resident_bytes": kept,
             "unreleasable_bytes": self.unreleasable_bytes,
             "groups": len(self.groups),
@@ -228,7 +233,11 @@ class OffloadEngine(LayoutMixin):
 
     # --------------------------------------------------------------- the cycle
     def offload(
-        self, kinds: Iterable[str] | None = None, *, skip_unchanged: bool = False, release: bool = False
+        self,
+        kinds: Iterable[str] | None = None,
+        *,
+        skip_unchanged: bool = False,
+        release: bool = False,
     ) -> None:
         """Start copying the selected groups to the host (asynchronous on accelerators).
 
@@ -348,7 +357,11 @@ class OffloadEngine(LayoutMixin):
         group.used_on = []
 
     def reload(
-        self, kinds: Iterable[str] | None = None, *, streamed: bool = True, groups: Sequence[FlatGroup] | None = None
+        self,
+        kinds: Iterable[str] | None = None,
+        *,
+        streamed: bool = True,
+        groups: Sequence[FlatGroup] | None = None,
     ) -> None:
         """Regrow the released groups and start copying them back (asynchronous on accelerators).
 
@@ -434,7 +447,11 @@ class OffloadEngine(LayoutMixin):
                     # release (from any stream) would hand the block out under this one's work.
                     for tensor in (group.flat,) if group.flat is not None else group.tensors:
                         self.device.record_stream(tensor, current, label=USE_RECORD_STREAM)
-            if group.place is Place.RESIDENT and group.d2h_event is not None and current not in group.d2h_waiters:
+            if (
+                group.place is Place.RESIDENT
+                and group.d2h_event is not None
+                and current not in group.d2h_waiters
+            ):
                 # Kept in place by a reload on another stream, which waited for this D2H:
                 # this stream writes the memory next, so it waits too.
                 self.device.wait_event(current, group.d2h_event, label=USER_AFTER_D2H)
@@ -518,7 +535,9 @@ class OffloadEngine(LayoutMixin):
             group.h2d_event = None
             group.place = Place.RESIDENT
         if before is not None:
-            self.times.pending["exposed"].append((before, self.device.record_event(current, timing=True), 0))
+            self.times.pending["exposed"].append(
+                (before, self.device.record_event(current, timing=True), 0)
+            )
 
     def _free_arena(self) -> None:
         for group in self.groups:
@@ -529,4 +548,3 @@ class OffloadEngine(LayoutMixin):
     def __repr__(self) -> str:
         places = ", ".join(f"{g.kind}/{g.dtype}:{g.place.value}" for g in self.groups)
         return f"OffloadEngine({self.name}: {places or 'empty'})"
-

@@ -72,7 +72,9 @@ def aligned_numel(numel: int, itemsize: int) -> int:
     return -(-numel // align) * align
 
 
-def split_pieces(tensors: list[torch.Tensor], itemsize: int, max_bytes: int | None) -> list[list[torch.Tensor]]:
+def split_pieces(
+    tensors: list[torch.Tensor], itemsize: int, max_bytes: int | None
+) -> list[list[torch.Tensor]]:
     """Split ``tensors`` (in order) into pieces of at most ``max_bytes`` each, laid out aligned.
 
     Consecutive tensors share a piece while it stays within the bound; a tensor larger than
@@ -103,7 +105,9 @@ class FlatGroup:
     kind: str
     dtype: torch.dtype
     tensors: list[torch.Tensor]
-    streamed: bool = False  # streamed through device slots by the caller's update, not reloaded whole
+    streamed: bool = (
+        False  # streamed through device slots by the caller's update, not reloaded whole
+    )
     piece: int = 0  # index among the pieces of its (kind, dtype) (see ``split_pieces``)
     offsets: list[int] = field(default_factory=list)  # element offset of each tensor
     numel: int = 0

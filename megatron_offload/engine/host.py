@@ -17,9 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..device import Device
-
 from .labels import HOST_FREE_AFTER_COPIES
-
 
 #: A layout reuses the arena if the arena is at most 1/REUSE_SLACK larger than it needs.
 REUSE_SLACK = 8

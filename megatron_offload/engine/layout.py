@@ -77,7 +77,9 @@ class LayoutMixin:
             return _largest_first(pairs, self._fraction)
         return pairs, []
 
-    def reserve_host(self, expected: Iterable[tuple[str, torch.Tensor, bool, torch.device]] | None) -> int:
+    def reserve_host(
+        self, expected: Iterable[tuple[str, torch.Tensor, bool, torch.device]] | None
+    ) -> int:
         """Allocate (and pin) the host arena now for the layout the first offload will make.
 
         ``expected``: ``(kind, tensor, in_state, device)`` for every tensor ``collect`` will
@@ -148,7 +150,9 @@ class LayoutMixin:
         return [
             (kind, dtype, is_streamed, index, piece)
             for (kind, dtype, is_streamed), tensors in by_key.items()
-            for index, piece in enumerate(split_pieces(tensors, itemsize_of(dtype), self._max_piece_bytes))
+            for index, piece in enumerate(
+                split_pieces(tensors, itemsize_of(dtype), self._max_piece_bytes)
+            )
         ]
 
     def _rebuild(self, current: list[tuple[str, torch.Tensor]]) -> None:
@@ -169,7 +173,11 @@ class LayoutMixin:
         }
         if mixed:
             self.reload(
-                groups=[g for g in self.groups if g.place is Place.RELEASED and any(id(t) in mixed for t in g.tensors)]
+                groups=[
+                    g
+                    for g in self.groups
+                    if g.place is Place.RELEASED and any(id(t) in mixed for t in g.tensors)
+                ]
             )
             self._restore_adopted(mixed)
             on_host = self._host_copies()
@@ -249,7 +257,9 @@ class LayoutMixin:
             self.device.free_host_buffer(buffer)
         self._adopted = {}
         # Memory of the old layout announced to the D2H stream lives on with the tensors.
-        self._announced_elsewhere = self._announced_elsewhere or any(g.announced for g in self.groups)
+        self._announced_elsewhere = self._announced_elsewhere or any(
+            g.announced for g in self.groups
+        )
         self.groups = tuple(groups)
         self._tracked = current
         self._where = {id(t): (g, i) for g in groups for i, t in enumerate(g.tensors)}
@@ -279,7 +289,9 @@ class LayoutMixin:
                 self.device.copy(tensor, _typed(host, tensor))
             # Rule 5: the buffer is given back only once the copy reading it is done (and
             # only once no other adopted tensor still has its bytes in it).
-            self.device.synchronize_event(self.device.record_event(current), label=HOST_FREE_AFTER_COPIES)
+            self.device.synchronize_event(
+                self.device.record_event(current), label=HOST_FREE_AFTER_COPIES
+            )
             if not any(other is buffer for *_, other in self._adopted.values()):
                 self.device.free_host_buffer(buffer)
 
@@ -292,14 +304,19 @@ def _largest_first(pairs, fraction):
     """
     total = sum(t.numel() * t.element_size() for _, t in pairs)
     budget = fraction * total
-    order = sorted(range(len(pairs)), key=lambda i: -pairs[i][1].numel() * pairs[i][1].element_size())
+    order = sorted(
+        range(len(pairs)), key=lambda i: -pairs[i][1].numel() * pairs[i][1].element_size()
+    )
     chosen, used = set(), 0
     for i in order:
         nbytes = pairs[i][1].numel() * pairs[i][1].element_size()
         if used + nbytes <= budget:
             chosen.add(i)
             used += nbytes
-    return ([p for i, p in enumerate(pairs) if i in chosen], [p for i, p in enumerate(pairs) if i not in chosen])
+    return (
+        [p for i, p in enumerate(pairs) if i in chosen],
+        [p for i, p in enumerate(pairs) if i not in chosen],
+    )
 
 
 def _typed(buffer: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:

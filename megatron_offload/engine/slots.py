@@ -89,10 +89,17 @@ class SlotStream:
     """
 
     def __init__(
-        self, engine: OffloadEngine, *, slot_bytes: int, slots: int = 2, transient_ratio: float = 0.0
+        self,
+        engine: OffloadEngine,
+        *,
+        slot_bytes: int,
+        slots: int = 2,
+        transient_ratio: float = 0.0,
     ) -> None:
         if slot_bytes <= 0 or slots < 1:
-            raise ValueError(f"slot_bytes must be > 0 and slots >= 1, got {slot_bytes} and {slots}.")
+            raise ValueError(
+                f"slot_bytes must be > 0 and slots >= 1, got {slot_bytes} and {slots}."
+            )
         self.engine = engine
         self.slot_bytes = slot_bytes
         self.slots = slots
@@ -116,7 +123,9 @@ class SlotStream:
         where = self.engine.locate(tensor)
         return where is not None and where[0].streamed and where[0].place is Place.RELEASED
 
-    def plan(self, units: Sequence[Sequence[torch.Tensor]], names: Sequence[str] = ()) -> list[Chunk]:
+    def plan(
+        self, units: Sequence[Sequence[torch.Tensor]], names: Sequence[str] = ()
+    ) -> list[Chunk]:
         """Pack consecutive ``units`` (each a list of streamable tensors) into chunks.
 
         ``names`` (one per unit) are used in the error raised when a unit is larger than
@@ -150,7 +159,9 @@ class SlotStream:
             for tensor in units[index]:
                 where = self.engine.locate(tensor)
                 if where is None:
-                    raise OffloadStateError(f"{self.engine.name}: a streamed tensor is not tracked.")
+                    raise OffloadStateError(
+                        f"{self.engine.name}: a streamed tensor is not tracked."
+                    )
                 group, position = where
                 located.append((id(group), group.offsets[position], group, tensor))
         located.sort(key=lambda item: (item[0], item[1]))
@@ -168,7 +179,10 @@ class SlotStream:
                 segment.end = end
                 segment.nbytes = (end - segment.start) * group.itemsize
             chunk.places[id(tensor)] = (
-                len(chunk.segments) - 1, offset - segment.start, tuple(tensor.shape), tuple(tensor.stride())
+                len(chunk.segments) - 1,
+                offset - segment.start,
+                tuple(tensor.shape),
+                tuple(tensor.stride()),
             )
         chunk.nbytes = sum(s.nbytes for s in chunk.segments)
         return chunk
@@ -179,7 +193,8 @@ class SlotStream:
         chunks: Sequence[Chunk],
         update: Callable[[Chunk, dict[int, torch.Tensor]], None],
         *,
-        save: Callable[[Chunk, list[tuple[torch.Tensor, torch.Tensor]], object], object] | None = None,
+        save: Callable[[Chunk, list[tuple[torch.Tensor, torch.Tensor]], object], object]
+        | None = None,
     ) -> None:
         """For every chunk: bring its bytes into a slot, ``update(chunk, views)``, copy them back.
 
@@ -237,7 +252,8 @@ class SlotStream:
                 # The D2H of the slot's previous chunk still reads it: refill after it.
                 device.wait_event(h2d, previous, label=SLOT_REUSE_AFTER_D2H)
             typed = typed_views[index] = [
-                slot[s.slot_offset : s.slot_offset + s.nbytes].view(s.group.dtype) for s in chunks[index].segments
+                slot[s.slot_offset : s.slot_offset + s.nbytes].view(s.group.dtype)
+                for s in chunks[index].segments
             ]
             with device.use_stream(h2d):
                 h2d_issued = True
@@ -255,7 +271,10 @@ class SlotStream:
                 # The slot's bytes from before the update, saved while the chunk before is
                 # updated (the D2H stream reads the slot after its H2D, and the slots are
                 # freed only once the D2H stream is done with them, rule 2 below).
-                pairs = [(view, s.group.host[s.start : s.end]) for s, view in zip(chunks[index].segments, typed)]
+                pairs = [
+                    (view, s.group.host[s.start : s.end])
+                    for s, view in zip(chunks[index].segments, typed)
+                ]
                 saved_events[index] = save(chunks[index], pairs, h2d_events[index])
 
         last_d2h = None
@@ -270,7 +289,9 @@ class SlotStream:
                 device.wait_event(current, h2d_events.pop(index), label=USE_AFTER_H2D)
                 typed = typed_views.pop(index)
                 views = {
-                    key: typed[segment].as_strided(shape, stride, typed[segment].storage_offset() + offset)
+                    key: typed[segment].as_strided(
+                        shape, stride, typed[segment].storage_offset() + offset
+                    )
                     for key, (segment, offset, shape, stride) in chunk.places.items()
                 }
                 saved = saved_events.pop(index, None)

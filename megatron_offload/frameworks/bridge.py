@@ -66,16 +66,23 @@ class OptimizerStateOffloadCallback:
         self.offloader = attach(context.optimizer, self.config)
         # The model's config is what Bridge's schedule reads finalize_model_grads_func from.
         model_config = _model_config(context.model)
-        if model_config is not None and getattr(model_config, "finalize_model_grads_func", None) is not None:
+        if (
+            model_config is not None
+            and getattr(model_config, "finalize_model_grads_func", None) is not None
+        ):
             self._model_config = model_config
             self._own_finalize = model_config.finalize_model_grads_func
-            model_config.finalize_model_grads_func = prefetching_finalize(self._own_finalize, self.offloader)
+            model_config.finalize_model_grads_func = prefetching_finalize(
+                self._own_finalize, self.offloader
+            )
 
     def on_checkpoint_save(self, context) -> None:
         offloader = self.offloader
         if offloader is None or offloader.detached or not _resident_bytes(offloader):
             return
-        checkpoint = getattr(getattr(getattr(context, "state", None), "cfg", None), "checkpoint", None)
+        checkpoint = getattr(
+            getattr(getattr(context, "state", None), "cfg", None), "checkpoint", None
+        )
         if checkpoint is not None and not save_is_staged_on_return(checkpoint):
             # An asynchronous writer other than megatron-core's own may still read the device
             # tensors: they stay until the next step's offload.
@@ -89,8 +96,12 @@ class OptimizerStateOffloadCallback:
         interval = getattr(getattr(state.cfg, "logger", None), "log_interval", None)
         step = state.train_state.step
         if interval and step % interval == 0:
-            log_offload_stats(step, self.offloader, writer=_writer(state, "tensorboard_logger"),
-                              wandb_writer=_writer(state, "wandb_logger"))
+            log_offload_stats(
+                step,
+                self.offloader,
+                writer=_writer(state, "tensorboard_logger"),
+                wandb_writer=_writer(state, "wandb_logger"),
+            )
 
     def on_train_end(self, context) -> None:
         if self._model_config is not None:

@@ -37,7 +37,9 @@ def install(worker_class=None) -> None:
         return
     own = cls.__dict__.get("move_optimizer")
     if own is None:
-        raise TypeError(f"{cls.__qualname__} has no move_optimizer of its own: not NeMo-RL's Megatron policy worker.")
+        raise TypeError(
+            f"{cls.__qualname__} has no move_optimizer of its own: not NeMo-RL's Megatron policy worker."
+        )
 
     @functools.wraps(own)
     def move_optimizer(self, device: str):
@@ -49,7 +51,9 @@ def install(worker_class=None) -> None:
         elif device == "cuda":
             to_device(offloader)
         else:  # as NeMo-RL's own
-            raise ValueError(f"Invalid device: {device}. Only strings 'cpu' and 'cuda' are supported.")
+            raise ValueError(
+                f"Invalid device: {device}. Only strings 'cpu' and 'cuda' are supported."
+            )
 
     cls.move_optimizer = move_optimizer
     _installed[cls] = own

@@ -80,7 +80,11 @@ def _modules(module):
     root = module.__name__.split(".")[0]
     found = [module]
     for name, loaded in list(sys.modules.items()):
-        if loaded is not None and loaded is not module and (name == root or name.startswith(root + ".")):
+        if (
+            loaded is not None
+            and loaded is not module
+            and (name == root or name.startswith(root + "."))
+        ):
             found.append(loaded)
     return found
 

@@ -16,7 +16,7 @@ from ..errors import OffloadArgumentError, OffloadStateError
 def _wrapper_classes() -> tuple[type, ...]:
     """The Megatron optimizer classes that wrap one torch optimizer (and keep the masters)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
     return (DistributedOptimizer, Float16OptimizerWithFloat16Params, FP32Optimizer)
 
@@ -70,7 +70,9 @@ def distributed_optimizers(optimizer) -> list:
 
 def is_stub(wrapper) -> bool:
     """True for a Megatron optimizer without a torch optimizer on this rank (nothing to move)."""
-    return getattr(wrapper, "optimizer", None) is None or bool(getattr(wrapper, "is_stub_optimizer", False))
+    return getattr(wrapper, "optimizer", None) is None or bool(
+        getattr(wrapper, "is_stub_optimizer", False)
+    )
 
 
 def refuse_unsupported(distrib_optimizer) -> None:

@@ -97,7 +97,9 @@ def _chain_holding(optimizer):
     if not lists:
         return None
     for owner in gc.get_referrers(*lists):
-        if isinstance(owner, ChainedOptimizer) and any(owner.chained_optimizers is r for r in lists):
+        if isinstance(owner, ChainedOptimizer) and any(
+            owner.chained_optimizers is r for r in lists
+        ):
             return owner
         if type(owner) is dict and any(owner.get("chained_optimizers") is r for r in lists):
             for chain in gc.get_referrers(owner):  # an instance dict outside its object
@@ -165,7 +167,9 @@ class _AutomaticCycle:
         if config.chunked_update_bytes is not None:
             # Each optimizer's index among all of a chain's (for ``per_optimizer``).
             indices = getattr(offloader, "_indices", None) or list(range(len(offloader.engines)))
-            for index, (engine, distrib_optimizer) in enumerate(zip(offloader.engines, offloader._distributed)):
+            for index, (engine, distrib_optimizer) in enumerate(
+                zip(offloader.engines, offloader._distributed)
+            ):
                 chunked = ChunkedUpdate(
                     engine,
                     distrib_optimizer,
@@ -182,7 +186,9 @@ class _AutomaticCycle:
                 # States made before attach (the precision-aware path creates them with the
                 # optimizer) go to the host now, so that the first update streams them too.
                 offloader.offload()
-        for index, (engine, distrib_optimizer) in enumerate(zip(offloader.engines, offloader._distributed)):
+        for index, (engine, distrib_optimizer) in enumerate(
+            zip(offloader.engines, offloader._distributed)
+        ):
             chunked = self._chunked[index] if self._chunked else None
             hook = functools.partial(_before_inner_step, engine, chunked)
             self._handles.append(distrib_optimizer.optimizer.register_step_pre_hook(hook))

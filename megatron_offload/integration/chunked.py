@@ -50,8 +50,7 @@ import functools
 
 import torch
 
-from ..adapters import OPTIMIZER_STATES, PRIMARY_WEIGHTS
-from ..adapters import inner_optimizers
+from ..adapters import OPTIMIZER_STATES, PRIMARY_WEIGHTS, inner_optimizers
 from ..engine import OffloadEngine, OffloadStateError, SlotSizeError, SlotStream
 from ..engine.engine import D2H_AFTER_WRITERS, D2H_RECORD_STREAM, HOST_FREE_AFTER_COPIES, _typed
 from ..engine.groups import owns_storage
@@ -111,7 +110,14 @@ class ChunkedUpdate:
     """
 
     def __init__(
-        self, engine: OffloadEngine, distrib_optimizer, *, total_bytes: int, slots: int, kinds, owner=None,
+        self,
+        engine: OffloadEngine,
+        distrib_optimizer,
+        *,
+        total_bytes: int,
+        slots: int,
+        kinds,
+        owner=None,
         undo: bool = False,
     ) -> None:
         self.engine = engine
@@ -135,21 +141,29 @@ class ChunkedUpdate:
             if need > slot_bytes:
                 raise ValueError(
                     f"chunked_update_bytes={total_bytes} gives {slots} slot(s) of {slot_bytes:,} bytes"
-                    + (f" (and {self.transient_reserve:,} bytes for the optimizer's temporary fp32 "
-                       "copies during each update call)" if self.transient_ratio else "")
+                    + (
+                        f" (and {self.transient_reserve:,} bytes for the optimizer's temporary fp32 "
+                        "copies during each update call)"
+                        if self.transient_ratio
+                        else ""
+                    )
                     + f", but the states of the parameter shard {tuple(param.shape)} take "
                     f"{'' if exact else 'at least '}{need:,} bytes: give at least "
                     f"{budget_for(need, slots, self.transient_ratio):,} bytes, or leave "
                     "chunked_update_bytes unset."
                 )
-        self.stream = SlotStream(engine, slot_bytes=slot_bytes, slots=slots, transient_ratio=self.transient_ratio)
+        self.stream = SlotStream(
+            engine, slot_bytes=slot_bytes, slots=slots, transient_ratio=self.transient_ratio
+        )
         self.kinds = tuple(kinds)
         self.undo = StepUndo(engine) if undo else None
         if self.undo is not None:
             # Pinned now, not on a step's path: what a step saves (the streamed states, the
             # parameters, and room for the step counts and scales a state keeps on the device).
             try:
-                self.undo.reserve(planned + sum(aligned_bytes(p) + _SMALL_STATE_ROOM for p in params))
+                self.undo.reserve(
+                    planned + sum(aligned_bytes(p) + _SMALL_STATE_ROOM for p in params)
+                )
             except BaseException:
                 self.undo.close()
                 raise
@@ -219,7 +233,9 @@ class ChunkedUpdate:
         self._final_steps = {}
         # Host memory for the states this step creates (none in a steady step).
         staging = (
-            _Staging(self.engine.device, [_planned(inner, param, self.kinds)[0] for param in creating])
+            _Staging(
+                self.engine.device, [_planned(inner, param, self.kinds)[0] for param in creating]
+            )
             if creating
             else None
         )
@@ -232,7 +248,11 @@ class ChunkedUpdate:
                 undo.reserve(
                     sum(chunk.nbytes for chunk in chunks)
                     + (sum(staging.expected) if staging is not None else 0)
-                    + sum(aligned_bytes(p) + _SMALL_STATE_ROOM for g in inner.param_groups for p in g["params"])
+                    + sum(
+                        aligned_bytes(p) + _SMALL_STATE_ROOM
+                        for g in inner.param_groups
+                        for p in g["params"]
+                    )
                 )
             # The saves read parameters and states before the first call, whose pre-hook
             # orders the copy-back of what is reloaded whole (rule 4): order it now.
@@ -273,7 +293,9 @@ class ChunkedUpdate:
                     group["step"] = final
         return None
 
-    def _undo(self, error: BaseException, stateless, scaled: set[int], staging: "_Staging | None") -> None:
+    def _undo(
+        self, error: BaseException, stateless, scaled: set[int], staging: "_Staging | None"
+    ) -> None:
         """Put back what the failed step changed: the saved bytes, and no state it created."""
         inner, engine = self.inner, self.engine
         try:
@@ -309,7 +331,9 @@ class ChunkedUpdate:
         watch = engine.fingerprint
         key = (
             engine.generation,
-            watch() if watch is not None else (len(inner.state), sum(map(len, inner.state.values()))),
+            watch()
+            if watch is not None
+            else (len(inner.state), sum(map(len, inner.state.values()))),
             tuple(group.place for group in engine.groups),
             tuple((id(group["params"]), len(group["params"])) for group in inner.param_groups),
         )
@@ -317,7 +341,9 @@ class ChunkedUpdate:
             streamed, stateless, rest, chunks = self._cached[1]
             return streamed, stateless, list(rest), chunks
         # Which param group each parameter is in, for narrowing the groups per call.
-        self._group_of = {id(p): i for i, group in enumerate(inner.param_groups) for p in group["params"]}
+        self._group_of = {
+            id(p): i for i, group in enumerate(inner.param_groups) for p in group["params"]
+        }
         streamed, stateless, rest = [], [], []
         for group in inner.param_groups:
             for param in group["params"]:
@@ -335,7 +361,10 @@ class ChunkedUpdate:
             [[tensor for _, _, tensor in unit] for _, unit in streamed],
             [f"parameter {tuple(param.shape)}" for param, _ in streamed],
         )
-        if self.transient_ratio or inner_optimizers.kind_of(inner) == inner_optimizers.TE_FUSED_ADAM:
+        if (
+            self.transient_ratio
+            or inner_optimizers.kind_of(inner) == inner_optimizers.TE_FUSED_ADAM
+        ):
             # The reserve for TE's temporaries was split off the budget from the parameters
             # known at attach: a param group added since may need more per chunk.
             for chunk in chunks:
@@ -411,7 +440,11 @@ class ChunkedUpdate:
         seen, pairs = set(), []
         for param in params:
             for tensor in written_tensors(self.inner, param, self.inner.state.get(param)):
-                if id(tensor) in seen or not tensor.numel() or not tensor.untyped_storage().nbytes():
+                if (
+                    id(tensor) in seen
+                    or not tensor.numel()
+                    or not tensor.untyped_storage().nbytes()
+                ):
                     continue
                 seen.add(id(tensor))
                 pairs.append((tensor, tensor))
@@ -420,7 +453,9 @@ class ChunkedUpdate:
     def _save_chunk(self, streamed, chunk, slot_pairs, after):
         """``SlotStream.run``'s ``save``: a chunk's slot and what else its update writes."""
         params = [streamed[index][0] for index in chunk.units]
-        return self.undo.save(list(slot_pairs) + self._written(params), after=after, order_current=False)
+        return self.undo.save(
+            list(slot_pairs) + self._written(params), after=after, order_current=False
+        )
 
     def _call(self, params, *, empty_groups: bool = False, saved: bool = False) -> None:
         """One inner step over ``params`` only (and parameter-less groups if asked).
@@ -470,7 +505,12 @@ class ChunkedUpdate:
         moving = []
         for key, _, _, tensor in inner_optimizers.state_places(param, entries):
             kind = PRIMARY_WEIGHTS if inner_optimizers.is_master_key(key) else OPTIMIZER_STATES
-            if kind in self.kinds and engine.movable(tensor) and tensor.numel() and owns_storage(tensor):
+            if (
+                kind in self.kinds
+                and engine.movable(tensor)
+                and tensor.numel()
+                and owns_storage(tensor)
+            ):
                 moving.append(tensor)
         size = sum(aligned_bytes(t) for t in moving)  # as the slots will hold them
         if size > self.stream.slot_bytes:
@@ -481,8 +521,12 @@ class ChunkedUpdate:
                 f"{engine.name}: the states of parameter {tuple(param.shape)} take {size:,} bytes, "
                 f"more than one slot of the chunked update ({self.stream.slot_bytes:,} bytes), which "
                 f"this optimizer's configuration did not tell before its first step"
-                + ("" if self.undo is not None else "; parameters updated earlier in this step keep "
-                   "their update, so do not retry this step")
+                + (
+                    ""
+                    if self.undo is not None
+                    else "; parameters updated earlier in this step keep "
+                    "their update, so do not retry this step"
+                )
                 + f". Give the chunked update at least {self.stream.budget_for(size):,} bytes "
                 "(chunked_update_bytes), or leave it unset."
             )
@@ -517,4 +561,6 @@ class ChunkedUpdate:
             device.record_stream(tensor, side, label=D2H_RECORD_STREAM)
             device.release(tensor)
         staging.handed_over(buffer for _, buffer in places)
-        engine.adopt((tensor, view, event, buffer) for tensor, (view, buffer) in zip(moving, places))
+        engine.adopt(
+            (tensor, view, event, buffer) for tensor, (view, buffer) in zip(moving, places)
+        )

@@ -32,16 +32,24 @@ import dataclasses
 
 from .flags import CHUNKED_FLAG, OFFLOAD_FLAG, OffloadArgumentError, offload_enabled
 
-MEGATRON_FLAG = '--chunked-optimizer-state-offload'
-MEGATRON_DEST = 'chunked_optimizer_state_offload'
+MEGATRON_FLAG = "--chunked-optimizer-state-offload"
+MEGATRON_DEST = "chunked_optimizer_state_offload"
 # Megatron's tuning flags of its own offloader: (option, dest, Megatron's default, what to use
 # with megatron-offload instead).
 MEGATRON_TUNING_FLAGS = (
-    ('--optimizer-state-offload-chunk-size-mb', 'optimizer_state_offload_chunk_size_mb', 0,
-     f'{CHUNKED_FLAG} bounds the device memory of megatron-offload\'s update'),
-    ('--optimizer-state-offload-fraction', 'optimizer_state_offload_fraction', 1.0,
-     'megatron-offload offloads every state; --no-offload-moments and '
-     '--no-offload-master-weights choose which kind'),
+    (
+        "--optimizer-state-offload-chunk-size-mb",
+        "optimizer_state_offload_chunk_size_mb",
+        0,
+        f"{CHUNKED_FLAG} bounds the device memory of megatron-offload's update",
+    ),
+    (
+        "--optimizer-state-offload-fraction",
+        "optimizer_state_offload_fraction",
+        1.0,
+        "megatron-offload offloads every state; --no-offload-moments and "
+        "--no-offload-master-weights choose which kind",
+    ),
 )
 # The only flag of this project that a Megatron may define too (as the alias above): taken
 # over when it stores the same value in the same dest.
@@ -49,16 +57,16 @@ ADOPTABLE_FLAGS = (OFFLOAD_FLAG,)
 
 KEPT_OFF_NOTE = (
     "megatron-offload's offloader is active and Megatron's own chunked optimizer-state "
-    f'offloader ({MEGATRON_FLAG}) is off: run through megatron-offload, {OFFLOAD_FLAG} selects '
+    f"offloader ({MEGATRON_FLAG}) is off: run through megatron-offload, {OFFLOAD_FLAG} selects "
     "megatron-offload's offloader (this Megatron also reads it as a deprecated alias of its "
-    'own), and only one offloader may manage the optimizer states'
+    "own), and only one offloader may manage the optimizer states"
 )
 MEGATRON_ACTIVE_LINE = (
     "> optimizer-state offloading: Megatron's own chunked optimizer-state offloader is active "
     f"({MEGATRON_FLAG}); megatron-offload's is off (no {OFFLOAD_FLAG})"
 )
 
-_MARK = '_megatron_offload_flag'  # set on the argparse actions this project added or took over
+_MARK = "_megatron_offload_flag"  # set on the argparse actions this project added or took over
 
 
 # ------------------------------------------------------------------------------ the parser
@@ -78,11 +86,14 @@ def add_flags(parser: argparse.ArgumentParser, flags, title: str) -> argparse.Ar
         probe = _probe(option, kwargs)
         for action in parser._actions:
             if action.dest == probe.dest and not getattr(action, _MARK, None):
-                _refuse_clash(option, f'{"/".join(action.option_strings) or action.dest} '
-                              f'already stores into args.{probe.dest}, which {option} sets')
+                _refuse_clash(
+                    option,
+                    f"{'/'.join(action.option_strings) or action.dest} "
+                    f"already stores into args.{probe.dest}, which {option} sets",
+                )
         if group is None:
             group = parser.add_argument_group(title=title)
-        setattr(group.add_argument(option, **kwargs), _MARK, 'added')
+        setattr(group.add_argument(option, **kwargs), _MARK, "added")
     return parser
 
 
@@ -92,30 +103,40 @@ def _probe(option: str, kwargs: dict) -> argparse.Action:
 
 
 def _shape(action: argparse.Action) -> tuple:
-    return (type(action), action.dest, action.nargs, action.const, action.default, action.type,
-            action.choices)
+    return (
+        type(action),
+        action.dest,
+        action.nargs,
+        action.const,
+        action.default,
+        action.type,
+        action.choices,
+    )
 
 
 def _adopt(existing: argparse.Action, option: str, kwargs: dict) -> None:
     probe = _probe(option, kwargs)
     if option not in ADOPTABLE_FLAGS:
-        _refuse_clash(option, f'it defines {option} itself')
+        _refuse_clash(option, f"it defines {option} itself")
     if _shape(existing) != _shape(probe):
-        _refuse_clash(option, f'it defines {option} differently (dest {existing.dest!r}, '
-                      f'default {existing.default!r}, {type(existing).__name__})')
+        _refuse_clash(
+            option,
+            f"it defines {option} differently (dest {existing.dest!r}, "
+            f"default {existing.default!r}, {type(existing).__name__})",
+        )
     existing.help = (
-        f'{probe.help} [megatron-offload: this Megatron also defines {option}, as its own '
-        f'offloader\'s deprecated alias; here it selects megatron-offload\'s offloader, and '
-        f'Megatron\'s stays off.]'
+        f"{probe.help} [megatron-offload: this Megatron also defines {option}, as its own "
+        f"offloader's deprecated alias; here it selects megatron-offload's offloader, and "
+        f"Megatron's stays off.]"
     )
-    setattr(existing, _MARK, 'adopted')
+    setattr(existing, _MARK, "adopted")
 
 
 def _refuse_clash(option: str, what: str) -> None:
     raise OffloadArgumentError(
-        f'megatron-offload cannot add {option} to this Megatron\'s argument parser: {what}, '
-        f'so the two would share one value. Use a megatron-offload release made for this '
-        f'Megatron version, or a Megatron version that does not define it.'
+        f"megatron-offload cannot add {option} to this Megatron's argument parser: {what}, "
+        f"so the two would share one value. Use a megatron-offload release made for this "
+        f"Megatron version, or a Megatron version that does not define it."
     )
 
 
@@ -127,20 +148,20 @@ def refuse_conflicts(args) -> None:
         return
     if getattr(args, MEGATRON_DEST, False):
         raise OffloadArgumentError(
-            f'{OFFLOAD_FLAG} and {MEGATRON_FLAG} both ask for an optimizer-state offloader: '
-            f'run through megatron-offload, {OFFLOAD_FLAG} selects megatron-offload\'s, '
-            f'{MEGATRON_FLAG} Megatron\'s own, and only one may manage the optimizer states. '
-            f'Drop {MEGATRON_FLAG} to use megatron-offload\'s ({CHUNKED_FLAG} bounds its '
-            f'update\'s device memory), or drop {OFFLOAD_FLAG} to use Megatron\'s.'
+            f"{OFFLOAD_FLAG} and {MEGATRON_FLAG} both ask for an optimizer-state offloader: "
+            f"run through megatron-offload, {OFFLOAD_FLAG} selects megatron-offload's, "
+            f"{MEGATRON_FLAG} Megatron's own, and only one may manage the optimizer states. "
+            f"Drop {MEGATRON_FLAG} to use megatron-offload's ({CHUNKED_FLAG} bounds its "
+            f"update's device memory), or drop {OFFLOAD_FLAG} to use Megatron's."
         )
     for option, dest, default, instead in MEGATRON_TUNING_FLAGS:
         value = getattr(args, dest, default)
         if value != default:
             raise OffloadArgumentError(
-                f'{option} {value} tunes Megatron\'s own chunked offloader ({MEGATRON_FLAG}), '
-                f'which stays off with {OFFLOAD_FLAG} (megatron-offload\'s offloader), so it '
-                f'would have no effect. Drop {option} ({instead}), or use {MEGATRON_FLAG} '
-                f'without {OFFLOAD_FLAG}.'
+                f"{option} {value} tunes Megatron's own chunked offloader ({MEGATRON_FLAG}), "
+                f"which stays off with {OFFLOAD_FLAG} (megatron-offload's offloader), so it "
+                f"would have no effect. Drop {option} ({instead}), or use {MEGATRON_FLAG} "
+                f"without {OFFLOAD_FLAG}."
             )
 
 
@@ -153,29 +174,29 @@ def megatron_has_own_offloader(args=None, config_cls=None, optimizer=None) -> bo
     if config_cls is not None and dataclasses.is_dataclass(config_cls):
         if any(field.name == MEGATRON_DEST for field in dataclasses.fields(config_cls)):
             return True
-    return any(hasattr(getattr(o, 'config', None), MEGATRON_DEST) for o in _optimizers(optimizer))
+    return any(hasattr(getattr(o, "config", None), MEGATRON_DEST) for o in _optimizers(optimizer))
 
 
 def megatron_offloader_enabled(optimizer) -> bool:
     """Whether Megatron's own offloader is on for ``optimizer`` (or a chained optimizer)."""
     for candidate in _optimizers(optimizer):
-        if getattr(candidate, '_optimizer_state_offloader', None) is not None:
+        if getattr(candidate, "_optimizer_state_offloader", None) is not None:
             return True
-        if _config_enables_it(getattr(candidate, 'config', None)):
+        if _config_enables_it(getattr(candidate, "config", None)):
             return True
     return False
 
 
 def _config_enables_it(config) -> bool:
     return bool(getattr(config, MEGATRON_DEST, False)) and (
-        getattr(config, 'optimizer_state_offload_fraction', 1.0) > 0.0
+        getattr(config, "optimizer_state_offload_fraction", 1.0) > 0.0
     )
 
 
 def _optimizers(optimizer) -> list:
     if optimizer is None:
         return []
-    return [optimizer] + list(getattr(optimizer, 'chained_optimizers', None) or [])
+    return [optimizer] + list(getattr(optimizer, "chained_optimizers", None) or [])
 
 
 @contextlib.contextmanager
@@ -198,10 +219,10 @@ def refuse_enabled_config(args, config) -> None:
     Megatron's offloader when ``args`` selects megatron-offload's."""
     if offload_enabled(args) and _config_enables_it(config):
         raise OffloadArgumentError(
-            f'{OFFLOAD_FLAG} selects megatron-offload\'s offloader, but the optimizer config '
-            f'built from these arguments enables Megatron\'s own ({MEGATRON_DEST}, '
-            f'{MEGATRON_FLAG}); only one may manage the optimizer states. Drop whatever sets '
-            f'{MEGATRON_DEST}, or drop {OFFLOAD_FLAG}.'
+            f"{OFFLOAD_FLAG} selects megatron-offload's offloader, but the optimizer config "
+            f"built from these arguments enables Megatron's own ({MEGATRON_DEST}, "
+            f"{MEGATRON_FLAG}); only one may manage the optimizer states. Drop whatever sets "
+            f"{MEGATRON_DEST}, or drop {OFFLOAD_FLAG}."
         )
 
 
@@ -209,9 +230,9 @@ def refuse_enabled_optimizer(optimizer) -> None:
     """Before megatron-offload attaches: refuse an optimizer Megatron's offloader manages."""
     if megatron_offloader_enabled(optimizer):
         raise OffloadArgumentError(
-            f'{OFFLOAD_FLAG} would attach megatron-offload\'s offloader to an optimizer that '
-            f'Megatron\'s own chunked offloader already manages ({MEGATRON_FLAG}, '
-            f'OptimizerConfig.{MEGATRON_DEST} or the deprecated OptimizerConfig.'
-            f'offload_optimizer_states); only one may manage the optimizer states. Build the '
-            f'optimizer without Megatron\'s offloader, or drop {OFFLOAD_FLAG}.'
+            f"{OFFLOAD_FLAG} would attach megatron-offload's offloader to an optimizer that "
+            f"Megatron's own chunked offloader already manages ({MEGATRON_FLAG}, "
+            f"OptimizerConfig.{MEGATRON_DEST} or the deprecated OptimizerConfig."
+            f"offload_optimizer_states); only one may manage the optimizer states. Build the "
+            f"optimizer without Megatron's offloader, or drop {OFFLOAD_FLAG}."
         )

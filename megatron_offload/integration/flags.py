@@ -6,8 +6,8 @@ an offloader of its own), which both need them and neither imports the other's u
 
 from __future__ import annotations
 
-OFFLOAD_FLAG = '--offload-optimizer-states'
-CHUNKED_FLAG = '--offload-chunked-update-bytes'
+OFFLOAD_FLAG = "--offload-optimizer-states"
+CHUNKED_FLAG = "--offload-chunked-update-bytes"
 
 
 from ..errors import OffloadArgumentError  # noqa: E402,F401 - raised here; every exception lives in errors.py
@@ -15,4 +15,4 @@ from ..errors import OffloadArgumentError  # noqa: E402,F401 - raised here; ever
 
 def offload_enabled(args) -> bool:
     """True when ``args`` asks for optimizer-state offloading."""
-    return bool(getattr(args, 'offload_optimizer_states', False))
+    return bool(getattr(args, "offload_optimizer_states", False))

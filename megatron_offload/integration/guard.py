@@ -33,7 +33,7 @@ import functools
 import torch
 
 from ..adapters import state_access
-from .host_view import HostView, checkpoint_view, serve_reads, servable
+from .host_view import HostView, checkpoint_view, servable, serve_reads
 
 # Public methods (on DistributedOptimizer, ChainedOptimizer and their bases, megatron-core
 # 0.16-0.19) that read or write the offloaded tensors. Names absent on a version are skipped.
@@ -111,7 +111,13 @@ class _PlainState(collections.defaultdict):
     prints as one (the accessors below wrap these)."""
 
     def __reduce__(self):
-        return (collections.defaultdict, (self.default_factory,), None, None, iter(dict.items(self)))
+        return (
+            collections.defaultdict,
+            (self.default_factory,),
+            None,
+            None,
+            iter(dict.items(self)),
+        )
 
     def copy(self):
         return collections.defaultdict(self.default_factory, dict.items(self))
@@ -188,8 +194,25 @@ _ARMED_ACCESSORS = {
 # Accessors served from the host copy (the rest, which print, copy or pickle the whole
 # mapping with its keys, bring every state back), and those among them that hand out keys.
 _SERVED_ACCESSORS = frozenset(
-    {"__getitem__", "get", "keys", "values", "items", "__iter__", "__reversed__", "__eq__", "__ne__",
-     "__setitem__", "__delitem__", "setdefault", "pop", "popitem", "update", "__ior__", "clear"}
+    {
+        "__getitem__",
+        "get",
+        "keys",
+        "values",
+        "items",
+        "__iter__",
+        "__reversed__",
+        "__eq__",
+        "__ne__",
+        "__setitem__",
+        "__delitem__",
+        "setdefault",
+        "pop",
+        "popitem",
+        "update",
+        "__ior__",
+        "clear",
+    }
 )
 _KEY_ACCESSORS = frozenset({"keys", "items", "__iter__", "__reversed__", "popitem"})
 
@@ -250,8 +273,16 @@ class StateAccessGuard:
         for distrib_optimizer in offloader._distributed:
             inner = distrib_optimizer.optimizer
             if isinstance(inner, torch.optim.Optimizer):
-                self._hooks.append(inner.register_state_dict_pre_hook(functools.partial(_inner_pre_hook, offloader)))
-                self._hooks.append(inner.register_load_state_dict_pre_hook(functools.partial(_inner_load_pre_hook, offloader)))
+                self._hooks.append(
+                    inner.register_state_dict_pre_hook(
+                        functools.partial(_inner_pre_hook, offloader)
+                    )
+                )
+                self._hooks.append(
+                    inner.register_load_state_dict_pre_hook(
+                        functools.partial(_inner_load_pre_hook, offloader)
+                    )
+                )
                 # torch's load_state_dict() puts a new defaultdict in place of the state.
                 self._hooks.append(inner.register_load_state_dict_post_hook(self._after_inner_load))
             # Methods of the inner optimizer itself that touch state outside step() (TE's
@@ -259,7 +290,9 @@ class StateAccessGuard:
             # above cover only state_dict and load_state_dict.
             access = state_access(inner)
             for name in access.reads + access.writes + access.replaces:
-                if name in ("state_dict", "load_state_dict") or not callable(getattr(inner, name, None)):
+                if name in ("state_dict", "load_state_dict") or not callable(
+                    getattr(inner, name, None)
+                ):
                     continue
                 self._wrap(inner, name, self._inner_state_call(name in access.replaces))
 
@@ -480,7 +513,11 @@ def restore_step_tensors(optimizer, state_dict) -> None:
     ``step`` the optimizer had before the load (for example 1 after the dummy step that
     initializes states for loading). Each parameter gets its own tensor with the saved value.
     """
-    groups = state_dict.get("optimizer", {}).get("param_groups", []) if isinstance(state_dict, dict) else []
+    groups = (
+        state_dict.get("optimizer", {}).get("param_groups", [])
+        if isinstance(state_dict, dict)
+        else []
+    )
     steps = {float(g["step"]) for g in groups if g.get("step") is not None}
     if len(steps) != 1:
         unshare_step_tensors(optimizer)

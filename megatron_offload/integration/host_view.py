@@ -48,8 +48,8 @@ import time
 
 import torch
 
-from ..adapters import megatron_wrappers as wrappers
 from ..adapters import PRIMARY_WEIGHTS, inner_optimizers
+from ..adapters import megatron_wrappers as wrappers
 from ..engine import Place
 from ..engine.groups import aligned_size
 
@@ -64,7 +64,10 @@ def servable(offloader) -> bool:
         inner = distrib_optimizer.optimizer
         if inner_optimizers.kind_of(inner) == inner_optimizers.TE_FUSED_ADAM:
             dtypes = getattr(inner, "name_to_dtype_map", {}) or {}
-            if any(dtypes.get(k) in _DEVICE_ONLY_DTYPES for k in ("exp_avg", "exp_avg_sq", "master_param")):
+            if any(
+                dtypes.get(k) in _DEVICE_ONLY_DTYPES
+                for k in ("exp_avg", "exp_avg_sq", "master_param")
+            ):
                 return False
     return True
 
@@ -129,7 +132,8 @@ class HostView:
         figures["host_view_calls"] += 1
         # State the block finds on the device (partial offload, a prefetch): read there.
         figures["host_view_device_bytes"] = max(
-            figures["host_view_device_bytes"], sum(e.stats()["resident_bytes"] for e in offloader._engines)
+            figures["host_view_device_bytes"],
+            sum(e.stats()["resident_bytes"] for e in offloader._engines),
         )
         start = time.perf_counter()
         try:
@@ -174,7 +178,11 @@ class HostView:
             new_entries = None
             for name, value in entries.items():
                 original = served.places.get((id(key), name))
-                if original is None or not isinstance(value, torch.Tensor) or not _fits(value, original):
+                if (
+                    original is None
+                    or not isinstance(value, torch.Tensor)
+                    or not _fits(value, original)
+                ):
                     continue
                 if value.numel():
                     served.write(original, value)
@@ -285,8 +293,13 @@ class _Served:
         items = list(dict.items(state))
         # Every tensor the state holds now (held, so that no id is reused in the block): on
         # exit, a tensor found in the state that is none of these was made in the block.
-        self.existing = {id(v): v for _, e in items if isinstance(e, dict) for v in e.values()
-                         if isinstance(v, torch.Tensor)}
+        self.existing = {
+            id(v): v
+            for _, e in items
+            if isinstance(e, dict)
+            for v in e.values()
+            if isinstance(v, torch.Tensor)
+        }
         dict.clear(state)
         for key, entries in items:
             if isinstance(entries, dict):
@@ -319,7 +332,9 @@ class _Served:
         inner = self.owner.optimizer
         originals = self.originals
         # The lists the block sees now (a load may have rebuilt param_groups around them).
-        lists = [group["params"] for group in inner.param_groups] + list(wrappers.master_groups(self.owner))
+        lists = [group["params"] for group in inner.param_groups] + list(
+            wrappers.master_groups(self.owner)
+        )
         for tensors in lists:
             for index, tensor in enumerate(tensors):
                 original = originals.get(id(tensor)) if tensor is not None else None
@@ -354,7 +369,12 @@ class _Served:
                         entries[name] = original
                     elif original is not None or _has_state_place(key, name, value):
                         changed = True
-                        if served_key and value.device.type == "cpu" and _plain(value) and value.numel():
+                        if (
+                            served_key
+                            and value.device.type == "cpu"
+                            and _plain(value)
+                            and value.numel()
+                        ):
                             # Made in the block for a served parameter (torch's load casts to
                             # the parameter's device): already on the host.
                             adopt.append((entries, name, value))
@@ -440,8 +460,10 @@ def _plain(value) -> bool:
 
 
 def _fits(value: torch.Tensor, original: torch.Tensor) -> bool:
-    return type(value) in (torch.Tensor, torch.nn.Parameter) and value.dtype == original.dtype and (
-        value.numel() == 0 or value.shape == original.shape
+    return (
+        type(value) in (torch.Tensor, torch.nn.Parameter)
+        and value.dtype == original.dtype
+        and (value.numel() == 0 or value.shape == original.shape)
     )
 
 

@@ -43,8 +43,8 @@ from ..config import OffloadConfig
 from ..device import device_for, numa
 from ..engine import HostBudget, OffloadEngine, OffloadStateError, Place
 from ..engine.figures import gbps
-from .acceptance import distributed_optimizers, is_stub, megatron_optimizers, refuse_unsupported  # noqa: F401 - re-exported
 from . import stats_log
+from .acceptance import distributed_optimizers, is_stub, megatron_optimizers, refuse_unsupported  # noqa: F401 - re-exported
 from .guard import StateAccessGuard
 from .host_view import HostView
 
@@ -136,7 +136,9 @@ class OptimizerStateOffloader:
         """Make this offloader reachable as ``_state_offloader`` (the name of Megatron-LM's
         own unreleased offloader); ``_unmark`` puts back what was there."""
         had = "_state_offloader" in vars(distrib_optimizer)
-        self._marked.append((distrib_optimizer, had, vars(distrib_optimizer).get("_state_offloader")))
+        self._marked.append(
+            (distrib_optimizer, had, vars(distrib_optimizer).get("_state_offloader"))
+        )
         distrib_optimizer._state_offloader = self
 
     def _unmark(self) -> None:
@@ -150,7 +152,9 @@ class OptimizerStateOffloader:
         self._marked = []
 
     # --------------------------------------------------------------- hooks
-    def register_offload_pre_hook(self, hook: Callable[["OptimizerStateOffloader"], None]) -> RemovableHandle:
+    def register_offload_pre_hook(
+        self, hook: Callable[["OptimizerStateOffloader"], None]
+    ) -> RemovableHandle:
         """Call ``hook(offloader)`` just before the states are copied out and their device
         memory released: at every ``offload()`` and after every step of an attached
         optimizer. Returns a handle whose ``remove()`` unregisters it (as torch's hooks).
@@ -159,7 +163,9 @@ class OptimizerStateOffloader:
         self._offload_pre_hooks[handle.id] = hook
         return handle
 
-    def register_offload_post_hook(self, hook: Callable[["OptimizerStateOffloader"], None]) -> RemovableHandle:
+    def register_offload_post_hook(
+        self, hook: Callable[["OptimizerStateOffloader"], None]
+    ) -> RemovableHandle:
         """Call ``hook(offloader)`` just after the copies out were queued and the device
         memory released (the copies may still run); see ``register_offload_pre_hook``."""
         handle = RemovableHandle(self._offload_post_hooks)
@@ -237,7 +243,9 @@ class OptimizerStateOffloader:
             else:
                 total[key] = sum(s[key] for s in per)
         for direction in ("d2h", "h2d"):  # of the summed bytes and times, not a sum of rates
-            total[f"{direction}_gbps"] = gbps(total.get(f"{direction}_timed_bytes", 0), total.get(f"{direction}_ms", 0.0))
+            total[f"{direction}_gbps"] = gbps(
+                total.get(f"{direction}_timed_bytes", 0), total.get(f"{direction}_ms", 0.0)
+            )
         total["cycles"] = self._cycles
         total.update(numa.figures([engine.device for engine in self._engines]))
         total.update(self._host_view_figures)
@@ -246,7 +254,9 @@ class OptimizerStateOffloader:
 
     # ------------------------------------------------- the upstream-compatible API
     def offload(
-        self, offload_optimizer_states: bool | None = None, offload_primary_weights: bool | None = None
+        self,
+        offload_optimizer_states: bool | None = None,
+        offload_primary_weights: bool | None = None,
     ) -> None:
         """Copy the selected states to the host and free their device memory.
 
@@ -306,7 +316,9 @@ class OptimizerStateOffloader:
     # ------------------------------------------------------------- conveniences
     @contextlib.contextmanager
     def offloaded(
-        self, offload_optimizer_states: bool | None = None, offload_primary_weights: bool | None = None
+        self,
+        offload_optimizer_states: bool | None = None,
+        offload_primary_weights: bool | None = None,
     ) -> Iterator["OptimizerStateOffloader"]:
         """The selected states offloaded for the duration of the block (an RL rollout).
 
@@ -442,7 +454,10 @@ class OptimizerStateOffloader:
         for configured in self._configured_kinds:
             wanted = (
                 (OPTIMIZER_STATES, OPTIMIZER_STATES in configured if states is None else states),
-                (PRIMARY_WEIGHTS, PRIMARY_WEIGHTS in configured if primaries is None else primaries),
+                (
+                    PRIMARY_WEIGHTS,
+                    PRIMARY_WEIGHTS in configured if primaries is None else primaries,
+                ),
             )
             selection.append(tuple(kind for kind, on in wanted if on))
         return selection
@@ -524,7 +539,11 @@ class OptimizerStateOffloader:
         (released, or still being copied), and not otherwise (see ``guard.GuardedState``)."""
         if not self.detached and self._host_view is None:
             self._guard.arm(
-                any(group.place is not Place.RESIDENT for engine in self._engines for group in engine.groups)
+                any(
+                    group.place is not Place.RESIDENT
+                    for engine in self._engines
+                    for group in engine.groups
+                )
             )
 
     def _check_attached(self) -> None:

@@ -8,18 +8,18 @@ import re
 
 GIB = float(1 << 30)
 SCALAR_NAMES = {
-    'offloaded_gib': 'optimizer-offload/offloaded-GiB',
-    'host_gib': 'optimizer-offload/host-GiB',
-    'd2h_ms': 'optimizer-offload/d2h-ms',
-    'd2h_gbps': 'optimizer-offload/d2h-GBps',
-    'h2d_ms': 'optimizer-offload/h2d-ms',
-    'h2d_gbps': 'optimizer-offload/h2d-GBps',
-    'exposed_ms': 'optimizer-offload/exposed-ms',
-    'issue_ms': 'optimizer-offload/issue-ms',
-    'checkpoint_wait_ms': 'optimizer-offload/checkpoint-wait-ms',
+    "offloaded_gib": "optimizer-offload/offloaded-GiB",
+    "host_gib": "optimizer-offload/host-GiB",
+    "d2h_ms": "optimizer-offload/d2h-ms",
+    "d2h_gbps": "optimizer-offload/d2h-GBps",
+    "h2d_ms": "optimizer-offload/h2d-ms",
+    "h2d_gbps": "optimizer-offload/h2d-GBps",
+    "exposed_ms": "optimizer-offload/exposed-ms",
+    "issue_ms": "optimizer-offload/issue-ms",
+    "checkpoint_wait_ms": "optimizer-offload/checkpoint-wait-ms",
 }
 #: Figures reduced with the minimum over ranks (the slowest link), not the maximum.
-MIN_OVER_RANKS = ('d2h_gbps', 'h2d_gbps')
+MIN_OVER_RANKS = ("d2h_gbps", "h2d_gbps")
 
 
 def offload_figures(stats: dict) -> dict:
@@ -29,21 +29,21 @@ def offload_figures(stats: dict) -> dict:
     checkpoints and reads served from the host copy waited for copies out to complete, since
     attach (checkpoint wait)."""
     return {
-        'offloaded_gib': stats['offloaded_bytes'] / GIB,
-        'host_gib': stats['host_bytes'] / GIB,
-        'd2h_ms': stats['d2h_ms'],
-        'd2h_gbps': stats['d2h_gbps'],
-        'h2d_ms': stats['h2d_ms'],
-        'h2d_gbps': stats['h2d_gbps'],
-        'exposed_ms': stats['exposed_ms'],
-        'issue_ms': (stats['offload_seconds'] + stats['reload_seconds']) * 1e3,
-        'checkpoint_wait_ms': stats.get('host_view_wait_ms', 0.0),
+        "offloaded_gib": stats["offloaded_bytes"] / GIB,
+        "host_gib": stats["host_bytes"] / GIB,
+        "d2h_ms": stats["d2h_ms"],
+        "d2h_gbps": stats["d2h_gbps"],
+        "h2d_ms": stats["h2d_ms"],
+        "h2d_gbps": stats["h2d_gbps"],
+        "exposed_ms": stats["exposed_ms"],
+        "issue_ms": (stats["offload_seconds"] + stats["reload_seconds"]) * 1e3,
+        "checkpoint_wait_ms": stats.get("host_view_wait_ms", 0.0),
     }
 
 
-_UNITS = ('B', 'KiB', 'MiB', 'GiB', 'TiB')
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 #: A size as ``human_bytes`` writes it, for parsers of the log line.
-SIZE_PATTERN = r'[0-9.]+ (?:B|KiB|MiB|GiB|TiB)'
+SIZE_PATTERN = r"[0-9.]+ (?:B|KiB|MiB|GiB|TiB)"
 
 
 def human_bytes(nbytes: float) -> str:
@@ -53,9 +53,9 @@ def human_bytes(nbytes: float) -> str:
     while abs(value) >= 1024 and unit < len(_UNITS) - 1:
         value, unit = value / 1024, unit + 1
     if unit == 0:
-        return f'{int(value)} B'
+        return f"{int(value)} B"
     decimals = 3 if abs(value) < 10 else 2 if abs(value) < 100 else 1
-    return f'{value:.{decimals}f} {_UNITS[unit]}'
+    return f"{value:.{decimals}f} {_UNITS[unit]}"
 
 
 def parse_bytes(text: str) -> float:
@@ -66,35 +66,35 @@ def parse_bytes(text: str) -> float:
 
 def _copy(name: str, ms: float, gbps: float) -> str:
     """A copy's figure, or nothing while none was measured."""
-    return f' {name}: {ms:.3f} ms ({gbps:.2f} GB/s) |' if ms > 0 else ''
+    return f" {name}: {ms:.3f} ms ({gbps:.2f} GB/s) |" if ms > 0 else ""
 
 
 def format_offload_stats(iteration: int, figures: dict, *, ranks: int = 1) -> str:
     """The log line (one per log interval): sizes in human units; copy times and the
     checkpoint wait only once measured."""
-    scope = f' (max over {ranks} ranks; GB/s: min)' if ranks > 1 else ''
-    wait = figures['checkpoint_wait_ms']
+    scope = f" (max over {ranks} ranks; GB/s: min)" if ranks > 1 else ""
+    wait = figures["checkpoint_wait_ms"]
     return (
-        f' [optimizer-state offload] iteration {iteration:8d} |'
-        f' offloaded: {human_bytes(figures["offloaded_gib"] * GIB)} |'
-        f' host: {human_bytes(figures["host_gib"] * GIB)} |'
-        + _copy('D2H', figures['d2h_ms'], figures['d2h_gbps'])
-        + _copy('H2D', figures['h2d_ms'], figures['h2d_gbps'])
-        + f' exposed: {figures["exposed_ms"]:.3f} ms |'
-        f' issue: {figures["issue_ms"]:.3f} ms |'
-        + (f' checkpoint wait: {wait:.3f} ms |' if wait > 0 else '')
+        f" [optimizer-state offload] iteration {iteration:8d} |"
+        f" offloaded: {human_bytes(figures['offloaded_gib'] * GIB)} |"
+        f" host: {human_bytes(figures['host_gib'] * GIB)} |"
+        + _copy("D2H", figures["d2h_ms"], figures["d2h_gbps"])
+        + _copy("H2D", figures["h2d_ms"], figures["h2d_gbps"])
+        + f" exposed: {figures['exposed_ms']:.3f} ms |"
+        f" issue: {figures['issue_ms']:.3f} ms |"
+        + (f" checkpoint wait: {wait:.3f} ms |" if wait > 0 else "")
         + scope
     )
 
 
 _LOG_LINE = re.compile(
-    r'\[optimizer-state offload\] iteration +(?P<iteration>\d+) \| '
-    rf'offloaded: (?P<offloaded>{SIZE_PATTERN}) \| host: (?P<host>{SIZE_PATTERN}) \|'
-    r'(?: D2H: (?P<d2h_ms>[0-9.]+) ms \((?P<d2h_gbps>[0-9.]+) GB/s\) \|)?'
-    r'(?: H2D: (?P<h2d_ms>[0-9.]+) ms \((?P<h2d_gbps>[0-9.]+) GB/s\) \|)?'
-    r' exposed: (?P<exposed_ms>[0-9.]+) ms \| issue: (?P<issue_ms>[0-9.]+) ms \|'
-    r'(?: checkpoint wait: (?P<checkpoint_wait_ms>[0-9.]+) ms \|)?'
-    r'(?: \(max over (?P<ranks>\d+) ranks[^)]*\))?'
+    r"\[optimizer-state offload\] iteration +(?P<iteration>\d+) \| "
+    rf"offloaded: (?P<offloaded>{SIZE_PATTERN}) \| host: (?P<host>{SIZE_PATTERN}) \|"
+    r"(?: D2H: (?P<d2h_ms>[0-9.]+) ms \((?P<d2h_gbps>[0-9.]+) GB/s\) \|)?"
+    r"(?: H2D: (?P<h2d_ms>[0-9.]+) ms \((?P<h2d_gbps>[0-9.]+) GB/s\) \|)?"
+    r" exposed: (?P<exposed_ms>[0-9.]+) ms \| issue: (?P<issue_ms>[0-9.]+) ms \|"
+    r"(?: checkpoint wait: (?P<checkpoint_wait_ms>[0-9.]+) ms \|)?"
+    r"(?: \(max over (?P<ranks>\d+) ranks[^)]*\))?"
 )
 
 
@@ -104,9 +104,9 @@ def parse_log_lines(log: str) -> list[dict]:
     rows = []
     for match in _LOG_LINE.finditer(log):
         found = match.groupdict()
-        row = {'iteration': int(found.pop('iteration')), 'ranks': int(found.pop('ranks') or 1)}
-        row['offloaded_gib'] = parse_bytes(found.pop('offloaded')) / GIB
-        row['host_gib'] = parse_bytes(found.pop('host')) / GIB
+        row = {"iteration": int(found.pop("iteration")), "ranks": int(found.pop("ranks") or 1)}
+        row["offloaded_gib"] = parse_bytes(found.pop("offloaded")) / GIB
+        row["host_gib"] = parse_bytes(found.pop("host")) / GIB
         row.update({key: float(value or 0.0) for key, value in found.items()})
         rows.append(row)
     return rows
@@ -116,13 +116,18 @@ def summary(stats: dict) -> str:
     """One line for people from ``OptimizerStateOffloader.stats()``: what is offloaded and
     held on the host, the last copies out and back with their rates (once measured), the
     time the compute stream waited for a copy-back, and the cycles."""
-    parts = [f'offloaded {human_bytes(stats["offloaded_bytes"])}', f'host {human_bytes(stats["host_bytes"])}']
-    for name, key in (('D2H', 'd2h'), ('H2D', 'h2d')):
-        if stats[f'{key}_ms'] > 0:
-            parts.append(f'last {name} {stats[f"{key}_ms"]:.3f} ms ({stats[f"{key}_gbps"]:.2f} GB/s)')
-    parts.append(f'exposed {stats["exposed_ms"]:.3f} ms')
-    parts.append(f'{stats["cycles"]} cycle{"s" if stats["cycles"] != 1 else ""}')
-    return ' | '.join(parts)
+    parts = [
+        f"offloaded {human_bytes(stats['offloaded_bytes'])}",
+        f"host {human_bytes(stats['host_bytes'])}",
+    ]
+    for name, key in (("D2H", "d2h"), ("H2D", "h2d")):
+        if stats[f"{key}_ms"] > 0:
+            parts.append(
+                f"last {name} {stats[f'{key}_ms']:.3f} ms ({stats[f'{key}_gbps']:.2f} GB/s)"
+            )
+    parts.append(f"exposed {stats['exposed_ms']:.3f} ms")
+    parts.append(f"{stats['cycles']} cycle{'s' if stats['cycles'] != 1 else ''}")
+    return " | ".join(parts)
 
 
 def _max_over_ranks(values: list) -> tuple[list, int]:

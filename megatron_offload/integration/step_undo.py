@@ -152,7 +152,11 @@ class StepUndo:
                     saved = _typed(view, source)
                     device.copy(saved, source)
                     queued = True
-                    on_host = isinstance(target, torch.Tensor) and target.device.type == "cpu" and target is not source
+                    on_host = (
+                        isinstance(target, torch.Tensor)
+                        and target.device.type == "cpu"
+                        and target is not source
+                    )
                     self._entries.append((target, saved, on_host))
         finally:
             if queued:
@@ -220,7 +224,9 @@ class StepUndo:
             return
         budget = self.engine._host.budget
         if budget is not None:
-            budget.check(self, self.nbytes + nbytes, f"{self.engine.name} (chunked update's undo copies)")
+            budget.check(
+                self, self.nbytes + nbytes, f"{self.engine.name} (chunked update's undo copies)"
+            )
         self._buffers.append(self.device.host_buffer(nbytes))
         if budget is not None:
             budget.hold(self, self.nbytes)
@@ -258,7 +264,8 @@ def _coalesced(pairs, torch_device: torch.device) -> list[tuple[torch.Tensor, to
         if target is source and source.device == torch_device and source.is_contiguous():
             start = source.storage_offset() * source.element_size()
             runs.setdefault(source.untyped_storage().data_ptr(), (source, []))[1].append(
-                (start, start + source.numel() * source.element_size()))
+                (start, start + source.numel() * source.element_size())
+            )
         else:
             out.append((source, target))
     for anchor, ranges in runs.values():
@@ -289,7 +296,8 @@ class _Bytes:
 
     def view(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8, device=self.anchor.device).set_(
-            self.anchor.untyped_storage(), self.start, (self.end - self.start,), (1,))
+            self.anchor.untyped_storage(), self.start, (self.end - self.start,), (1,)
+        )
 
 
 def _typed(buffer: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:

@@ -53,7 +53,8 @@ from ..adapters.megatron_wrappers import PRIMARY_WEIGHTS, master_weights
 from ..errors import print_refusals_once, restore_excepthook
 from . import allocator_warnings, coexistence
 from .arguments import add_arguments, config_from_args, offload_enabled, validate_args
-from .attach import WRAPPER_MARK as _MARK, attach, prefetching_finalize
+from .attach import WRAPPER_MARK as _MARK
+from .attach import attach, prefetching_finalize
 from .host_view import servable
 from .stats_log import (  # noqa: F401  (re-exported: the patches and users call them here)
     _print_rank_last,
@@ -63,21 +64,21 @@ from .stats_log import (  # noqa: F401  (re-exported: the patches and users call
 )
 
 __all__ = [
-    'attach_for_training',
-    'attach_from_optimizer_config',
-    'checkpoint_residency',
-    'find_offloader',
-    'format_offload_stats',
-    'install_prefetch',
-    'is_patched',
-    'log_for_megatron',
-    'log_offload_stats',
-    'master_weights_residency',
-    'offload_figures',
-    'patch_megatron',
-    'prefetching_finalize',
-    'save_is_staged_on_return',
-    'unpatch_megatron',
+    "attach_for_training",
+    "attach_from_optimizer_config",
+    "checkpoint_residency",
+    "find_offloader",
+    "format_offload_stats",
+    "install_prefetch",
+    "is_patched",
+    "log_for_megatron",
+    "log_offload_stats",
+    "master_weights_residency",
+    "offload_figures",
+    "patch_megatron",
+    "prefetching_finalize",
+    "save_is_staged_on_return",
+    "unpatch_megatron",
 ]
 
 # (module, attribute name) -> original value, for unpatch_megatron().
@@ -86,16 +87,14 @@ _ORIGINALS: dict = {}
 _ATTACHED: list = []
 
 
-
-
 # ---------------------------------------------------------------------------------- helpers
 def find_offloader(optimizer):
     """The offloader attached to ``optimizer`` (or to one of its chained optimizers), or None."""
     if optimizer is None:
         return None
-    candidates = [optimizer] + list(getattr(optimizer, 'chained_optimizers', None) or [])
+    candidates = [optimizer] + list(getattr(optimizer, "chained_optimizers", None) or [])
     for candidate in candidates:
-        offloader = getattr(candidate, '_state_offloader', None)
+        offloader = getattr(candidate, "_state_offloader", None)
         if offloader is not None:
             return offloader
     return None
@@ -127,16 +126,16 @@ def attach_for_training(optimizer, args):
     if offloader is None:
         offloader = attach(optimizer, config_from_args(args))
         line = (
-            '> optimizer-state offloading: '
-            f'{len(offloader.engines)} distributed optimizer(s); states are kept in host '
-            'memory between optimizer steps'
-            + ('' if getattr(args, 'offload_prefetch', True) else ' (no prefetch)')
+            "> optimizer-state offloading: "
+            f"{len(offloader.engines)} distributed optimizer(s); states are kept in host "
+            "memory between optimizer steps"
+            + ("" if getattr(args, "offload_prefetch", True) else " (no prefetch)")
         )
         if coexistence.megatron_has_own_offloader(args, optimizer=optimizer):
-            line += '. ' + coexistence.KEPT_OFF_NOTE
+            line += ". " + coexistence.KEPT_OFF_NOTE
         _print_rank_0(line)
         allocator_warnings.warn_where_empty_cache_follows_the_step(
-            offloader, int(getattr(args, 'empty_unused_memory_level', 0) or 0)
+            offloader, int(getattr(args, "empty_unused_memory_level", 0) or 0)
         )
     if not any(o is offloader for o in _active_offloaders()):
         _ATTACHED.append(weakref.ref(offloader))
@@ -161,7 +160,7 @@ def install_prefetch(config, optimizer, args) -> bool:
     ``--no-offload-prefetch``). Idempotent.
     """
     offloader = find_offloader(optimizer)
-    if offloader is None or not getattr(args, 'offload_prefetch', True):
+    if offloader is None or not getattr(args, "offload_prefetch", True):
         return False
     if config.finalize_model_grads_func is None:
         from megatron.core.distributed import finalize_model_grads
@@ -179,7 +178,7 @@ def log_for_megatron(iteration: int) -> None:
     from megatron.training.global_vars import get_args, get_tensorboard_writer, get_wandb_writer
 
     args = get_args()
-    if not offload_enabled(args) or not getattr(args, 'log_offload_stats', True):
+    if not offload_enabled(args) or not getattr(args, "log_offload_stats", True):
         return
     offloaders = _active_offloaders()
     if not offloaders:
@@ -196,9 +195,9 @@ def save_is_staged_on_return(args) -> bool:
     strategy: the D2H staging finishes inside ``save_checkpoint``, before the background
     write). Other asynchronous writers may still hold references to the device tensors.
     """
-    if not getattr(args, 'async_save', False):
+    if not getattr(args, "async_save", False):
         return True
-    return getattr(args, 'async_strategy', 'mcore') == 'mcore'
+    return getattr(args, "async_strategy", "mcore") == "mcore"
 
 
 @contextlib.contextmanager
@@ -224,8 +223,7 @@ def checkpoint_residency(optimizer, *, read_only: bool, args=None):
         return
     if args is None:
         args = _megatron_args_or_none()
-    if offloader is None or (read_only and args is not None
-                             and not save_is_staged_on_return(args)):
+    if offloader is None or (read_only and args is not None and not save_is_staged_on_return(args)):
         yield offloader
         return
     with offloader.resident(read_only=read_only):
@@ -238,8 +236,10 @@ def master_weights_residency():
     optimizer), never the moments, on the device for the block; offloaded after it, no copy."""
     with contextlib.ExitStack() as stack:
         for offloader in _active_offloaders():  # no masters beside a precision-aware optimizer
-            kinds = [(PRIMARY_WEIGHTS,) if any(True for _ in master_weights(d)) else ()
-                     for d in offloader._distributed]
+            kinds = [
+                (PRIMARY_WEIGHTS,) if any(True for _ in master_weights(d)) else ()
+                for d in offloader._distributed
+            ]
             stack.enter_context(offloader.resident(read_only=True, kinds=kinds))
         yield
 
@@ -304,7 +304,7 @@ def _wrap_optimizer_config(original, module):
     @functools.wraps(original)
     def get_megatron_optimizer_config(args, *rest, **kwargs):
         # OptimizerConfig(offload_optimizer_states=True) would turn Megatron's offloader on.
-        with coexistence.alias_hidden(args, getattr(module, 'OptimizerConfig', None)):
+        with coexistence.alias_hidden(args, getattr(module, "OptimizerConfig", None)):
             result = original(args, *rest, **kwargs)
         config = result[0] if isinstance(result, tuple) else result
         coexistence.refuse_enabled_config(args, config)
@@ -331,7 +331,7 @@ def _wrap_train(original, module):
     @functools.wraps(original)
     def train(*args, **kwargs):
         named = _bound(original, args, kwargs)
-        optimizer, config = named.get('optimizer'), named.get('config')
+        optimizer, config = named.get("optimizer"), named.get("config")
         if config is None or find_offloader(optimizer) is None:
             return original(*args, **kwargs)
         previous = config.finalize_model_grads_func
@@ -343,7 +343,7 @@ def _wrap_train(original, module):
             return original(*args, **kwargs)
         # megatron.training 0.17 and 0.18 assign the module's finalize_model_grads to the config
         # in train() unconditionally (the only use of that name): wrap the name for the call.
-        default = getattr(module, 'finalize_model_grads', None)
+        default = getattr(module, "finalize_model_grads", None)
         if default is not None:
             module.finalize_model_grads = prefetching_finalize(default, find_offloader(optimizer))
         try:
@@ -359,7 +359,7 @@ def _wrap_train(original, module):
 def _wrap_checkpoint(original, *, read_only: bool):
     @functools.wraps(original)
     def checkpoint(*args, **kwargs):
-        optimizer = _bound(original, args, kwargs).get('optimizer')
+        optimizer = _bound(original, args, kwargs).get("optimizer")
         with checkpoint_residency(optimizer, read_only=read_only, args=_get_args()):
             return original(*args, **kwargs)
 
@@ -380,9 +380,9 @@ def _wrap_training_log(original):
     def training_log(*args, **kwargs):
         result = original(*args, **kwargs)
         named = _bound(original, args, kwargs)
-        iteration = named.get('iteration')
+        iteration = named.get("iteration")
         if iteration is not None and (
-            iteration % _get_args().log_interval == 0 or named.get('is_first_iteration')
+            iteration % _get_args().log_interval == 0 or named.get("is_first_iteration")
         ):
             log_for_megatron(iteration)
         return result
@@ -412,25 +412,26 @@ def patch_megatron() -> None:
     import megatron.training.training as training_module
 
     print_refusals_once()
-    if getattr(arguments_module, '_OPTIMIZER_STATE_OFFLOAD_PATCH', None):
+    if getattr(arguments_module, "_OPTIMIZER_STATE_OFFLOAD_PATCH", None):
         return  # a source tree with patches/ applied already has every hook
-    _replace(arguments_module, 'add_megatron_arguments', _wrap_add_megatron_arguments)
-    _replace(arguments_module, 'validate_args', _wrap_validate_args)
+    _replace(arguments_module, "add_megatron_arguments", _wrap_add_megatron_arguments)
+    _replace(arguments_module, "validate_args", _wrap_validate_args)
     import megatron.training.initialize as initialize_module
 
-    if hasattr(initialize_module, 'validate_args'):  # 0.17 validates in initialize_megatron
-        _replace(initialize_module, 'validate_args', _wrap_validate_args)
-    if hasattr(training_module, 'get_megatron_optimizer_config'):
-        _replace(training_module, 'get_megatron_optimizer_config',
-                 lambda f: _wrap_optimizer_config(f, training_module))
-    _replace(training_module, 'setup_model_and_optimizer', _wrap_setup_model_and_optimizer)
-    _replace(training_module, 'train', lambda f: _wrap_train(f, training_module))
-    _replace(training_module, 'save_checkpoint',
-             lambda f: _wrap_checkpoint(f, read_only=True))
-    _replace(training_module, 'load_checkpoint',
-             lambda f: _wrap_checkpoint(f, read_only=False))
-    _replace(training_module, 'calc_params_l2_norm', _wrap_params_norm)
-    _replace(training_module, 'training_log', _wrap_training_log)
+    if hasattr(initialize_module, "validate_args"):  # 0.17 validates in initialize_megatron
+        _replace(initialize_module, "validate_args", _wrap_validate_args)
+    if hasattr(training_module, "get_megatron_optimizer_config"):
+        _replace(
+            training_module,
+            "get_megatron_optimizer_config",
+            lambda f: _wrap_optimizer_config(f, training_module),
+        )
+    _replace(training_module, "setup_model_and_optimizer", _wrap_setup_model_and_optimizer)
+    _replace(training_module, "train", lambda f: _wrap_train(f, training_module))
+    _replace(training_module, "save_checkpoint", lambda f: _wrap_checkpoint(f, read_only=True))
+    _replace(training_module, "load_checkpoint", lambda f: _wrap_checkpoint(f, read_only=False))
+    _replace(training_module, "calc_params_l2_norm", _wrap_params_norm)
+    _replace(training_module, "training_log", _wrap_training_log)
 
 
 def unpatch_megatron() -> None:

@@ -76,7 +76,11 @@ def _patched(patches):
 @contextlib.contextmanager
 def _fake_transformer_engine(version: str):
     """A minimal importable ``transformer_engine.pytorch.optimizers`` for the block's duration."""
-    names = ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.optimizers")
+    names = (
+        "transformer_engine",
+        "transformer_engine.pytorch",
+        "transformer_engine.pytorch.optimizers",
+    )
     if any(name in sys.modules for name in names) or importlib.util.find_spec("transformer_engine"):
         yield  # the real package is importable: its own check is as good as ours
         return

@@ -40,7 +40,11 @@ class MegatronPolicyWorker:
     def move_optimizer(self, device: str):
         from megatron.core.optimizer import ChainedOptimizer
 
-        state = self.optimizer.state if isinstance(self.optimizer, ChainedOptimizer) else self.optimizer._get_state()
+        state = (
+            self.optimizer.state
+            if isinstance(self.optimizer, ChainedOptimizer)
+            else self.optimizer._get_state()
+        )
         for _, entry in state.items():
             for key, value in entry.items():
                 if not torch.is_tensor(value):
@@ -52,7 +56,9 @@ class MegatronPolicyWorker:
                     if not value.is_cuda:
                         entry[key] = value.to("cuda")
                 else:
-                    raise ValueError(f"Invalid device: {device}. Only strings 'cpu' and 'cuda' are supported.")
+                    raise ValueError(
+                        f"Invalid device: {device}. Only strings 'cpu' and 'cuda' are supported."
+                    )
 
     def prepare_for_lp_inference(self) -> None:
         self.move_optimizer("cpu")
@@ -169,7 +175,11 @@ class MegatronEngine:
         # verl's engine module imported the moves by name: looked up there at call time.
         module = sys.modules.get(_ENGINE_MODULE) or sys.modules[__name__]
         if optimizer and self.optimizer is not None:
-            (module.offload_megatron_optimizer if device == "cpu" else module.load_megatron_optimizer)(self.optimizer)
+            (
+                module.offload_megatron_optimizer
+                if device == "cpu"
+                else module.load_megatron_optimizer
+            )(self.optimizer)
 
     def train_mode(self):
         engine = self
@@ -208,8 +218,11 @@ def install_real_names():
     impl.offload_megatron_optimizer = offload_megatron_optimizer  # imported by name, as verl's
     impl.load_megatron_optimizer = load_megatron_optimizer
     worker = types.ModuleType("nemo_rl.models.policy.workers.megatron_policy_worker")
-    worker.MegatronPolicyWorker = type("MegatronPolicyWorker", (MegatronPolicyWorker,),
-                                       {"move_optimizer": MegatronPolicyWorker.move_optimizer})
+    worker.MegatronPolicyWorker = type(
+        "MegatronPolicyWorker",
+        (MegatronPolicyWorker,),
+        {"move_optimizer": MegatronPolicyWorker.move_optimizer},
+    )
     modules = {m.__name__: m for m in (utils, base, impl, worker)}
     for name in list(modules):
         parts = name.split(".")

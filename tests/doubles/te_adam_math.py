@@ -58,7 +58,9 @@ def _join_remainder(param_bf16: torch.Tensor, remainder: torch.Tensor) -> torch.
     return bits.view(torch.float32).clone()
 
 
-def _split_remainder(master: torch.Tensor, param_bf16: torch.Tensor, remainder: torch.Tensor) -> None:
+def _split_remainder(
+    master: torch.Tensor, param_bf16: torch.Tensor, remainder: torch.Tensor
+) -> None:
     """Write the bf16 param (rounded to nearest) and the int16 remainder back, in place."""
     bits = master.view(torch.int32)
     high = (bits >> 16).to(torch.int16)
@@ -66,4 +68,3 @@ def _split_remainder(master: torch.Tensor, param_bf16: torch.Tensor, remainder: 
     high = torch.where(low < 0, high + 1, high)  # round up (int16 wrap-around as in CUDA)
     param_bf16.view(torch.int16).copy_(high)
     remainder.copy_(low)
-

@@ -63,7 +63,9 @@ class FusedAdamStates(torch.optim.Optimizer):
         if skip_unscale is _UNSET:
             skip_unscale = False
         elif self.te_line == "2.12":
-            raise TypeError("get_unscaled_state() got an unexpected keyword argument 'skip_unscale'")
+            raise TypeError(
+                "get_unscaled_state() got an unexpected keyword argument 'skip_unscale'"
+            )
         state = self.state[param]
         dtype = self.name_to_dtype_map[state_name]
         if dtype == torch.uint8:
@@ -111,7 +113,9 @@ class FusedAdamStates(torch.optim.Optimizer):
             state[state_name].copy_(unscaled_state)
 
     # ------------------------------------------------------------------ state creation
-    def _initialize_state(self, param, state_name, zero_buffer: bool, store_param_remainders: bool = False):
+    def _initialize_state(
+        self, param, state_name, zero_buffer: bool, store_param_remainders: bool = False
+    ):
         dtype = self.name_to_dtype_map[state_name]
         if isinstance(param, Float8Tensor):
             raise NotImplementedError("the FusedAdam double does not reproduce FP8 parameters")
@@ -134,7 +138,9 @@ class FusedAdamStates(torch.optim.Optimizer):
         if dtype != torch.float32:
             if param not in self._scales:
                 self._scales[param] = {}
-            self._scales[param][state_name] = torch.ones([1], dtype=torch.float32, device=param.device)
+            self._scales[param][state_name] = torch.ones(
+                [1], dtype=torch.float32, device=param.device
+            )
 
     def initialize_state(self, param, store_param_remainders):
         """Create ``exp_avg``, ``exp_avg_sq`` and (with master weights) ``master_param``."""
@@ -142,7 +148,10 @@ class FusedAdamStates(torch.optim.Optimizer):
         self._initialize_state(param, "exp_avg_sq", zero_buffer=True)
         if self.master_weights:
             self._initialize_state(
-                param, "master_param", zero_buffer=False, store_param_remainders=store_param_remainders
+                param,
+                "master_param",
+                zero_buffer=False,
+                store_param_remainders=store_param_remainders,
             )
             if not store_param_remainders:
                 self.set_scaled_state(param, "master_param", param.clone().detach().float())

@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_map
 
 aten = torch.ops.aten
 
+
 def _default_device() -> torch.device:
     """Where TE allocates when no device is given (``torch.device('cuda')`` in TE)."""
     if torch.cuda.is_available():
@@ -219,7 +220,9 @@ class Float8Tensor(torch.Tensor):
         }
 
     @classmethod
-    def make_like(cls, tensor: "Float8Tensor", *, shape=None, dtype=None, requires_grad=False, **overrides):
+    def make_like(
+        cls, tensor: "Float8Tensor", *, shape=None, dtype=None, requires_grad=False, **overrides
+    ):
         kwargs = tensor.get_metadata()
         kwargs.update(overrides)
         return cls(
@@ -245,7 +248,8 @@ class Float8Tensor(torch.Tensor):
         data = self._data.view(*shape)
         transpose = None if self._transpose_invalid else self._transpose
         if transpose is not None and (
-            transpose.size(0) != data.size(-1) or tuple(transpose.shape[1:]) != tuple(data.shape[:-1])
+            transpose.size(0) != data.size(-1)
+            or tuple(transpose.shape[1:]) != tuple(data.shape[:-1])
         ):
             transpose = None
         return Float8Tensor.make_like(self, shape=data.shape, data=data, data_transpose=transpose)
@@ -298,7 +302,11 @@ class Float8Tensor(torch.Tensor):
             if isinstance(dst, Float8Tensor):
                 dst.quantize_(src)
                 return dst
-            dtype = dst.dtype if dst.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
+            dtype = (
+                dst.dtype
+                if dst.dtype in (torch.float32, torch.float16, torch.bfloat16)
+                else torch.float32
+            )
             dst.copy_(src.dequantize(dtype=dtype))
             return dst
         if func is aten.empty_like.default:

@@ -118,6 +118,7 @@ import torch
 
 from .te_adam_math import _adam_update, _join_remainder, _split_remainder
 from .te_adam_states import FusedAdamStates
+
 # The FP8 tensors live in their own module; their names are part of this double's interface.
 from .te_float8 import DType, Float8Quantizer, Float8Tensor, _default_device
 
@@ -252,7 +253,9 @@ class FusedAdam(FusedAdamStates):
             "master_param": self.master_weight_dtype,
         }
         self.dtype_to_range_map = {
-            torch.float16: torch.full([1], torch.finfo(torch.float16).max / 2.0, dtype=torch.float32),
+            torch.float16: torch.full(
+                [1], torch.finfo(torch.float16).max / 2.0, dtype=torch.float32
+            ),
             torch.uint8: torch.full([1], 448.0, dtype=torch.float32),
         }
         self._scales = {}
@@ -346,10 +349,15 @@ class FusedAdam(FusedAdamStates):
                         unscaled[name] = self.get_unscaled_state(p, name)
                     if unscaled[name] is not state[name]:
                         transient += unscaled[name].numel() * unscaled[name].element_size()
-                    if self.name_to_dtype_map[name] != torch.float32 and unscaled[name] is not state[name]:
+                    if (
+                        self.name_to_dtype_map[name] != torch.float32
+                        and unscaled[name] is not state[name]
+                    ):
                         rescale.append((name, unscaled[name], state[name], self._scales[p][name]))
                 if isinstance(p, Float8Tensor):
-                    raise NotImplementedError("the FusedAdam double does not reproduce FP8 parameters")
+                    raise NotImplementedError(
+                        "the FusedAdam double does not reproduce FP8 parameters"
+                    )
                 if p.dtype in (torch.float16, torch.bfloat16):
                     has_fp16 = has_fp16 or p.dtype == torch.float16
                     has_bf16 = has_bf16 or p.dtype == torch.bfloat16
@@ -357,7 +365,9 @@ class FusedAdam(FusedAdamStates):
                 elif p.dtype == torch.float32:
                     f32.append((p, grad, unscaled))
                 else:
-                    raise RuntimeError("FusedAdam only support model weights in fp32, fp16, bf16 and fp8")
+                    raise RuntimeError(
+                        "FusedAdam only support model weights in fp32, fp16, bf16 and fp8"
+                    )
                 if has_fp16 and has_bf16:
                     if self.store_param_remainders:
                         raise RuntimeError(

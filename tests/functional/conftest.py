@@ -19,12 +19,12 @@ def _gpu_count() -> int:
 
 
 def pytest_collection_modifyitems(config, items):
-    gpu_items = [item for item in items if item.get_closest_marker('gpu') is not None]
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items or _gpu_count() > 0:
         return
     skip = pytest.mark.skip(
-        reason='no GPU on this machine: the NCCL variants of the functional tests run (and '
-        'must pass) where GPUs exist'
+        reason="no GPU on this machine: the NCCL variants of the functional tests run (and "
+        "must pass) where GPUs exist"
     )
     for item in gpu_items:
         item.add_marker(skip)

@@ -27,19 +27,19 @@ import sys
 def _hex(value):
     if value is None:
         return None
-    if hasattr(value, 'item'):
+    if hasattr(value, "item"):
         value = value.item()
     return float(value).hex()
 
 
 def _distributed_optimizers(optimizer):
-    inner = getattr(optimizer, 'chained_optimizers', None)
+    inner = getattr(optimizer, "chained_optimizers", None)
     return list(inner) if inner is not None else [optimizer]
 
 
 def _offloader(optimizer):
     for candidate in [optimizer] + _distributed_optimizers(optimizer):
-        found = getattr(candidate, '_state_offloader', None)
+        found = getattr(candidate, "_state_offloader", None)
         if found is not None:
             return found
     return None
@@ -52,16 +52,16 @@ def _state_tensors(optimizer):
 
     for index, dopt in enumerate(_distributed_optimizers(optimizer)):
         for g, group in enumerate(dopt.optimizer.param_groups):
-            for p, param in enumerate(group['params']):
+            for p, param in enumerate(group["params"]):
                 # dict's own lookup: the offloader's guarded mapping would bring the states back.
                 for key, value in sorted(dict.get(dopt.optimizer.state, param, {}).items()):
-                    if isinstance(value, torch.Tensor) and value.dim() > 0 and key != 'step':
-                        yield f'{index}.{g}.{p}.{key}', value
-        masters = getattr(dopt, 'shard_fp32_from_float16_groups', None) or []
+                    if isinstance(value, torch.Tensor) and value.dim() > 0 and key != "step":
+                        yield f"{index}.{g}.{p}.{key}", value
+        masters = getattr(dopt, "shard_fp32_from_float16_groups", None) or []
         for g, group in enumerate(masters):
             for p, master in enumerate(group):
                 if master is not None:
-                    yield f'{index}.{g}.{p}.master', master
+                    yield f"{index}.{g}.{p}.master", master
 
 
 def _expected_offload_bytes(optimizer) -> int:
@@ -82,7 +82,7 @@ def _state_digest(optimizer) -> str:
         digest.update(name.encode())
         # A copy: on CPU, .cpu() aliases the live tensor, and Tensor.numpy() marks a storage
         # as not resizable for good (the offloader could no longer release it).
-        data = tensor.detach().reshape(-1).to('cpu', copy=True)
+        data = tensor.detach().reshape(-1).to("cpu", copy=True)
         digest.update(data.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
@@ -93,47 +93,55 @@ class Recorder:
 
         self._dist = dist
         self.out_dir = out_dir
-        self.data = {'iterations': [], 'saves': []}
+        self.data = {"iterations": [], "saves": []}
 
     @property
     def path(self) -> str:
         rank = self._dist.get_rank() if self._dist.is_initialized() else 0
-        return os.path.join(self.out_dir, f'rank{rank}.json')
+        return os.path.join(self.out_dir, f"rank{rank}.json")
 
     def flush(self) -> None:
-        with open(self.path + '.tmp', 'w') as f:
+        with open(self.path + ".tmp", "w") as f:
             json.dump(self.data, f, indent=1)
-        os.replace(self.path + '.tmp', self.path)
+        os.replace(self.path + ".tmp", self.path)
 
     def wrap_train_step(self, original):
         @functools.wraps(original)
         def train_step(*args, **kwargs):
             result = original(*args, **kwargs)
-            optimizer = kwargs['optimizer'] if 'optimizer' in kwargs else args[3]
+            optimizer = kwargs["optimizer"] if "optimizer" in kwargs else args[3]
             loss_dict, skipped_iter, grad_norm = result[0], result[1], result[5]
             offloader = _offloader(optimizer)
             entry = {
-                'lm_loss': _hex(loss_dict.get('lm loss')) if loss_dict else None,
-                'grad_norm': _hex(grad_norm),
-                'skipped': int(skipped_iter),
-                'expected_offload_bytes': _expected_offload_bytes(optimizer),
-                'offloader': None,
+                "lm_loss": _hex(loss_dict.get("lm loss")) if loss_dict else None,
+                "grad_norm": _hex(grad_norm),
+                "skipped": int(skipped_iter),
+                "expected_offload_bytes": _expected_offload_bytes(optimizer),
+                "offloader": None,
                 # Megatron's own offloader (Megatron-LM dev's chunked one), where the line has it.
-                'megatron_own_offloader': any(
-                    getattr(dopt, '_optimizer_state_offloader', None) is not None
+                "megatron_own_offloader": any(
+                    getattr(dopt, "_optimizer_state_offloader", None) is not None
                     for dopt in _distributed_optimizers(optimizer)
                 ),
             }
             if offloader is not None:
                 stats = offloader.stats()
-                entry['offloader'] = {
+                entry["offloader"] = {
                     key: stats[key]
-                    for key in ('offloaded_bytes', 'host_bytes', 'resident_bytes',
-                                'tracked_bytes', 'd2h_copies', 'h2d_copies', 'cycles',
-                                'update_chunks', 'update_copies')
+                    for key in (
+                        "offloaded_bytes",
+                        "host_bytes",
+                        "resident_bytes",
+                        "tracked_bytes",
+                        "d2h_copies",
+                        "h2d_copies",
+                        "cycles",
+                        "update_chunks",
+                        "update_copies",
+                    )
                 }
-                entry['offloader']['is_offloaded'] = offloader.is_offloaded
-            self.data['iterations'].append(entry)
+                entry["offloader"]["is_offloaded"] = offloader.is_offloaded
+            self.data["iterations"].append(entry)
             self.flush()
             return result
 
@@ -149,14 +157,18 @@ class Recorder:
             stored = _state_storage_bytes(optimizer)
             with offloader.host_view() if offloader is not None else contextlib.nullcontext():
                 digest = _state_digest(optimizer)
-            self.data['saves'].append({'iteration': iteration, 'state_sha256': digest})
+            self.data["saves"].append({"iteration": iteration, "state_sha256": digest})
             try:
                 return original(iteration, model, optimizer, *args, **kwargs)
             finally:
                 # Device bytes of the optimizer's own state tensors (their storages) before
                 # and right after the save: what a save brought back to the device.
-                self.data.setdefault('save_storage_bytes', []).append(
-                    {'iteration': iteration, 'before': stored, 'after': _state_storage_bytes(optimizer)}
+                self.data.setdefault("save_storage_bytes", []).append(
+                    {
+                        "iteration": iteration,
+                        "before": stored,
+                        "after": _state_storage_bytes(optimizer),
+                    }
                 )
                 self.flush()
 
@@ -174,7 +186,9 @@ def wrap_load_checkpoint(original):
     @functools.wraps(original)
     def load_checkpoint(ddp_model, optimizer, *args, **kwargs):
         for dopt in _distributed_optimizers(optimizer) if optimizer is not None else ():
-            if hasattr(dopt, '_init_optimizer_states_with_dummy_values') and not len(dopt.optimizer.state):
+            if hasattr(dopt, "_init_optimizer_states_with_dummy_values") and not len(
+                dopt.optimizer.state
+            ):
                 dopt._init_optimizer_states_with_dummy_values()
         result = original(ddp_model, optimizer, *args, **kwargs)
         if optimizer is not None and _offloader(optimizer) is None:
@@ -182,7 +196,7 @@ def wrap_load_checkpoint(original):
 
             for dopt in _distributed_optimizers(optimizer):
                 groups = dopt.optimizer.param_groups
-                restore_step_tensors(dopt.optimizer, {'optimizer': {'param_groups': groups}})
+                restore_step_tensors(dopt.optimizer, {"optimizer": {"param_groups": groups}})
         return result
 
     return load_checkpoint
@@ -190,7 +204,7 @@ def wrap_load_checkpoint(original):
 
 def main(argv: list[str]) -> None:
     route, script_argv = argv[0], argv[1:]
-    out_dir = os.environ['MO_RECORD_DIR']
+    out_dir = os.environ["MO_RECORD_DIR"]
     import torch
 
     if not torch.cuda.is_available():
@@ -199,29 +213,31 @@ def main(argv: list[str]) -> None:
         cpu_training.install()
         # LayerWiseDistributedOptimizer (emerging optimizers with --use-distributed-optimizer)
         # all-gathers uneven sizes, which gloo refuses.
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        sys.path.insert(
+            0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        )
         from tests.harness.gloo import allow_uneven_all_gather
 
         allow_uneven_all_gather()
     import megatron.training.training as training
 
     recorder = Recorder(out_dir)
-    recorder.data['megatron_training_file'] = training.__file__
+    recorder.data["megatron_training_file"] = training.__file__
     training.train_step = recorder.wrap_train_step(training.train_step)
     training.save_checkpoint = recorder.wrap_save_checkpoint(training.save_checkpoint)
     training.load_checkpoint = wrap_load_checkpoint(training.load_checkpoint)
-    if route == 'launch':
+    if route == "launch":
         from megatron_offload import launch
 
         launch.main(script_argv)
-    elif route == 'direct':
+    elif route == "direct":
         sys.argv = list(script_argv)
         sys.path.insert(0, os.path.dirname(os.path.abspath(script_argv[0])))
-        runpy.run_path(script_argv[0], run_name='__main__')
+        runpy.run_path(script_argv[0], run_name="__main__")
     else:
-        raise SystemExit(f'unknown route {route!r}: use launch or direct')
+        raise SystemExit(f"unknown route {route!r}: use launch or direct")
     recorder.flush()
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
     main(sys.argv[1:])

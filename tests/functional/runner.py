@@ -22,27 +22,61 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / 'examples' / 'pretrain_gpt.py'
-RECORDER = REPO / 'tests' / 'functional' / 'record_pretrain.py'
+EXAMPLE = REPO / "examples" / "pretrain_gpt.py"
+RECORDER = REPO / "tests" / "functional" / "record_pretrain.py"
 # torchrun as a module of this interpreter: an environment need not have the console script.
-TORCHRUN = [sys.executable, '-m', 'torch.distributed.run']
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 RUN_TIMEOUT = 420.0
 
 # A small GPT trained the way pretrain_gpt.py trains: mock data, the local transformer
 # implementation, no fused CUDA kernels (all also valid on GPUs), exact per-iteration values.
 MODEL_FLAGS = [
-    '--num-layers', '2', '--hidden-size', '64', '--num-attention-heads', '4',
-    '--seq-length', '32', '--max-position-embeddings', '32',
-    '--micro-batch-size', '2', '--global-batch-size', '8',
-    '--lr', '1e-3', '--min-lr', '1e-4', '--lr-decay-style', 'cosine', '--lr-warmup-iters', '1',
-    '--weight-decay', '0.01', '--clip-grad', '1.0', '--seed', '1234',
-    '--use-distributed-optimizer',
-    '--mock-data', '--tokenizer-type', 'NullTokenizer', '--vocab-size', '128',
-    '--transformer-impl', 'local', '--no-gradient-accumulation-fusion',
-    '--no-persist-layer-norm', '--no-masked-softmax-fusion',
-    '--eval-iters', '0', '--eval-interval', '1000', '--log-interval', '2',
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--max-position-embeddings",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "1e-3",
+    "--min-lr",
+    "1e-4",
+    "--lr-decay-style",
+    "cosine",
+    "--lr-warmup-iters",
+    "1",
+    "--weight-decay",
+    "0.01",
+    "--clip-grad",
+    "1.0",
+    "--seed",
+    "1234",
+    "--use-distributed-optimizer",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "128",
+    "--transformer-impl",
+    "local",
+    "--no-gradient-accumulation-fusion",
+    "--no-persist-layer-norm",
+    "--no-masked-softmax-fusion",
+    "--eval-iters",
+    "0",
+    "--eval-interval",
+    "1000",
+    "--log-interval",
+    "2",
 ]
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,24 +86,50 @@ class Case:
     flags: tuple
     train_iters: int = 5
     save_interval: int | None = None
-    description: str = ''
+    description: str = ""
     offload_flags: tuple = ()  # added only to the run with offloading
 
 
 CASES = {
     case.name: case
     for case in (
-        Case('dp2', 2, ('--bf16',), save_interval=3,
-             description='data parallel 2, bf16 (fp32 master weights), checkpoint saves at '
-                         'iterations 3 and 5'),
-        Case('tp2', 4, ('--bf16', '--tensor-model-parallel-size', '2', '--overlap-grad-reduce',
-                        '--overlap-param-gather'),
-             description='tensor parallel 2 x data parallel 2, bf16, overlapped grad reduce '
-                         'and param gather'),
-        Case('pp2', 4, ('--fp16', '--initial-loss-scale', '1048576', '--hysteresis', '1',
-                        '--pipeline-model-parallel-size', '2'), train_iters=6,
-             description='pipeline parallel 2 x data parallel 2, fp16 with dynamic loss '
-                         'scaling (the first two steps overflow and are skipped)'),
+        Case(
+            "dp2",
+            2,
+            ("--bf16",),
+            save_interval=3,
+            description="data parallel 2, bf16 (fp32 master weights), checkpoint saves at "
+            "iterations 3 and 5",
+        ),
+        Case(
+            "tp2",
+            4,
+            (
+                "--bf16",
+                "--tensor-model-parallel-size",
+                "2",
+                "--overlap-grad-reduce",
+                "--overlap-param-gather",
+            ),
+            description="tensor parallel 2 x data parallel 2, bf16, overlapped grad reduce "
+            "and param gather",
+        ),
+        Case(
+            "pp2",
+            4,
+            (
+                "--fp16",
+                "--initial-loss-scale",
+                "1048576",
+                "--hysteresis",
+                "1",
+                "--pipeline-model-parallel-size",
+                "2",
+            ),
+            train_iters=6,
+            description="pipeline parallel 2 x data parallel 2, fp16 with dynamic loss "
+            "scaling (the first two steps overflow and are skipped)",
+        ),
     )
 }
 
@@ -102,12 +162,12 @@ def gpu_count() -> int:
 
 
 def flags(case: Case, *, offload: bool, device: str, save_dir: str | None) -> list[str]:
-    args = list(MODEL_FLAGS) + list(case.flags) + ['--train-iters', str(case.train_iters)]
-    args += ['--distributed-backend', 'gloo' if device == 'cpu' else 'nccl']
+    args = list(MODEL_FLAGS) + list(case.flags) + ["--train-iters", str(case.train_iters)]
+    args += ["--distributed-backend", "gloo" if device == "cpu" else "nccl"]
     if case.save_interval is not None and save_dir is not None:
-        args += ['--save', save_dir, '--save-interval', str(case.save_interval)]
+        args += ["--save", save_dir, "--save-interval", str(case.save_interval)]
     if offload:
-        args.append('--offload-optimizer-states')
+        args.append("--offload-optimizer-states")
         args += list(case.offload_flags)
     return args
 
@@ -116,21 +176,33 @@ def environment(device: str, pythonpath_prefix: str | None = None) -> dict:
     env = dict(os.environ)
     # A patched megatron tree must come before the installed megatron-core.
     paths = ([pythonpath_prefix] if pythonpath_prefix else []) + [str(REPO)]
-    if env.get('PYTHONPATH'):
-        paths.append(env['PYTHONPATH'])
-    env['PYTHONPATH'] = os.pathsep.join(paths)
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
     # Results depend on the thread count; TP needs this on pre-Blackwell GPUs (and on CPU ranks).
-    env.update(OMP_NUM_THREADS='1', MKL_NUM_THREADS='1', CUDA_DEVICE_MAX_CONNECTIONS='1',
-               PYTHONUNBUFFERED='1')
-    if device == 'cpu':
-        env['CUDA_VISIBLE_DEVICES'] = ''
-        env.setdefault('GLOO_SOCKET_IFNAME', 'lo')
+    env.update(
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        CUDA_DEVICE_MAX_CONNECTIONS="1",
+        PYTHONUNBUFFERED="1",
+    )
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     return env
 
 
-def run(case: Case | str, *, offload: bool, device: str = 'cpu', route: str | None = None,
-        pythonpath_prefix: str | None = None, script: str | Path = EXAMPLE,
-        save_dir: str | None = None, extra_flags: tuple = ()) -> Run:
+def run(
+    case: Case | str,
+    *,
+    offload: bool,
+    device: str = "cpu",
+    route: str | None = None,
+    pythonpath_prefix: str | None = None,
+    script: str | Path = EXAMPLE,
+    save_dir: str | None = None,
+    extra_flags: tuple = (),
+) -> Run:
     """Launch ``case`` (cached per session). ``route``: 'launch' (through
     ``megatron_offload.launch``) or 'direct' (the plain script); default: 'launch' with
     offloading, 'direct' (a stock run, no megatron_offload hooks at all) without.
@@ -139,43 +211,64 @@ def run(case: Case | str, *, offload: bool, device: str = 'cpu', route: str | No
     ``save_dir``: where the checkpoints go, kept after the run (default: a temporary
     directory removed with it); ``extra_flags``: added to the case's flags (``--load ...``)."""
     case = CASES[case] if isinstance(case, str) else case
-    route = route or ('launch' if offload else 'direct')
-    key = (case.name, offload, device, route, pythonpath_prefix, str(script), save_dir, tuple(extra_flags))
+    route = route or ("launch" if offload else "direct")
+    key = (
+        case.name,
+        offload,
+        device,
+        route,
+        pythonpath_prefix,
+        str(script),
+        save_dir,
+        tuple(extra_flags),
+    )
     if key in _CACHE:
         return _CACHE[key]
-    workdir = tempfile.mkdtemp(prefix=f'mo_functional_{case.name}_')
+    workdir = tempfile.mkdtemp(prefix=f"mo_functional_{case.name}_")
     try:
-        record_dir = os.path.join(workdir, 'records')
+        record_dir = os.path.join(workdir, "records")
         os.makedirs(record_dir)
-        save_dir = save_dir or os.path.join(workdir, 'checkpoints')
+        save_dir = save_dir or os.path.join(workdir, "checkpoints")
         command = [
-            *TORCHRUN, '--standalone', f'--nproc-per-node={case.world_size}',
-            str(RECORDER), route, str(script),
-            *flags(case, offload=offload, device=device, save_dir=save_dir), *extra_flags,
+            *TORCHRUN,
+            "--standalone",
+            f"--nproc-per-node={case.world_size}",
+            str(RECORDER),
+            route,
+            str(script),
+            *flags(case, offload=offload, device=device, save_dir=save_dir),
+            *extra_flags,
         ]
         env = environment(device, pythonpath_prefix)
-        env['MO_RECORD_DIR'] = record_dir
+        env["MO_RECORD_DIR"] = record_dir
         start = time.monotonic()
-        proc = subprocess.Popen(command, cwd=workdir, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            command,
+            cwd=workdir,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         try:
             log, _ = proc.communicate(timeout=RUN_TIMEOUT)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             log, _ = proc.communicate()
             raise AssertionError(
-                f'{case.name} (offload={offload}, {device}) did not finish within '
-                f'{RUN_TIMEOUT:.0f} s:\n{_tail(log)}'
+                f"{case.name} (offload={offload}, {device}) did not finish within "
+                f"{RUN_TIMEOUT:.0f} s:\n{_tail(log)}"
             ) from None
         seconds = time.monotonic() - start
         if proc.returncode != 0:
             raise AssertionError(
-                f'{case.name} (offload={offload}, {device}, {route}) failed with exit code '
-                f'{proc.returncode}:\n$ {" ".join(command)}\n{_tail(log)}'
+                f"{case.name} (offload={offload}, {device}, {route}) failed with exit code "
+                f"{proc.returncode}:\n$ {' '.join(command)}\n{_tail(log)}"
             )
         ranks = []
         for rank in range(case.world_size):
-            with open(os.path.join(record_dir, f'rank{rank}.json')) as f:
+            with open(os.path.join(record_dir, f"rank{rank}.json")) as f:
                 ranks.append(json.load(f))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -185,4 +278,4 @@ def run(case: Case | str, *, offload: bool, device: str = 'cpu', route: str | No
 
 
 def _tail(log: str, lines: int = 60) -> str:
-    return '\n'.join(log.splitlines()[-lines:])
+    return "\n".join(log.splitlines()[-lines:])

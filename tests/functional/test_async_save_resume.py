@@ -24,56 +24,71 @@ import torch
 from tests.functional import runner
 from tests.support.checkpoints import torch_dist_tensors
 
-ASYNC_FLAGS = ('--async-save', '--use-persistent-ckpt-worker', '--async-strategy', 'mcore')
-CASE = runner.Case('dp2-async', 2, ('--bf16',) + ASYNC_FLAGS, save_interval=3,
-                   description='data parallel 2, bf16, asynchronous saves at iterations 3 and 5')
+ASYNC_FLAGS = ("--async-save", "--use-persistent-ckpt-worker", "--async-strategy", "mcore")
+CASE = runner.Case(
+    "dp2-async",
+    2,
+    ("--bf16",) + ASYNC_FLAGS,
+    save_interval=3,
+    description="data parallel 2, bf16, asynchronous saves at iterations 3 and 5",
+)
 # The reference saves synchronously: megatron-core's asynchronous save hands a CPU state tensor
 # that is a storage of its own (torch AdamW's moments on a CPU run) to the writer without a
 # copy, so a writer slower than the next step writes that step's values (seen under load).
 # Served from the host copy, every tensor the writer gets is a copy.
-REFERENCE = runner.Case('dp2-sync', 2, ('--bf16',), save_interval=3,
-                        description='data parallel 2, bf16, synchronous saves at iterations 3 and 5')
+REFERENCE = runner.Case(
+    "dp2-sync",
+    2,
+    ("--bf16",),
+    save_interval=3,
+    description="data parallel 2, bf16, synchronous saves at iterations 3 and 5",
+)
 
 
 def _values(run, rank):
-    return [(e['lm_loss'], e['grad_norm'], e['skipped']) for e in run.ranks[rank]['iterations']]
+    return [(e["lm_loss"], e["grad_norm"], e["skipped"]) for e in run.ranks[rank]["iterations"]]
 
 
 def _files(directory):
-    return sorted(os.path.relpath(os.path.join(root, name), directory)
-                  for root, _, names in os.walk(directory) for name in names)
+    return sorted(
+        os.path.relpath(os.path.join(root, name), directory)
+        for root, _, names in os.walk(directory)
+        for name in names
+    )
 
 
 def test_async_saves_from_the_host_and_resume_bitwise(tmp_path):
-    on_dir, off_dir, resume_dir = (str(tmp_path / name) for name in ('on', 'off', 'resume'))
+    on_dir, off_dir, resume_dir = (str(tmp_path / name) for name in ("on", "off", "resume"))
     on = runner.run(CASE, offload=True, save_dir=on_dir)
     off = runner.run(REFERENCE, offload=False, save_dir=off_dir)
     for rank in range(CASE.world_size):
         assert _values(on, rank) == _values(off, rank)
-        assert on.ranks[rank]['saves'] == off.ranks[rank]['saves']
-        saved_on = on.ranks[rank]['save_storage_bytes']
-        saved_off = off.ranks[rank]['save_storage_bytes']
-        assert [s['iteration'] for s in saved_on] == [3, 5]
-        assert all(s['before'] == s['after'] == 0 for s in saved_on), saved_on
-        assert all(s['before'] == s['after'] > 0 for s in saved_off), saved_off
+        assert on.ranks[rank]["saves"] == off.ranks[rank]["saves"]
+        saved_on = on.ranks[rank]["save_storage_bytes"]
+        saved_off = off.ranks[rank]["save_storage_bytes"]
+        assert [s["iteration"] for s in saved_on] == [3, 5]
+        assert all(s["before"] == s["after"] == 0 for s in saved_on), saved_on
+        assert all(s["before"] == s["after"] > 0 for s in saved_off), saved_off
     # The checkpoints: the same files, and every tensor in them bit for bit (the files' bytes
     # also hold the run's arguments, whose --save path differs).
     assert _files(on_dir) == _files(off_dir)
-    for iteration in ('iter_0000003', 'iter_0000005'):
-        written_on = torch_dist_tensors(os.path.join(on_dir, iteration), str(tmp_path / 'on.pt'))
-        written_off = torch_dist_tensors(os.path.join(off_dir, iteration), str(tmp_path / 'off.pt'))
+    for iteration in ("iter_0000003", "iter_0000005"):
+        written_on = torch_dist_tensors(os.path.join(on_dir, iteration), str(tmp_path / "on.pt"))
+        written_off = torch_dist_tensors(os.path.join(off_dir, iteration), str(tmp_path / "off.pt"))
         assert written_on.keys() == written_off.keys()
-        assert any('exp_avg_sq' in key for key in written_on) and any('fp32_param' in key or '.param' in key
-                                                                      for key in written_on), list(written_on)
+        assert any("exp_avg_sq" in key for key in written_on) and any(
+            "fp32_param" in key or ".param" in key for key in written_on
+        ), list(written_on)
         for key, value in written_off.items():
             assert torch.equal(value, written_on[key]), (iteration, key)
 
     # Resume from iteration 3 (the later checkpoint set aside).
     shutil.copytree(on_dir, resume_dir)
-    shutil.rmtree(os.path.join(resume_dir, 'iter_0000005'))
-    with open(os.path.join(resume_dir, 'latest_checkpointed_iteration.txt'), 'w') as f:
-        f.write('3')
-    resumed = runner.run(CASE, offload=True, save_dir=str(tmp_path / 'resumed'),
-                         extra_flags=('--load', resume_dir))
+    shutil.rmtree(os.path.join(resume_dir, "iter_0000005"))
+    with open(os.path.join(resume_dir, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("3")
+    resumed = runner.run(
+        CASE, offload=True, save_dir=str(tmp_path / "resumed"), extra_flags=("--load", resume_dir)
+    )
     for rank in range(CASE.world_size):
         assert _values(resumed, rank) == _values(on, rank)[3:], rank

@@ -42,21 +42,22 @@ import pytest
 from tests.functional import golden_values, runner
 
 DEVICES = [
-    pytest.param('cpu', id='cpu'),
-    pytest.param('cuda', id='cuda', marks=pytest.mark.gpu),
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
 ]
-CASES = sorted(runner.CASES, key=['dp2', 'tp2', 'pp2'].index)
+CASES = sorted(runner.CASES, key=["dp2", "tp2", "pp2"].index)
 # dp2 also runs in the other megatron-core lines' environments (marker ``line``).
-CASE_PARAMS = [pytest.param(name, marks=[pytest.mark.line] if name == 'dp2' else [])
-               for name in CASES]
+CASE_PARAMS = [
+    pytest.param(name, marks=[pytest.mark.line] if name == "dp2" else []) for name in CASES
+]
 GIB = float(1 << 30)
 
 
 def _require_gpus(device: str, world_size: int) -> None:
-    if device == 'cuda' and runner.gpu_count() < world_size:
+    if device == "cuda" and runner.gpu_count() < world_size:
         pytest.fail(
-            f'this case needs {world_size} GPUs, the machine has {runner.gpu_count()}: run the '
-            'gpu tests on a node with at least 4 GPUs'
+            f"this case needs {world_size} GPUs, the machine has {runner.gpu_count()}: run the "
+            "gpu tests on a node with at least 4 GPUs"
         )
 
 
@@ -65,62 +66,62 @@ def _runs(case_name: str, device: str):
     _require_gpus(device, case.world_size)
     on = runner.run(case, offload=True, device=device)
     off = runner.run(case, offload=False, device=device)
-    print(f'\n{case_name} [{device}]: offloading on {on.seconds:.1f} s, off {off.seconds:.1f} s')
+    print(f"\n{case_name} [{device}]: offloading on {on.seconds:.1f} s, off {off.seconds:.1f} s")
     return case, on, off
 
 
 def _values(run, rank):
-    return [(e['lm_loss'], e['grad_norm'], e['skipped']) for e in run.ranks[rank]['iterations']]
+    return [(e["lm_loss"], e["grad_norm"], e["skipped"]) for e in run.ranks[rank]["iterations"]]
 
 
-@pytest.mark.parametrize('device', DEVICES)
-@pytest.mark.parametrize('case_name', CASE_PARAMS)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case_name", CASE_PARAMS)
 def test_loss_curve_identical_and_golden(case_name, device):
     case, on, off = _runs(case_name, device)
     for rank in range(case.world_size):
-        assert len(on.ranks[rank]['iterations']) == case.train_iters
+        assert len(on.ranks[rank]["iterations"]) == case.train_iters
         assert _values(on, rank) == _values(off, rank), (
-            f'rank {rank}: per-iteration (lm loss, grad norm, skipped) differ with offloading'
+            f"rank {rank}: per-iteration (lm loss, grad norm, skipped) differ with offloading"
         )
-        assert on.ranks[rank]['saves'] == off.ranks[rank]['saves'], (
-            f'rank {rank}: the optimizer state a checkpoint save sees differs with offloading'
+        assert on.ranks[rank]["saves"] == off.ranks[rank]["saves"], (
+            f"rank {rank}: the optimizer state a checkpoint save sees differs with offloading"
         )
-    last = on.ranks[-1]['iterations']
-    assert all(entry['lm_loss'] is not None for entry in last), 'the last rank reports no loss'
-    trained = [entry for entry in last if not entry['skipped']]
-    assert trained and all(entry['grad_norm'] is not None for entry in trained)
+    last = on.ranks[-1]["iterations"]
+    assert all(entry["lm_loss"] is not None for entry in last), "the last rank reports no loss"
+    trained = [entry for entry in last if not entry["skipped"]]
+    assert trained and all(entry["grad_norm"] is not None for entry in trained)
     if case.save_interval:
-        assert [s['iteration'] for s in on.ranks[0]['saves']] == [3, 5]
+        assert [s["iteration"] for s in on.ranks[0]["saves"]] == [3, 5]
 
-    if os.environ.get(golden_values.WRITE_GOLDEN_ENV) == '1':
+    if os.environ.get(golden_values.WRITE_GOLDEN_ENV) == "1":
         path = golden_values.write(off)
-        print(f'wrote {path}')
+        print(f"wrote {path}")
         return
     golden_values.check(golden_values.trajectory(off), case_name, device)
 
 
-@pytest.mark.parametrize('device', DEVICES)
-@pytest.mark.parametrize('case_name', CASE_PARAMS)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case_name", CASE_PARAMS)
 def test_memory_figures(case_name, device):
     case, on, off = _runs(case_name, device)
     expected_bytes = []
     for rank in range(case.world_size):
-        for index, entry in enumerate(on.ranks[rank]['iterations']):
-            stats = entry['offloader']
-            where = f'rank {rank}, iteration {index + 1}'
-            assert stats is not None, f'{where}: no offloader attached'
-            assert stats['is_offloaded'], f'{where}: states still on the device after the step'
+        for index, entry in enumerate(on.ranks[rank]["iterations"]):
+            stats = entry["offloader"]
+            where = f"rank {rank}, iteration {index + 1}"
+            assert stats is not None, f"{where}: no offloader attached"
+            assert stats["is_offloaded"], f"{where}: states still on the device after the step"
             # Everything the optimizer holds per parameter is off the device, and the host
             # holds exactly that many bytes.
-            assert stats['offloaded_bytes'] == entry['expected_offload_bytes'] > 0, where
-            assert stats['host_bytes'] == stats['offloaded_bytes'], where
-            assert stats['resident_bytes'] == 0, where
-            assert stats['cycles'] == index + 1, where
+            assert stats["offloaded_bytes"] == entry["expected_offload_bytes"] > 0, where
+            assert stats["host_bytes"] == stats["offloaded_bytes"], where
+            assert stats["resident_bytes"] == 0, where
+            assert stats["cycles"] == index + 1, where
             if index > 0:
-                assert stats['h2d_copies'] > 0, f'{where}: nothing was copied back'
-        for entry in off.ranks[rank]['iterations']:
-            assert entry['offloader'] is None
-        expected_bytes.append([e['expected_offload_bytes'] for e in on.ranks[rank]['iterations']])
+                assert stats["h2d_copies"] > 0, f"{where}: nothing was copied back"
+        for entry in off.ranks[rank]["iterations"]:
+            assert entry["offloader"] is None
+        expected_bytes.append([e["expected_offload_bytes"] for e in on.ranks[rank]["iterations"]])
 
     # One log line per log interval (and after the first iteration) with the max over ranks.
     lines = on.offload_lines()
@@ -128,50 +129,52 @@ def test_memory_figures(case_name, device):
     logged_iterations = sorted(
         {1} | {i for i in range(1, case.train_iters + 1) if i % log_interval == 0}
     )
-    assert [line['iteration'] for line in lines] == logged_iterations, on.log[-3000:]
+    assert [line["iteration"] for line in lines] == logged_iterations, on.log[-3000:]
     for line in lines:
-        most = max(per_rank[line['iteration'] - 1] for per_rank in expected_bytes)
+        most = max(per_rank[line["iteration"] - 1] for per_rank in expected_bytes)
         # Sizes are printed with 4 significant digits in the unit that fits (KiB, MiB, GiB).
-        assert line['offloaded_gib'] == pytest.approx(most / GIB, rel=1e-3)
-        assert line['host_gib'] == pytest.approx(most / GIB, rel=1e-3)
-        assert line['d2h_ms'] >= 0 and line['h2d_ms'] >= 0
-    assert lines[-1]['d2h_ms'] > 0 and lines[-1]['h2d_ms'] > 0
+        assert line["offloaded_gib"] == pytest.approx(most / GIB, rel=1e-3)
+        assert line["host_gib"] == pytest.approx(most / GIB, rel=1e-3)
+        assert line["d2h_ms"] >= 0 and line["h2d_ms"] >= 0
+    assert lines[-1]["d2h_ms"] > 0 and lines[-1]["h2d_ms"] > 0
     # On a CPU the copies are timed on the host and run in the caller's thread: all exposed.
-    assert lines[-1]['d2h_gbps'] > 0 and lines[-1]['h2d_gbps'] > 0
-    assert lines[-1]['exposed_ms'] >= max(lines[-1]['d2h_ms'], lines[-1]['h2d_ms'])
+    assert lines[-1]["d2h_gbps"] > 0 and lines[-1]["h2d_gbps"] > 0
+    assert lines[-1]["exposed_ms"] >= max(lines[-1]["d2h_ms"], lines[-1]["h2d_ms"])
     assert off.offload_lines() == []
     # Checkpoints are saved from the host copy: no state is on the device before or after a
     # save (the bytes of the state tensors' own storages), where without offloading all are.
     if case.save_interval:
         for rank in range(case.world_size):
-            saved_on = on.ranks[rank]['save_storage_bytes']
-            saved_off = off.ranks[rank]['save_storage_bytes']
-            assert [s['iteration'] for s in saved_on] == [3, 5]
-            assert all(s['before'] == s['after'] == 0 for s in saved_on), saved_on
-            assert all(s['before'] == s['after'] > 0 for s in saved_off), saved_off
+            saved_on = on.ranks[rank]["save_storage_bytes"]
+            saved_off = off.ranks[rank]["save_storage_bytes"]
+            assert [s["iteration"] for s in saved_on] == [3, 5]
+            assert all(s["before"] == s["after"] == 0 for s in saved_on), saved_on
+            assert all(s["before"] == s["after"] > 0 for s in saved_off), saved_off
 
 
 def test_chunked_update_flag_trains_like_the_plain_script():
     """``--offload-chunked-update-bytes``: the states stay on the host during the step and
     stream through slots; the loss curve and the saved optimizer state are those of the
     plain script (and of the golden file)."""
-    case = runner.CASES['dp2']
+    case = runner.CASES["dp2"]
     # 256 KiB: two slots of 128 KiB, several chunks for this model's ~0.6 MiB of moments
     # per rank, and more than its largest parameter shard's moments.
-    chunked = dataclasses.replace(case, name='dp2-chunked',
-                                  offload_flags=('--offload-chunked-update-bytes', str(256 << 10)))
+    chunked = dataclasses.replace(
+        case, name="dp2-chunked", offload_flags=("--offload-chunked-update-bytes", str(256 << 10))
+    )
     on = runner.run(chunked, offload=True)
     off = runner.run(case, offload=False)
     for rank in range(case.world_size):
         assert _values(on, rank) == _values(off, rank)
-        assert on.ranks[rank]['saves'] == off.ranks[rank]['saves']
-        entries = on.ranks[rank]['iterations']
-        assert all(e['offloader']['is_offloaded'] for e in entries)
+        assert on.ranks[rank]["saves"] == off.ranks[rank]["saves"]
+        entries = on.ranks[rank]["iterations"]
+        assert all(e["offloader"]["is_offloaded"] for e in entries)
         # From the second step on the moments exist and are streamed in several chunks;
         # nothing but the fp32 master weights comes back whole.
-        assert all(e['offloader']['update_chunks'] >= 2 for e in entries[1:]), entries
-    golden_values.check(golden_values.trajectory(on), case.name, 'cpu',
-                        sections=('iterations',), required=False)
+        assert all(e["offloader"]["update_chunks"] >= 2 for e in entries[1:]), entries
+    golden_values.check(
+        golden_values.trajectory(on), case.name, "cpu", sections=("iterations",), required=False
+    )
 
 
 @pytest.mark.line
@@ -179,30 +182,47 @@ def test_refused_combination_fails_before_initialization():
     """The launcher refuses a bad command line in argument validation: one clear message,
     before torch.distributed, models or optimizer memory exist."""
     command = [
-        sys.executable, '-m', 'megatron_offload.launch', str(runner.EXAMPLE),
-        *runner.flags(runner.CASES['dp2'], offload=True, device='cpu', save_dir=None),
-        '--optimizer-cpu-offload', '--use-precision-aware-optimizer',
+        sys.executable,
+        "-m",
+        "megatron_offload.launch",
+        str(runner.EXAMPLE),
+        *runner.flags(runner.CASES["dp2"], offload=True, device="cpu", save_dir=None),
+        "--optimizer-cpu-offload",
+        "--use-precision-aware-optimizer",
     ]
     outputs = {}
-    for rank in ('0', '1'):  # every rank refuses; rank 0 alone says why, without a traceback
-        result = subprocess.run(command, env={**runner.environment('cpu'), 'RANK': rank},
-                                capture_output=True, text=True, timeout=300, cwd=str(runner.REPO))
+    for rank in ("0", "1"):  # every rank refuses; rank 0 alone says why, without a traceback
+        result = subprocess.run(
+            command,
+            env={**runner.environment("cpu"), "RANK": rank},
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=str(runner.REPO),
+        )
         output = outputs[rank] = result.stdout + result.stderr
         assert result.returncode == 1, output[-3000:]
-        assert 'Traceback' not in output, output[-3000:]
-        assert 'initialized tensor model parallel' not in output
-        assert 'building' not in output  # no model, no dataset
-    message = '--offload-optimizer-states and --optimizer-cpu-offload are mutually exclusive'
-    assert 'megatron-offload: OffloadArgumentError: ' in outputs['0'], outputs['0'][-3000:]
-    assert message in outputs['0'] and outputs['0'].count(message) == 1
-    assert message not in outputs['1'] and 'OffloadArgumentError' not in outputs['1']
+        assert "Traceback" not in output, output[-3000:]
+        assert "initialized tensor model parallel" not in output
+        assert "building" not in output  # no model, no dataset
+    message = "--offload-optimizer-states and --optimizer-cpu-offload are mutually exclusive"
+    assert "megatron-offload: OffloadArgumentError: " in outputs["0"], outputs["0"][-3000:]
+    assert message in outputs["0"] and outputs["0"].count(message) == 1
+    assert message not in outputs["1"] and "OffloadArgumentError" not in outputs["1"]
 
 
-@pytest.mark.skipif(not __import__('importlib').util.find_spec('emerging_optimizers'),
-                    reason='needs the emerging-optimizers package (requirements/py312.txt)')
-@pytest.mark.parametrize('optimizer,distributed', [
-    ('muon', True), ('soap', False),
-], ids=['muon-layer-wise', 'soap'])
+@pytest.mark.skipif(
+    not __import__("importlib").util.find_spec("emerging_optimizers"),
+    reason="needs the emerging-optimizers package (requirements/py312.txt)",
+)
+@pytest.mark.parametrize(
+    "optimizer,distributed",
+    [
+        ("muon", True),
+        ("soap", False),
+    ],
+    ids=["muon-layer-wise", "soap"],
+)
 def test_emerging_optimizer_through_the_launcher(optimizer, distributed):
     """--optimizer muon | soap on the stock-style script: with --use-distributed-optimizer
     megatron.training builds a LayerWiseDistributedOptimizer, without it a ChainedOptimizer of
@@ -210,11 +230,14 @@ def test_emerging_optimizer_through_the_launcher(optimizer, distributed):
     the states offloaded at every iteration. Lion takes SOAP's path here (the same wrappers,
     plain in-place states); it is trained bitwise on that path in
     tests/unit/integration/test_emerging_optimizers.py."""
-    case = runner.CASES['dp2']
-    flags = ('--bf16', '--optimizer', optimizer)
-    model_flags = runner.MODEL_FLAGS if distributed else [
-        flag for flag in runner.MODEL_FLAGS if flag != '--use-distributed-optimizer']
-    variant = dataclasses.replace(case, name=f'dp2-{optimizer}', flags=flags, save_interval=None)
+    case = runner.CASES["dp2"]
+    flags = ("--bf16", "--optimizer", optimizer)
+    model_flags = (
+        runner.MODEL_FLAGS
+        if distributed
+        else [flag for flag in runner.MODEL_FLAGS if flag != "--use-distributed-optimizer"]
+    )
+    variant = dataclasses.replace(case, name=f"dp2-{optimizer}", flags=flags, save_interval=None)
     original = runner.MODEL_FLAGS
     runner.MODEL_FLAGS = model_flags
     try:
@@ -224,6 +247,6 @@ def test_emerging_optimizer_through_the_launcher(optimizer, distributed):
         runner.MODEL_FLAGS = original
     for rank in range(case.world_size):
         assert _values(on, rank) == _values(off, rank)
-        entries = on.ranks[rank]['iterations']
+        entries = on.ranks[rank]["iterations"]
         assert len(entries) == case.train_iters
-        assert all(e['offloader']['is_offloaded'] for e in entries)
+        assert all(e["offloader"]["is_offloaded"] for e in entries)

@@ -13,7 +13,7 @@ def allow_uneven_all_gather() -> None:
     the same result, for the harness only (process-wide, idempotent; even gathers unchanged)."""
     import torch.distributed as dist
 
-    if getattr(dist.all_gather, 'harness_uneven', False):
+    if getattr(dist.all_gather, "harness_uneven", False):
         return
     original = dist.all_gather
 
@@ -22,7 +22,9 @@ def allow_uneven_all_gather() -> None:
         if len(sizes) == 1 or async_op:
             return original(tensor_list, tensor, group=group, async_op=async_op)
         longest = max(sizes)
-        padded = [torch.empty(longest, dtype=tensor.dtype, device=tensor.device) for _ in tensor_list]
+        padded = [
+            torch.empty(longest, dtype=tensor.dtype, device=tensor.device) for _ in tensor_list
+        ]
         mine = torch.zeros(longest, dtype=tensor.dtype, device=tensor.device)
         mine[: tensor.numel()] = tensor.reshape(-1)
         original(padded, mine, group=group)

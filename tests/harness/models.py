@@ -19,8 +19,11 @@ from functools import partial
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.distributed import finalize_model_grads
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
 from megatron.core.enums import ModelType
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -31,18 +34,18 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from .gloo import allow_uneven_all_gather
 
 __all__ = [
-    'HarnessSpec',
-    'build',
-    'distributed_optimizers',
-    'flush_param_gather',
-    'megatron_optimizers',
-    'optimizer_classes',
-    'snapshot',
-    'storage_facts',
-    'train_step',
+    "HarnessSpec",
+    "build",
+    "distributed_optimizers",
+    "flush_param_gather",
+    "megatron_optimizers",
+    "optimizer_classes",
+    "snapshot",
+    "storage_facts",
+    "train_step",
 ]
 
-_DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,13 +70,17 @@ class MLP(MegatronModule):
     error, shaped [batch, seq] like GPTModel's per-token loss.
     """
 
-    def __init__(self, config: TransformerConfig, pre_process=True, post_process=True, vp_stage=None):
+    def __init__(
+        self, config: TransformerConfig, pre_process=True, post_process=True, vp_stage=None
+    ):
         super().__init__(config=config)
         self.vp_stage = vp_stage  # read by Float16Module to find the first and last chunk
         # Virtual pipeline: every stage holds vpp chunks, each with its share of the blocks.
         pp_size = parallel_state.get_pipeline_model_parallel_world_size() * _vpp_size()
         if config.num_layers % pp_size:
-            raise ValueError(f'num_layers={config.num_layers} is not divisible by pp x vpp={pp_size}')
+            raise ValueError(
+                f"num_layers={config.num_layers} is not divisible by pp x vpp={pp_size}"
+            )
         # Looked up on the unwrapped model by the schedules and, with pp > 1, by
         # finalize_model_grads (GPTModel defines both itself).
         self.model_type = ModelType.encoder_or_decoder
@@ -133,13 +140,13 @@ def _transformer_config(spec_model, dtype, num_layers, hidden, heads, **override
         num_layers=num_layers,
         hidden_size=hidden,
         num_attention_heads=heads,
-        ffn_hidden_size=2 * hidden if spec_model == 'mlp' else 4 * hidden,
+        ffn_hidden_size=2 * hidden if spec_model == "mlp" else 4 * hidden,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
-        bf16=dtype == 'bf16',
-        fp16=dtype == 'fp16',
+        bf16=dtype == "bf16",
+        fp16=dtype == "fp16",
         # The fused CUDA kernels these select do not exist on the CPU (same as the CLI flags
         # --no-gradient-accumulation-fusion --no-persist-layer-norm --no-masked-softmax-fusion).
         gradient_accumulation_fusion=False,
@@ -154,11 +161,15 @@ def _transformer_config(spec_model, dtype, num_layers, hidden, heads, **override
 
 
 def _build_module(spec: HarnessSpec, config: TransformerConfig, vp_stage: int | None = None):
-    pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
-    post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
-    if spec.model == 'mlp':
+    pre_process = parallel_state.is_pipeline_first_stage(
+        ignore_virtual=vp_stage is None, vp_stage=vp_stage
+    )
+    post_process = parallel_state.is_pipeline_last_stage(
+        ignore_virtual=vp_stage is None, vp_stage=vp_stage
+    )
+    if spec.model == "mlp":
         return MLP(config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
-    if spec.model == 'gpt':
+    if spec.model == "gpt":
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -174,14 +185,14 @@ def _build_module(spec: HarnessSpec, config: TransformerConfig, vp_stage: int | 
             post_process=post_process,
             # pretrain_gpt's default (embeddings tied unless --untie-...).
             share_embeddings_and_output_weights=True,
-            position_embedding_type='learned_absolute',
+            position_embedding_type="learned_absolute",
         )
     raise ValueError(f"model must be 'mlp' or 'gpt', got {spec.model!r}")
 
 
 def build(
-    model: str = 'mlp',
-    dtype: str = 'fp32',
+    model: str = "mlp",
+    dtype: str = "fp32",
     *,
     overlap_grad_reduce: bool = False,
     overlap_param_gather: bool = False,
@@ -200,7 +211,7 @@ def build(
     transformer_overrides: dict | None = None,
     ddp_overrides: dict | None = None,
     optimizer_overrides: dict | None = None,
-    optimizer: str = 'adam',
+    optimizer: str = "adam",
     use_distributed_optimizer: bool = True,
     layer_wise: bool = False,
     make_optimizer=None,
@@ -236,15 +247,15 @@ def build(
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     if overlap_param_gather and not overlap_grad_reduce:
         # Same rule as megatron/training/arguments.py.
-        raise ValueError('overlap_param_gather requires overlap_grad_reduce')
+        raise ValueError("overlap_param_gather requires overlap_grad_reduce")
     if grad_reduce_in_fp32 is None:
-        grad_reduce_in_fp32 = dtype == 'bf16'
+        grad_reduce_in_fp32 = dtype == "bf16"
     if layer_wise:
         # megatron/training/arguments.py: an emerging optimizer with --use-distributed-optimizer
         # turns the distributed optimizer off and the layer-wise one on.
         use_distributed_optimizer = False
     if overlap_param_gather and not (use_distributed_optimizer or layer_wise):
-        raise ValueError('overlap_param_gather needs the distributed (or layer-wise) optimizer')
+        raise ValueError("overlap_param_gather needs the distributed (or layer-wise) optimizer")
     spec = HarnessSpec(
         model=model,
         dtype=dtype,
@@ -254,13 +265,16 @@ def build(
         vocab_size=vocab_size,
         data_seed=data_seed,
     )
-    config = _transformer_config(model, dtype, num_layers, hidden, heads,
-                                 **(transformer_overrides or {}))
+    config = _transformer_config(
+        model, dtype, num_layers, hidden, heads, **(transformer_overrides or {})
+    )
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    if vpp is not None and model != 'mlp':
-        raise ValueError('the harness builds virtual pipeline chunks for the mlp model only')
-    modules = [_build_module(spec, config, vp_stage) for vp_stage in (range(vpp) if vpp else [None])]
-    if dtype in ('bf16', 'fp16'):
+    if vpp is not None and model != "mlp":
+        raise ValueError("the harness builds virtual pipeline chunks for the mlp model only")
+    modules = [
+        _build_module(spec, config, vp_stage) for vp_stage in (range(vpp) if vpp else [None])
+    ]
+    if dtype in ("bf16", "fp16"):
         modules = [Float16Module(config, module) for module in modules]
 
     ddp_config = DistributedDataParallelConfig(
@@ -276,22 +290,26 @@ def build(
     # equal because every DP rank draws the same init seed (Megatron broadcasts only with
     # --data-parallel-random-init).
     model_chunks = [
-        DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
-                                disable_bucketing=index > 0)
+        DistributedDataParallel(
+            config=config, ddp_config=ddp_config, module=module, disable_bucketing=index > 0
+        )
         for index, module in enumerate(modules)
     ]
 
     optimizer_name = optimizer
     if layer_wise:
-        optimizer_overrides = {'use_layer_wise_distributed_optimizer': True, **(optimizer_overrides or {})}
+        optimizer_overrides = {
+            "use_layer_wise_distributed_optimizer": True,
+            **(optimizer_overrides or {}),
+        }
         allow_uneven_all_gather()
     optimizer_config = OptimizerConfig(
         optimizer=optimizer_name,
         lr=lr,
         weight_decay=weight_decay,
         clip_grad=clip_grad,
-        bf16=dtype == 'bf16',
-        fp16=dtype == 'fp16',  # dynamic loss scaling: steps with inf/nan grads are skipped
+        bf16=dtype == "bf16",
+        fp16=dtype == "fp16",  # dynamic loss scaling: steps with inf/nan grads are skipped
         params_dtype=_DTYPES[dtype],
         use_distributed_optimizer=use_distributed_optimizer,
         **(optimizer_overrides or {}),
@@ -328,25 +346,26 @@ def build(
 def _micro_batch(spec: HarnessSpec, step_index: int, micro_index: int) -> dict:
     """Deterministic per (step, micro-batch, data-parallel rank); equal across TP/PP ranks."""
     dp_rank = parallel_state.get_data_parallel_rank()
-    gen = torch.Generator(device='cpu')
-    gen.manual_seed(((spec.data_seed * 1_000_003 + step_index) * 1009 + micro_index) * 101
-                    + dp_rank)
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(
+        ((spec.data_seed * 1_000_003 + step_index) * 1009 + micro_index) * 101 + dp_rank
+    )
     s, b = spec.seq_length, spec.micro_batch_size
-    if spec.model == 'mlp':
+    if spec.model == "mlp":
         return {
-            'inputs': torch.randn(s, b, spec.hidden, generator=gen),
-            'targets': torch.randn(s, b, spec.hidden, generator=gen),
-            'loss_mask': torch.ones(b, s),
+            "inputs": torch.randn(s, b, spec.hidden, generator=gen),
+            "targets": torch.randn(s, b, spec.hidden, generator=gen),
+            "loss_mask": torch.ones(b, s),
         }
     tokens = torch.randint(0, spec.vocab_size, (b, s + 1), generator=gen)
     # Megatron's get_ltor_masks_and_position_ids: True marks a masked (future) position.
     causal = torch.tril(torch.ones(1, 1, s, s)) < 0.5
     return {
-        'tokens': tokens[:, :-1].contiguous(),
-        'labels': tokens[:, 1:].contiguous(),
-        'position_ids': torch.arange(s).unsqueeze(0).expand(b, s).contiguous(),
-        'attention_mask': causal,
-        'loss_mask': torch.ones(b, s),
+        "tokens": tokens[:, :-1].contiguous(),
+        "labels": tokens[:, 1:].contiguous(),
+        "position_ids": torch.arange(s).unsqueeze(0).expand(b, s).contiguous(),
+        "attention_mask": causal,
+        "loss_mask": torch.ones(b, s),
     }
 
 
@@ -358,17 +377,18 @@ def _loss_func(loss_mask, output_tensor):
     loss = torch.sum(losses * mask)
     num_tokens = mask.sum().clone().detach().to(torch.int)
     reporting = torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])
-    return loss, num_tokens, {'lm loss': reporting}
+    return loss, num_tokens, {"lm loss": reporting}
 
 
 def _forward_step(spec: HarnessSpec, data_iterator, model):
     batch = next(data_iterator)
-    if spec.model == 'mlp':
-        output = model(batch['inputs'], batch['targets'])
+    if spec.model == "mlp":
+        output = model(batch["inputs"], batch["targets"])
     else:
-        output = model(batch['tokens'], batch['position_ids'], batch['attention_mask'],
-                       labels=batch['labels'])
-    return output, partial(_loss_func, batch['loss_mask'])
+        output = model(
+            batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+        )
+    return output, partial(_loss_func, batch["loss_mask"])
 
 
 def train_step(model_chunks, optimizer, config, step_index: int, micro_batches: int = 1) -> dict:
@@ -409,7 +429,7 @@ def train_step(model_chunks, optimizer, config, step_index: int, micro_batches: 
 
     loss = None
     if losses_reduced:
-        total = torch.vstack([x['lm loss'].view(-1) for x in losses_reduced]).sum(dim=0)
+        total = torch.vstack([x["lm loss"].view(-1) for x in losses_reduced]).sum(dim=0)
         torch.distributed.all_reduce(
             total, group=parallel_state.get_data_parallel_group(with_context_parallel=True)
         )
@@ -417,9 +437,9 @@ def train_step(model_chunks, optimizer, config, step_index: int, micro_batches: 
     if isinstance(grad_norm, torch.Tensor):
         grad_norm = grad_norm.item()
     return {
-        'loss': loss,
-        'grad_norm': None if grad_norm is None else float(grad_norm),
-        'update_successful': bool(update_successful),
+        "loss": loss,
+        "grad_norm": None if grad_norm is None else float(grad_norm),
+        "update_successful": bool(update_successful),
     }
 
 

@@ -47,13 +47,13 @@ import traceback
 from pathlib import Path
 
 __all__ = [
-    'DEFAULT_SEED',
-    'DEFAULT_TIMEOUT',
-    'RankJobError',
-    'RankPool',
-    'RankPoolBroken',
-    'RankPoolError',
-    'current_job',
+    "DEFAULT_SEED",
+    "DEFAULT_TIMEOUT",
+    "RankJobError",
+    "RankPool",
+    "RankPoolBroken",
+    "RankPoolError",
+    "current_job",
 ]
 
 DEFAULT_TIMEOUT = 300.0
@@ -67,11 +67,11 @@ REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
 # Float results depend on the thread count (reduction order), so every rank is single-threaded.
 RANK_ENV = {
-    'OMP_NUM_THREADS': '1',
-    'MKL_NUM_THREADS': '1',
-    'TORCH_COMPILE_DISABLE': '1',
-    'GLOO_SOCKET_IFNAME': 'lo',
-    'PYTHONUNBUFFERED': '1',
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "TORCH_COMPILE_DISABLE": "1",
+    "GLOO_SOCKET_IFNAME": "lo",
+    "PYTHONUNBUFFERED": "1",
 }
 
 
@@ -115,7 +115,7 @@ def _import_job_module(module_name: str, module_file: str | None, parent_path: l
     for entry in parent_path:
         if entry not in sys.path:
             sys.path.append(entry)
-    if module_name in sys.modules or module_name == '__main__':
+    if module_name in sys.modules or module_name == "__main__":
         return
     try:
         importlib.import_module(module_name)
@@ -150,15 +150,15 @@ def _reduce_tensor(tensor):
     import torch
 
     if tensor.layout != torch.strided:
-        raise TypeError(f'cannot send a {tensor.layout} tensor; convert it to dense first')
-    flat = tensor.detach().to('cpu').resolve_conj().resolve_neg().contiguous().reshape(-1)
-    data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b''
-    return _rebuild_tensor, (data, str(flat.dtype).removeprefix('torch.'), tuple(tensor.shape))
+        raise TypeError(f"cannot send a {tensor.layout} tensor; convert it to dense first")
+    flat = tensor.detach().to("cpu").resolve_conj().resolve_neg().contiguous().reshape(-1)
+    data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    return _rebuild_tensor, (data, str(flat.dtype).removeprefix("torch."), tuple(tensor.shape))
 
 
 class _Pickler(pickle.Pickler):
     def reducer_override(self, obj):
-        torch = sys.modules.get('torch')
+        torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor):
             return _reduce_tensor(obj)
         return NotImplemented
@@ -192,12 +192,12 @@ def _setup_job(options: dict) -> None:
     if parallel_state.model_parallel_is_initialized():
         _teardown_job()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=options['tp'],
-        pipeline_model_parallel_size=options['pp'],
-        expert_model_parallel_size=options['ep'],
-        **(options.get('mp_kwargs') or {}),
+        tensor_model_parallel_size=options["tp"],
+        pipeline_model_parallel_size=options["pp"],
+        expert_model_parallel_size=options["ep"],
+        **(options.get("mp_kwargs") or {}),
     )
-    _seed_everything(options['seed'])
+    _seed_everything(options["seed"])
 
 
 def _release_groups(groups: list) -> None:
@@ -230,7 +230,7 @@ def _teardown_job() -> None:
     # destroy_model_parallel only forgets the groups; their gloo contexts (sockets, threads)
     # would otherwise accumulate with every job.
     groups, seen = [], set()
-    for group in getattr(parallel_state, '_global_process_group_list', None) or []:
+    for group in getattr(parallel_state, "_global_process_group_list", None) or []:
         if group is None or group == dist.GroupMember.NON_GROUP_MEMBER or id(group) in seen:
             continue
         if group is dist.GroupMember.WORLD:
@@ -286,8 +286,8 @@ def _rank_main(rank, world_size, port, conn, log_path, env, pg_timeout_s):
     import megatron.core.pipeline_parallel  # noqa: F401
 
     dist.init_process_group(
-        backend='gloo',
-        init_method=f'tcp://127.0.0.1:{port}',
+        backend="gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=pg_timeout_s),
@@ -298,14 +298,14 @@ def _rank_main(rank, world_size, port, conn, log_path, env, pg_timeout_s):
 
     gc.collect()
     gc.freeze()
-    conn.send(('ready', os.getpid()))
+    conn.send(("ready", os.getpid()))
 
     while True:
         try:
             message = conn.recv()
         except (EOFError, OSError):
             break  # the parent is gone
-        if message[0] == 'close':
+        if message[0] == "close":
             break
         _, job_id, parent_path, module_name, module_file, options, payload = message
         reply = None
@@ -319,18 +319,18 @@ def _rank_main(rank, world_size, port, conn, log_path, env, pg_timeout_s):
                 data = _dumps(result)
             except Exception as exc:
                 raise TypeError(
-                    f'job result of type {type(result).__name__} is not picklable: {exc}'
+                    f"job result of type {type(result).__name__} is not picklable: {exc}"
                 ) from exc
-            reply = ('ok', job_id, data)
+            reply = ("ok", job_id, data)
         except BaseException:
-            reply = ('error', job_id, traceback.format_exc())
+            reply = ("error", job_id, traceback.format_exc())
         # Nothing of the job may outlive it (teardown frees its models).
         fn = args = kwargs = result = None
         try:
             _teardown_job()
         except BaseException:
-            if reply[0] == 'ok':
-                reply = ('error', job_id, 'teardown failed:\n' + traceback.format_exc())
+            if reply[0] == "ok":
+                reply = ("error", job_id, "teardown failed:\n" + traceback.format_exc())
         try:
             conn.send(reply)
         except OSError:
@@ -349,19 +349,19 @@ def _rank_main(rank, world_size, port, conn, log_path, env, pg_timeout_s):
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(('127.0.0.1', 0))
+        sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
 def _describe_exit(code) -> str:
     if code is None:
-        return 'still running'
+        return "still running"
     if code < 0:
         try:
-            return f'killed by signal {signal.Signals(-code).name}'
+            return f"killed by signal {signal.Signals(-code).name}"
         except ValueError:
-            return f'killed by signal {-code}'
-    return f'exit code {code}'
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 class RankPool:
@@ -384,7 +384,7 @@ class RankPool:
             is quoted when a rank dies or hangs; False leaves them on the parent's streams.
         """
         if world_size < 1:
-            raise ValueError(f'world_size must be >= 1, got {world_size}')
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
         self.timeout = timeout
         self.start_timeout = start_timeout
@@ -392,7 +392,7 @@ class RankPool:
         self.capture_output = capture_output
         self.start_time_s: float | None = None
         self.starts = 0
-        self._ctx = mp.get_context('spawn')
+        self._ctx = mp.get_context("spawn")
         self._procs: list = []
         self._conns: list = []
         self._log_dir: str | None = None
@@ -415,16 +415,16 @@ class RankPool:
     def log_paths(self) -> list[str]:
         if not self._log_dir:
             return []
-        return [os.path.join(self._log_dir, f'rank{r}.log') for r in range(self.world_size)]
+        return [os.path.join(self._log_dir, f"rank{r}.log") for r in range(self.world_size)]
 
-    def start(self) -> 'RankPool':
+    def start(self) -> "RankPool":
         """Spawn the ranks and wait until every one has joined the process group."""
         if self.started:
             return self
         t0 = time.monotonic()
         self._broken = False
         if self.capture_output:
-            self._log_dir = tempfile.mkdtemp(prefix=f'rank_pool{self.world_size}_')
+            self._log_dir = tempfile.mkdtemp(prefix=f"rank_pool{self.world_size}_")
         port = _free_port()
         pg_timeout = max(self.timeout, 1800.0)
         for rank in range(self.world_size):
@@ -433,7 +433,7 @@ class RankPool:
             proc = self._ctx.Process(
                 target=_rank_main,
                 args=(rank, self.world_size, port, child_conn, log_path, self.env, pg_timeout),
-                name=f'rank{rank}',
+                name=f"rank{rank}",
                 # Not daemonic: jobs may start processes of their own (dist_checkpointing's
                 # writer uses a multiprocessing Manager). close() (also run at exit) ends them.
                 daemon=False,
@@ -443,8 +443,12 @@ class RankPool:
             self._procs.append(proc)
             self._conns.append(parent_conn)
         try:
-            self._collect(set(range(self.world_size)), time.monotonic() + self.start_timeout,
-                          what='start-up', expect='ready')
+            self._collect(
+                set(range(self.world_size)),
+                time.monotonic() + self.start_timeout,
+                what="start-up",
+                expect="ready",
+            )
         except BaseException:
             self._kill()
             raise
@@ -452,7 +456,7 @@ class RankPool:
         self.starts += 1
         return self
 
-    def restart(self) -> 'RankPool':
+    def restart(self) -> "RankPool":
         # A healthy pool is closed gracefully, so the ranks exit normally (and whatever they
         # record at exit, such as coverage data, is kept); a broken one is killed.
         self.close()
@@ -466,7 +470,7 @@ class RankPool:
         if not self._broken:
             for conn in self._conns:
                 try:
-                    conn.send(('close',))
+                    conn.send(("close",))
                 except (OSError, EOFError):
                     pass
             deadline = time.monotonic() + 30.0
@@ -474,7 +478,7 @@ class RankPool:
                 proc.join(max(0.0, deadline - time.monotonic()))
         self._kill()
 
-    def __enter__(self) -> 'RankPool':
+    def __enter__(self) -> "RankPool":
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -522,35 +526,38 @@ class RankPool:
     ) -> list:
         """Run `fn(*args, **kwargs)` on every rank; return the per-rank results (rank order)."""
         if tp * pp > self.world_size or self.world_size % (tp * pp):
-            raise ValueError(f'tp={tp} * pp={pp} does not divide world size {self.world_size}')
+            raise ValueError(f"tp={tp} * pp={pp} does not divide world size {self.world_size}")
         if self._broken or not self.started:
             self.restart()
-        module_name = getattr(fn, '__module__', None)
-        module_file = getattr(sys.modules.get(module_name), '__file__', None)
+        module_name = getattr(fn, "__module__", None)
+        module_file = getattr(sys.modules.get(module_name), "__file__", None)
         try:
             payload = _dumps((fn, args, kwargs))
         except Exception as exc:
             raise TypeError(
-                f'cannot send job {fn!r}: the function must be module-level and its '
-                f'arguments picklable ({exc})'
+                f"cannot send job {fn!r}: the function must be module-level and its "
+                f"arguments picklable ({exc})"
             ) from exc
         self._job_id += 1
         options = dict(tp=tp, pp=pp, ep=ep, seed=seed, mp_kwargs=mp_kwargs)
-        message = ('job', self._job_id, list(sys.path), module_name, module_file, options, payload)
+        message = ("job", self._job_id, list(sys.path), module_name, module_file, options, payload)
         # Failure reports quote only what the ranks logged during this job.
-        self._log_offsets = [os.path.getsize(p) if os.path.exists(p) else 0
-                             for p in self.log_paths]
+        self._log_offsets = [os.path.getsize(p) if os.path.exists(p) else 0 for p in self.log_paths]
         for conn in self._conns:
             try:
                 conn.send(message)
             except OSError:
                 pass  # a rank died while idle; _collect reports it
         timeout = self.timeout if timeout is None else timeout
-        name = getattr(fn, '__qualname__', repr(fn))
+        name = getattr(fn, "__qualname__", repr(fn))
         try:
             return self._collect(
-                set(range(self.world_size)), time.monotonic() + timeout, what=f'job {name}',
-                expect='ok', job_id=self._job_id, timeout=timeout,
+                set(range(self.world_size)),
+                time.monotonic() + timeout,
+                what=f"job {name}",
+                expect="ok",
+                job_id=self._job_id,
+                timeout=timeout,
             )
         except RankPoolError:
             raise
@@ -584,38 +591,44 @@ class RankPool:
                 if job_id is not None and reply[1] != job_id:
                     continue
                 pending.discard(rank)
-                if reply[0] == 'error':
+                if reply[0] == "error":
                     errors[rank] = reply[2]
-                elif expect == 'ready':
+                elif expect == "ready":
                     results[rank] = reply[1]
                 else:
                     try:
                         results[rank] = pickle.loads(reply[2])
                     except Exception:
-                        errors[rank] = ('the result could not be unpickled in the parent:\n'
-                                        + traceback.format_exc())
+                        errors[rank] = (
+                            "the result could not be unpickled in the parent:\n"
+                            + traceback.format_exc()
+                        )
                 if errors and grace_deadline is None:
                     grace_deadline = time.monotonic() + FAILURE_GRACE
             dead = [r for r, p in enumerate(self._procs) if p.exitcode is not None]
             if dead:
-                self._fail(what, dead, errors, reason='died')
+                self._fail(what, dead, errors, reason="died")
         if pending:
-            self._fail(what, sorted(pending), errors,
-                       reason='timed out' if grace_deadline is None else 'hung after a failure',
-                       timeout=timeout)
+            self._fail(
+                what,
+                sorted(pending),
+                errors,
+                reason="timed out" if grace_deadline is None else "hung after a failure",
+                timeout=timeout,
+            )
         if errors:
             raise RankJobError(self._format_errors(what, errors), errors)
         return results
 
     def _format_errors(self, what, errors):
-        parts = [f'{what} failed on rank(s) {sorted(errors)} of {self.world_size}:']
+        parts = [f"{what} failed on rank(s) {sorted(errors)} of {self.world_size}:"]
         for rank in sorted(errors):
-            parts.append(f'--- rank {rank} traceback ---\n{errors[rank].rstrip()}')
-        return '\n'.join(parts)
+            parts.append(f"--- rank {rank} traceback ---\n{errors[rank].rstrip()}")
+        return "\n".join(parts)
 
     def _fail(self, what, ranks, errors, *, reason, timeout=None):
         """Kill the pool and raise RankPoolBroken describing what happened to `ranks`."""
-        if reason != 'died':
+        if reason != "died":
             for rank in ranks:
                 try:
                     os.kill(self._procs[rank].pid, signal.SIGUSR1)
@@ -625,32 +638,38 @@ class RankPool:
         lines = []
         for rank in ranks:
             proc = self._procs[rank]
-            if reason == 'died':
+            if reason == "died":
                 state = _describe_exit(proc.exitcode)
-                lines.append(f'rank {rank} (pid {proc.pid}) died: {state}')
+                lines.append(f"rank {rank} (pid {proc.pid}) died: {state}")
             else:
-                limit = f' after {timeout:.0f} s' if timeout and reason == 'timed out' else ''
-                lines.append(f'rank {rank} (pid {proc.pid}) {reason}{limit}')
-        header = (f'{what}: ' + '; '.join(lines) +
-                  '. All ranks were killed; the next run() starts a fresh pool.')
+                limit = f" after {timeout:.0f} s" if timeout and reason == "timed out" else ""
+                lines.append(f"rank {rank} (pid {proc.pid}) {reason}{limit}")
+        header = (
+            f"{what}: "
+            + "; ".join(lines)
+            + ". All ranks were killed; the next run() starts a fresh pool."
+        )
         details = [header]
         if errors:
             details.append(self._format_errors(what, errors))
         for rank in ranks:
             tail = self._log_tail(rank)
             if tail:
-                details.append(f'--- rank {rank} log (last lines) ---\n{tail}')
+                details.append(f"--- rank {rank} log (last lines) ---\n{tail}")
         self._broken = True
         self._kill()
-        raise RankPoolBroken('\n'.join(details))
+        raise RankPoolBroken("\n".join(details))
 
     def _log_tail(self, rank, max_lines=40, max_width=300) -> str:
         paths = self.log_paths
         if not paths or not os.path.exists(paths[rank]):
-            return ''
+            return ""
         offsets = self._log_offsets or [0] * self.world_size
-        with open(paths[rank], errors='replace') as f:
+        with open(paths[rank], errors="replace") as f:
             f.seek(offsets[rank])
-            lines = [ln if len(ln) <= max_width else ln[:max_width] + ' ...'
-                     for ln in f.read().splitlines() if ln.strip()]
-        return '\n'.join(lines[-max_lines:])
+            lines = [
+                ln if len(ln) <= max_width else ln[:max_width] + " ..."
+                for ln in f.read().splitlines()
+                if ln.strip()
+            ]
+        return "\n".join(lines[-max_lines:])

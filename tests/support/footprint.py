@@ -7,6 +7,7 @@ consolidated groups). The master weights megatron-core keeps beside the optimize
 out: they are not optimizer state (a chunked update reloads them whole).
 """
 
+
 def state_storages(distrib_optimizer):
     from megatron_offload.adapters import inner_optimizers
 
@@ -45,6 +46,7 @@ def record_peaks(optimizer, devices=()):
         def hook(inner, args, kwargs, distrib=distrib, own=own):
             if peaks:
                 peaks[-1] = max(peaks[-1], optimizer_footprint(distrib, own))
+
         distrib.optimizer.register_step_post_hook(hook)
     return peaks
 
@@ -64,4 +66,3 @@ def whole_state_bytes(optimizer) -> int:
                 for _, t in inner_optimizers.state_tensors(param, inner.state.get(param) or {}):
                     totals[-1] += t.numel() * t.element_size()
     return max(totals)
-

@@ -14,16 +14,31 @@ import inspect
 import textwrap
 
 CONTAINERS = frozenset(
-    {"state", "param_groups", "shard_fp32_from_float16_groups", "fp32_from_float16_groups", "shard_fp32_groups"}
+    {
+        "state",
+        "param_groups",
+        "shard_fp32_from_float16_groups",
+        "fp32_from_float16_groups",
+        "shard_fp32_groups",
+    }
 )
 
 
 def optimizer_classes() -> list[type]:
     """The optimizer classes of the installed megatron-core that an offloader serves."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer, Float16OptimizerWithFloat16Params
+    from megatron.core.optimizer.optimizer import (
+        ChainedOptimizer,
+        Float16OptimizerWithFloat16Params,
+        FP32Optimizer,
+    )
 
-    return [DistributedOptimizer, Float16OptimizerWithFloat16Params, FP32Optimizer, ChainedOptimizer]
+    return [
+        DistributedOptimizer,
+        Float16OptimizerWithFloat16Params,
+        FP32Optimizer,
+        ChainedOptimizer,
+    ]
 
 
 def _functions(cls) -> dict:
@@ -73,4 +88,6 @@ def touching_methods(cls) -> dict[str, str]:
                 if through:
                     how[name] = f"calls {through[0]}"
                     changed = True
-    return {name: why for name, why in how.items() if not name.startswith("_") or name == "__init__"}
+    return {
+        name: why for name, why in how.items() if not name.startswith("_") or name == "__init__"
+    }

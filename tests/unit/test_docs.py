@@ -28,5 +28,7 @@ def test_every_relative_link_points_at_a_file():
 
 def test_the_documented_log_lines_are_what_the_parser_reads():
     for page in (REPO / "README.md", REPO / "docs" / "pretrain.md"):
-        shown = [line for line in page.read_text().splitlines() if "[optimizer-state offload]" in line]
+        shown = [
+            line for line in page.read_text().splitlines() if "[optimizer-state offload]" in line
+        ]
         assert shown and len(parse_log_lines("\n".join(shown))) == len(shown), page

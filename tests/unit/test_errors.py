@@ -25,11 +25,22 @@ def test_exception_classes_are_defined_in_errors_only():
     assert found and all(place.startswith("errors.py:") for place in found), found
 
 
-@pytest.mark.parametrize("name", ["OffloadArgumentError", "HostMemoryBudgetError", "OffloadStateError",
-                                  "SlotSizeError", "PinError"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "OffloadArgumentError",
+        "HostMemoryBudgetError",
+        "OffloadStateError",
+        "SlotSizeError",
+        "PinError",
+    ],
+)
 def test_each_exception_is_an_offload_error_and_exported(name):
     cls = getattr(megatron_offload, name)
-    assert issubclass(cls, megatron_offload.OffloadError) and cls.__module__ == "megatron_offload.errors"
+    assert (
+        issubclass(cls, megatron_offload.OffloadError)
+        and cls.__module__ == "megatron_offload.errors"
+    )
 
 
 def _hook_output(capsys, monkeypatch, error, rank):
@@ -42,12 +53,15 @@ def _hook_output(capsys, monkeypatch, error, rank):
 def test_a_refusal_is_printed_once_by_rank_0_as_its_message(capsys, monkeypatch):
     refusal = megatron_offload.OffloadArgumentError("use one of them")
     assert _hook_output(capsys, monkeypatch, refusal, 0) == (
-        "megatron-offload: OffloadArgumentError: use one of them\n", [])
+        "megatron-offload: OffloadArgumentError: use one of them\n",
+        [],
+    )
     assert _hook_output(capsys, monkeypatch, refusal, 3) == ("", [])
     # Per-rank errors name their rank; anything else goes to the previous hook, untouched.
     budget = megatron_offload.HostMemoryBudgetError("raise host_memory_budget")
     assert _hook_output(capsys, monkeypatch, budget, 3)[0] == (
-        "megatron-offload (rank 3): HostMemoryBudgetError: raise host_memory_budget\n")
+        "megatron-offload (rank 3): HostMemoryBudgetError: raise host_memory_budget\n"
+    )
     other = KeyError("x")
     assert _hook_output(capsys, monkeypatch, other, 0) == ("", [(KeyError, other, None)])
 

@@ -20,8 +20,12 @@ DTYPES = {
 }
 
 
-def precision_aware(remainders: bool = True, exp_avg: str = "fp32", exp_avg_sq: str | None = None,
-                    master: str = "fp32") -> dict:
+def precision_aware(
+    remainders: bool = True,
+    exp_avg: str = "fp32",
+    exp_avg_sq: str | None = None,
+    master: str = "fp32",
+) -> dict:
     """OptimizerConfig fields for --use-precision-aware-optimizer (what the CLI flags set)."""
     return dict(
         use_precision_aware_optimizer=True,
@@ -64,9 +68,14 @@ def chunked_budget(optimizer, fraction: float, slots: int = 2) -> int:
     for distrib in models.distributed_optimizers(optimizer):
         inner = distrib.optimizer
         params = [p for g in inner.param_groups for p in g["params"]]
-        planned = [inner_optimizers.planned_state_bytes(inner, p, moments=True, masters=True)[0] for p in params]
-        ratio = max((inner_optimizers.transient_bytes(inner, p) / n for p, n in zip(params, planned) if n),
-                    default=0.0)
+        planned = [
+            inner_optimizers.planned_state_bytes(inner, p, moments=True, masters=True)[0]
+            for p in params
+        ]
+        ratio = max(
+            (inner_optimizers.transient_bytes(inner, p) / n for p, n in zip(params, planned) if n),
+            default=0.0,
+        )
         need = -(-math.ceil(max(planned) * (slots + ratio)) // 16) * 16
         budget = max(budget, need, int(fraction * sum(planned)))
     return budget
@@ -109,8 +118,11 @@ def state_census(optimizer) -> dict:
                         buffers += 1
                         storage_bytes.append(buf.untyped_storage().nbytes())
                         tensor_bytes += buf.numel() * buf.element_size()
-    return {"buffers": buffers, "max_storage": max(storage_bytes, default=0),
-            "tensor_bytes": tensor_bytes}
+    return {
+        "buffers": buffers,
+        "max_storage": max(storage_bytes, default=0),
+        "tensor_bytes": tensor_bytes,
+    }
 
 
 def collected(offloader) -> list[torch.Tensor]:
@@ -121,24 +133,38 @@ def collected(offloader) -> list[torch.Tensor]:
 
 def figures(offloader, optimizer) -> dict:
     stats = offloader.stats()
-    keys = ("tracked_bytes", "offloaded_bytes", "resident_bytes", "host_bytes",
-            "kept_resident_bytes", "d2h_copies", "h2d_copies", "cycles")
+    keys = (
+        "tracked_bytes",
+        "offloaded_bytes",
+        "resident_bytes",
+        "host_bytes",
+        "kept_resident_bytes",
+        "d2h_copies",
+        "h2d_copies",
+        "cycles",
+    )
     tensors = collected(offloader)
     census = state_census(optimizer)
-    return {**{k: stats[k] for k in keys},
-            "groups": sum(len(e.groups) for e in offloader.engines),
-            "tensors": len(tensors),
-            "max_storage": max((t.untyped_storage().nbytes() for t in tensors), default=0),
-            "subclasses": sum(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors),
-            "census_buffers": census["buffers"], "census_max_storage": census["max_storage"]}
+    return {
+        **{k: stats[k] for k in keys},
+        "groups": sum(len(e.groups) for e in offloader.engines),
+        "tensors": len(tensors),
+        "max_storage": max((t.untyped_storage().nbytes() for t in tensors), default=0),
+        "subclasses": sum(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors),
+        "census_buffers": census["buffers"],
+        "census_max_storage": census["max_storage"],
+    }
 
 
 def snapshot(model_chunks, optimizer) -> dict:
     """Model params plus every byte of optimizer state: FP8 internals, TE scales, group steps."""
     from tests.doubles.te_fused_adam import Float8Tensor
 
-    params = {f"{i}.{name}": p.detach().clone()
-              for i, chunk in enumerate(model_chunks) for name, p in chunk.named_parameters()}
+    params = {
+        f"{i}.{name}": p.detach().clone()
+        for i, chunk in enumerate(model_chunks)
+        for name, p in chunk.named_parameters()
+    }
     state = {}
     for o, inner in enumerate(inner_optimizers(optimizer)):
         scales = getattr(inner, "_scales", {})
@@ -175,7 +201,7 @@ def layout(optimizer) -> dict:
             out[key] = (type(value).__name__, None, None)
             continue
         if isinstance(value, Float8Tensor):
-            per = (value._data.element_size() + value._transpose.element_size())
+            per = value._data.element_size() + value._transpose.element_size()
             out[key] = ("Float8Tensor", str(value.dtype), per, str(value._data.dtype))
         else:
             out[key] = (type(value).__name__, str(value.dtype), value.element_size())
@@ -184,8 +210,19 @@ def layout(optimizer) -> dict:
 
 
 # ---------------------------------------------------------------------------- the job
-def train_job(optimizer_kind, model, dtype, steps, offload, *, overrides=None, options=None,
-              checked=False, drop_grads=None, **build_kw):
+def train_job(
+    optimizer_kind,
+    model,
+    dtype,
+    steps,
+    offload,
+    *,
+    overrides=None,
+    options=None,
+    checked=False,
+    drop_grads=None,
+    **build_kw,
+):
     """Train ``steps`` iterations with the FusedAdam double ``optimizer_kind`` ('te'/'apex').
 
     drop_grads: {index into the inner optimizer's parameters (all groups, in order): number of
@@ -197,7 +234,8 @@ def train_job(optimizer_kind, model, dtype, steps, offload, *, overrides=None, o
 
     with injected(optimizer_kind):
         chunks, optimizer, config = models.build(
-            model, dtype, optimizer_overrides=dict(overrides or {}), **build_kw)
+            model, dtype, optimizer_overrides=dict(overrides or {}), **build_kw
+        )
         classes = models.optimizer_classes(optimizer)
         inner = inner_optimizers(optimizer)[0]
         if drop_grads:
@@ -209,6 +247,7 @@ def train_job(optimizer_kind, model, dtype, steps, offload, *, overrides=None, o
                 for index, until in drop_grads.items():
                     if counter["steps"] <= until:
                         flat[index].grad = None
+
             inner.register_step_pre_hook(drop)
 
         options = dict(options or {})
@@ -239,17 +278,27 @@ def train_job(optimizer_kind, model, dtype, steps, offload, *, overrides=None, o
         snap = snapshot(chunks, optimizer)
         for device in devices:
             device.check()
-        return {"classes": classes, "results": results, "figures": figs, "snapshot": snap,
-                "layout": layout(optimizer), "resident_census": resident,
-                "state_params": layouts, "checked_calls": [dict(d.calls) for d in devices]}
+        return {
+            "classes": classes,
+            "results": results,
+            "figures": figs,
+            "snapshot": snap,
+            "layout": layout(optimizer),
+            "resident_census": resident,
+            "state_params": layouts,
+            "checked_calls": [dict(d.calls) for d in devices],
+        }
 
 
 # ---------------------------------------------------------------------- comparisons (parent)
 def _equal(a, b) -> bool:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         # Byte equality: also tells -0.0 from 0.0 and compares NaN payloads.
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-            a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        return (
+            a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        )
     return a == b
 
 

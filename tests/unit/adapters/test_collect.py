@@ -27,8 +27,10 @@ N = 29
 
 def _shards(dtype=torch.bfloat16, count=3):
     gen = torch.Generator().manual_seed(3)
-    return [torch.nn.Parameter((torch.randn(N + 5 * i, generator=gen) * 0.1).to(dtype))
-            for i in range(count)]
+    return [
+        torch.nn.Parameter((torch.randn(N + 5 * i, generator=gen) * 0.1).to(dtype))
+        for i in range(count)
+    ]
 
 
 def _decoupled(params, seed=0):
@@ -37,12 +39,24 @@ def _decoupled(params, seed=0):
         p.decoupled_grad = torch.randn(p.shape, generator=gen) * 0.01
 
 
-def _te_optimizer(remainders=True, exp_avg=torch.float32, exp_avg_sq=None, master=torch.float32,
-                  dtype=torch.bfloat16):
+def _te_optimizer(
+    remainders=True,
+    exp_avg=torch.float32,
+    exp_avg_sq=None,
+    master=torch.float32,
+    dtype=torch.bfloat16,
+):
     params = _shards(dtype)
-    opt = FusedAdam(params, lr=1e-2, master_weights=True, master_weight_dtype=master,
-                    exp_avg_dtype=exp_avg, exp_avg_sq_dtype=exp_avg_sq or exp_avg,
-                    use_decoupled_grad=True, store_param_remainders=remainders)
+    opt = FusedAdam(
+        params,
+        lr=1e-2,
+        master_weights=True,
+        master_weight_dtype=master,
+        exp_avg_dtype=exp_avg,
+        exp_avg_sq_dtype=exp_avg_sq or exp_avg,
+        use_decoupled_grad=True,
+        store_param_remainders=remainders,
+    )
     _decoupled(params)
     opt.step()
     # precision-aware: megatron-core keeps no masters outside the optimizer (a list of Nones)
@@ -82,7 +96,11 @@ def test_te_state_is_collected_buffer_by_buffer(remainders, moments):
     for p in params:
         for value in opt.state[p].values():
             if isinstance(value, Float8Tensor):
-                small |= {id(value._scale_inv), id(value._quantizer.scale), id(value._quantizer.amax)}
+                small |= {
+                    id(value._scale_inv),
+                    id(value._quantizer.scale),
+                    id(value._quantizer.amax),
+                }
     assert not small & {id(t) for _, t in got}
     # stable: an unchanged state yields the same tensors in the same order
     again = list(collect(dist))
@@ -93,8 +111,10 @@ def test_mixed_moment_dtypes_and_fp16_masters():
     dist, opt, params = _te_optimizer(True, torch.bfloat16, torch.uint8, master=torch.float16)
     got = list(collect(dist))
     assert {(k, t.dtype) for k, t in got} == {
-        (OPTIMIZER_STATES, torch.bfloat16), (OPTIMIZER_STATES, torch.uint8),
-        (PRIMARY_WEIGHTS, torch.float16)}
+        (OPTIMIZER_STATES, torch.bfloat16),
+        (OPTIMIZER_STATES, torch.uint8),
+        (PRIMARY_WEIGHTS, torch.float16),
+    }
 
 
 def test_fp8_state_without_transpose_moves_its_data_only():
@@ -124,8 +144,10 @@ def test_apex_state_appears_with_gradients():
     params[1].grad = torch.ones_like(params[1])
     opt.step()
     got = list(collect(dist))
-    assert [(k, t) for k, t in got] == [(OPTIMIZER_STATES, opt.state[params[1]]["exp_avg"]),
-                                        (OPTIMIZER_STATES, opt.state[params[1]]["exp_avg_sq"])]
+    assert [(k, t) for k, t in got] == [
+        (OPTIMIZER_STATES, opt.state[params[1]]["exp_avg"]),
+        (OPTIMIZER_STATES, opt.state[params[1]]["exp_avg_sq"]),
+    ]
 
 
 def test_torch_adamw_state_and_external_masters():
@@ -166,22 +188,31 @@ def _engine_cycle(moments_name, remainders, cycles):
     from megatron_offload.engine import OffloadEngine
     from tests.unit.adapters import test_collect as me
 
-    moments = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-               "fp8": torch.uint8}[moments_name]
+    moments = {
+        "fp32": torch.float32,
+        "bf16": torch.bfloat16,
+        "fp16": torch.float16,
+        "fp8": torch.uint8,
+    }[moments_name]
     dist, opt, params = me._te_optimizer(remainders, moments)
     engine = OffloadEngine(device_for(torch.device("cpu")), lambda: collect(dist))
     wrappers = {(i, k): v for i, p in enumerate(params) for k, v in opt.state[p].items()}
-    expected_sd = {k: {n: t.clone() for n, t in v.items()} for k, v in opt.state_dict()["state"].items()}
+    expected_sd = {
+        k: {n: t.clone() for n, t in v.items()} for k, v in opt.state_dict()["state"].items()
+    }
     figures = []
     for cycle in range(cycles):
         engine.offload()
         engine.release()
         st = engine.stats()
-        figures.append({
-            "offloaded": st["offloaded_bytes"], "tracked": st["tracked_bytes"],
-            "kept": st["kept_resident_bytes"],
-            "max_storage": max(t.untyped_storage().nbytes() for _, t in collect(dist)),
-        })
+        figures.append(
+            {
+                "offloaded": st["offloaded_bytes"],
+                "tracked": st["tracked_bytes"],
+                "kept": st["kept_resident_bytes"],
+                "max_storage": max(t.untyped_storage().nbytes() for _, t in collect(dist)),
+            }
+        )
         engine.reload()
         engine.wait()
     same_objects = all(opt.state[params[i]][k] is v for (i, k), v in wrappers.items())

@@ -4,8 +4,8 @@ import types
 
 import torch
 
-from megatron_offload.adapters import megatron_wrappers as adapter
 from megatron_offload.adapters import kind_of
+from megatron_offload.adapters import megatron_wrappers as adapter
 from megatron_offload.adapters.inner_optimizers import OTHER, TORCH_ADAM
 
 

@@ -117,21 +117,29 @@ def run_layout_changes(constant: bool = False) -> dict:
     cycle("a group's parameters replaced", before=replace_params)
 
     def replace_masters(model):
-        model.shard_fp32_from_float16_groups[0] = [m.clone() for m in model.shard_fp32_from_float16_groups[0]]
+        model.shard_fp32_from_float16_groups[0] = [
+            m.clone() for m in model.shard_fp32_from_float16_groups[0]
+        ]
 
     cycle("masters replaced", before=replace_masters)
     engine.reload()
     engine.wait()
     bitwise = [torch.equal(a, b) for a, b in zip(ref.snapshot(), off.snapshot())]
     engine.close()
-    return {"seen": seen, "steady_walks": steady_walks, "bitwise": all(bitwise) and len(bitwise) > 0,
-            "looks": watch.looks}
+    return {
+        "seen": seen,
+        "steady_walks": steady_walks,
+        "bitwise": all(bitwise) and len(bitwise) > 0,
+        "looks": watch.looks,
+    }
 
 
 def test_every_layout_change_is_seen_by_the_fingerprint_alone(isolated):
     out = isolated.run(run_layout_changes)
     for name, (tracked_and_freed, count) in out["seen"].items():
-        assert tracked_and_freed, f"{name}: some tensor is not tracked or still holds memory ({out})"
+        assert tracked_and_freed, (
+            f"{name}: some tensor is not tracked or still holds memory ({out})"
+        )
     counts = {name: count for name, (_, count) in out["seen"].items()}
     assert counts["first step, half the parameters"] == 6 + 2 * 3  # masters + the moments made
     assert counts["the other half's first step"] == 6 + 2 * 6

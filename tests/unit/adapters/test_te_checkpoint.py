@@ -50,8 +50,12 @@ def _calls(chunks, optimizer, directory):
         saved["inner"] = inner.state_dict()
 
     def unscaled():
-        return [inner.get_unscaled_state(p, name).float().sum().item()
-                for g in inner.param_groups for p in g["params"] for name in inner.state[p]]
+        return [
+            inner.get_unscaled_state(p, name).float().sum().item()
+            for g in inner.param_groups
+            for p in g["params"]
+            for name in inner.state[p]
+        ]
 
     def rescale():  # what megatron-core's checkpoint load does, value by value
         for g in inner.param_groups:
@@ -64,14 +68,22 @@ def _calls(chunks, optimizer, directory):
     return [
         ("state_dict", save_state_dict),
         ("inner.get_unscaled_state", unscaled),
-        ("sharded_state_dict", lambda: optimizer.sharded_state_dict(
-            chunks[0].sharded_state_dict(), metadata=SHARDING)),
-        ("get_parameter_state_dp_reshardable", lambda: distrib.get_parameter_state_dp_reshardable()),
+        (
+            "sharded_state_dict",
+            lambda: optimizer.sharded_state_dict(chunks[0].sharded_state_dict(), metadata=SHARDING),
+        ),
+        (
+            "get_parameter_state_dp_reshardable",
+            lambda: distrib.get_parameter_state_dp_reshardable(),
+        ),
         ("get_parameter_state_dp_zero", lambda: distrib.get_parameter_state_dp_zero()),
         ("save_parameter_state", lambda: distrib.save_parameter_state(param_state_file)),
         ("inner.set_scaled_state", rescale),
         ("load_state_dict", lambda: optimizer.load_state_dict(saved["chained"])),
-        ("load_parameter_state", torch.no_grad()(lambda: distrib.load_parameter_state(param_state_file))),
+        (
+            "load_parameter_state",
+            torch.no_grad()(lambda: distrib.load_parameter_state(param_state_file)),
+        ),
         ("inner.load_state_dict", lambda: inner.load_state_dict(saved["inner"])),
     ]
 
@@ -83,7 +95,8 @@ def walk_job(offload, remainders, moments, directory):
     directory = _shared_directory(directory)
     with _jobs.injected("te"):
         chunks, optimizer, config = models.build(
-            "mlp", "bf16", optimizer_overrides=_jobs.precision_aware(remainders, moments))
+            "mlp", "bf16", optimizer_overrides=_jobs.precision_aware(remainders, moments)
+        )
         offloader = megatron_offload.attach(optimizer) if offload else None
         results, called, offloaded_before = [], [], {}
         for step in range(2):
@@ -104,9 +117,13 @@ def walk_job(offload, remainders, moments, directory):
         if offloader:
             offloader.reload()
             offloader.wait()
-        return {"results": results, "called": called, "offloaded_before": offloaded_before,
-                "classes": models.optimizer_classes(optimizer),
-                "snapshot": _jobs.snapshot(chunks, optimizer)}
+        return {
+            "results": results,
+            "called": called,
+            "offloaded_before": offloaded_before,
+            "classes": models.optimizer_classes(optimizer),
+            "snapshot": _jobs.snapshot(chunks, optimizer),
+        }
 
 
 @pytest.mark.parametrize("remainders,moments", CASES)
@@ -125,8 +142,10 @@ STEPS, SAVE_AFTER = 6, 3
 
 def _sharded(chunks, optimizer, is_loading=False):
     model = chunks[0].sharded_state_dict()
-    return {"model": model,
-            "optimizer": optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=SHARDING)}
+    return {
+        "model": model,
+        "optimizer": optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=SHARDING),
+    }
 
 
 @torch.no_grad()
@@ -134,8 +153,11 @@ def _load(chunks, optimizer, directory):
     from megatron.core import dist_checkpointing
 
     state = dist_checkpointing.load(_sharded(chunks, optimizer, is_loading=True), directory)
-    loaded = {k.replace("module.", ""): v for k, v in state["model"].items()
-              if not k.endswith("_extra_state")}
+    loaded = {
+        k.replace("module.", ""): v
+        for k, v in state["model"].items()
+        if not k.endswith("_extra_state")
+    }
     params = dict(chunks[0].named_parameters())
     assert len(params) == len(loaded)
     for name, param in params.items():
@@ -149,8 +171,9 @@ def checkpoint_job(offload, remainders, moments, directory, chunked=None):
 
     ``chunked``: attach with the chunked update, ``chunked_update_bytes`` this fraction of the
     state (raised to what the largest parameter needs)."""
-    import megatron_offload
     from megatron.core import dist_checkpointing
+
+    import megatron_offload
     from tests.harness import models
 
     directory = _shared_directory(directory)
@@ -182,16 +205,20 @@ def checkpoint_job(offload, remainders, moments, directory, chunked=None):
                 with DeviceWatch(offloader) as watch:
                     dist_checkpointing.save(_sharded(chunks, optimizer), directory)
                 if offloader:
-                    out["save"] = {**watch.figures(), "released_after": _all_released(offloader),
-                                   "tracked_bytes": offloader.stats()["tracked_bytes"]}
+                    out["save"] = {
+                        **watch.figures(),
+                        "released_after": _all_released(offloader),
+                        "tracked_bytes": offloader.stats()["tracked_bytes"],
+                    }
         out["uninterrupted"] = results
         out["uninterrupted_snapshot"] = final(chunks, optimizer, offloader)
 
         torch.manual_seed(99)  # a different init: everything must come from the checkpoint
         chunks, optimizer, config, offloader = build()
         _load(chunks, optimizer, directory)
-        out["resumed"] = [models.train_step(chunks, optimizer, config, s)
-                          for s in range(SAVE_AFTER, STEPS)]
+        out["resumed"] = [
+            models.train_step(chunks, optimizer, config, s) for s in range(SAVE_AFTER, STEPS)
+        ]
         out["resumed_snapshot"] = final(chunks, optimizer, offloader)
 
         torch.manual_seed(7)
@@ -203,8 +230,9 @@ def checkpoint_job(offload, remainders, moments, directory, chunked=None):
             _load(chunks, optimizer, directory)
         if offloader:
             out["load"] = {**watch.figures(), "released_after": _all_released(offloader)}
-        out["loaded_running"] = [models.train_step(chunks, optimizer, config, s)
-                                 for s in range(SAVE_AFTER, STEPS)]
+        out["loaded_running"] = [
+            models.train_step(chunks, optimizer, config, s) for s in range(SAVE_AFTER, STEPS)
+        ]
         out["loaded_running_snapshot"] = final(chunks, optimizer, offloader)
     torch.distributed.barrier()
     return out
@@ -217,9 +245,13 @@ def _same(a, b):
 
 @pytest.mark.parametrize("chunked", [None, 0.3], ids=["whole", "chunked"])
 @pytest.mark.parametrize("remainders,moments", CASES)
-def test_dist_checkpoint_while_offloaded_resumes_bitwise(rank_pool, tmp_path, remainders, moments, chunked):
+def test_dist_checkpoint_while_offloaded_resumes_bitwise(
+    rank_pool, tmp_path, remainders, moments, chunked
+):
     reference = rank_pool.run(checkpoint_job, False, remainders, moments, str(tmp_path / "ref"))
-    offloaded = rank_pool.run(checkpoint_job, True, remainders, moments, str(tmp_path / "off"), chunked)
+    offloaded = rank_pool.run(
+        checkpoint_job, True, remainders, moments, str(tmp_path / "off"), chunked
+    )
     for ref, off in zip(reference, offloaded):
         assert off["offloaded_at_save"] and off["offloaded_before_load"]
         if moments == "fp8":
@@ -233,12 +265,17 @@ def test_dist_checkpoint_while_offloaded_resumes_bitwise(rank_pool, tmp_path, re
             # the host (TE's get_unscaled_state is a .float() there); nothing comes back.
             for call in ("save", "load"):
                 figures = off[call]
-                assert figures["peak_state_bytes"] == 0 and figures["allocations"] == 0, (call, figures)
+                assert figures["peak_state_bytes"] == 0 and figures["allocations"] == 0, (
+                    call,
+                    figures,
+                )
                 assert figures["released_after"] and figures["probes"] > 2, (call, figures)
         for phase in ("uninterrupted", "resumed", "loaded_running"):
             assert off[phase] == ref[phase], phase
             for section in ("params", "optimizer"):
-                assert _same(ref[phase + "_snapshot"][section], off[phase + "_snapshot"][section]), phase
+                assert _same(
+                    ref[phase + "_snapshot"][section], off[phase + "_snapshot"][section]
+                ), phase
         if moments != "fp8":
             # Lossless formats resume exactly where the uninterrupted run was. (FP8 moments go
             # through dequantize + requantize with a recomputed scale: TE's own behaviour, the

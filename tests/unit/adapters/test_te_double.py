@@ -15,8 +15,10 @@ N = 37  # not a multiple of anything, so nothing lines up by accident
 
 def _params(dtype=torch.bfloat16, count=2, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter((torch.randn(N + i, generator=gen) * 0.1).to(dtype))
-            for i in range(count)]
+    return [
+        torch.nn.Parameter((torch.randn(N + i, generator=gen) * 0.1).to(dtype))
+        for i in range(count)
+    ]
 
 
 def _grads(params, seed=1, decoupled=True):
@@ -30,9 +32,18 @@ def _grads(params, seed=1, decoupled=True):
 
 
 def _te(params, remainders=True, moments=torch.float32, master=torch.float32, **kw):
-    return FusedAdam(params, lr=1e-2, weight_decay=0.1, master_weights=True,
-                     master_weight_dtype=master, exp_avg_dtype=moments, exp_avg_sq_dtype=moments,
-                     use_decoupled_grad=True, store_param_remainders=remainders, **kw)
+    return FusedAdam(
+        params,
+        lr=1e-2,
+        weight_decay=0.1,
+        master_weights=True,
+        master_weight_dtype=master,
+        exp_avg_dtype=moments,
+        exp_avg_sq_dtype=moments,
+        use_decoupled_grad=True,
+        store_param_remainders=remainders,
+        **kw,
+    )
 
 
 # ----------------------------------------------------------------- 1. constructor
@@ -46,13 +57,19 @@ def test_1_constructor_checks_and_maps():
         FusedAdam(p, exp_avg_dtype=torch.float64)
     with pytest.raises(RuntimeError, match="both torch.float32 or both torch.bfloat16"):
         FusedAdam(p, capturable=True, exp_avg_dtype=torch.bfloat16)  # 2.13+: bf16 needs both
-    with te_line("2.12"), pytest.raises(RuntimeError, match="Capturable mode only supports fp32 exp_avg"):
+    with (
+        te_line("2.12"),
+        pytest.raises(RuntimeError, match="Capturable mode only supports fp32 exp_avg"),
+    ):
         FusedAdam(p, capturable=True, exp_avg_dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="remainders"):
         FusedAdam(p, capturable=True, store_param_remainders=True)
     opt = _te(p, moments=torch.uint8)
-    assert opt.name_to_dtype_map == {"exp_avg": torch.uint8, "exp_avg_sq": torch.uint8,
-                                     "master_param": torch.float32}
+    assert opt.name_to_dtype_map == {
+        "exp_avg": torch.uint8,
+        "exp_avg_sq": torch.uint8,
+        "master_param": torch.float32,
+    }
     assert opt.dtype_to_range_map[torch.uint8].item() == 448.0
     assert opt.dtype_to_range_map[torch.float16].item() == torch.finfo(torch.float16).max / 2
     assert opt._scales == {}
@@ -66,8 +83,16 @@ def test_1_signature_has_what_megatron_checks():
     import inspect
 
     names = inspect.signature(FusedAdam).parameters
-    for name in ("master_weight_dtype", "exp_avg_dtype", "exp_avg_sq_dtype", "use_decoupled_grad",
-                 "store_param_remainders", "master_weights", "adam_w_mode", "capturable"):
+    for name in (
+        "master_weight_dtype",
+        "exp_avg_dtype",
+        "exp_avg_sq_dtype",
+        "use_decoupled_grad",
+        "store_param_remainders",
+        "master_weights",
+        "adam_w_mode",
+        "capturable",
+    ):
         assert name in names
 
 
@@ -291,8 +316,10 @@ def test_7_states_are_updated_in_place():
     _grads(params)
     opt.step()
     p = params[0]
-    before = {n: (t, (t._data if isinstance(t, Float8Tensor) else t).data_ptr())
-              for n, t in opt.state[p].items()}
+    before = {
+        n: (t, (t._data if isinstance(t, Float8Tensor) else t).data_ptr())
+        for n, t in opt.state[p].items()
+    }
     _grads(params, seed=7)
     opt.step()
     for name, (tensor, ptr) in before.items():

@@ -54,8 +54,11 @@ def _state_buffers(value):
     """A state's per-element buffers: the tensor, or a quantized tensor's data buffers."""
     if type(value) in (torch.Tensor, torch.nn.Parameter):
         return [value]
-    return [getattr(value, n) for n in ("_data", "_transpose", "_rowwise_data", "_columnwise_data")
-            if isinstance(getattr(value, n, None), torch.Tensor)]
+    return [
+        getattr(value, n)
+        for n in ("_data", "_transpose", "_rowwise_data", "_columnwise_data")
+        if isinstance(getattr(value, n, None), torch.Tensor)
+    ]
 
 
 def _census(inner) -> tuple[int, int]:
@@ -135,7 +138,9 @@ def gpu_job(port, remainders, moments, offload, dry_run=False, chunked=None, che
             injection = contextlib.nullcontext()
             te_version, te_adam = str(transformer_engine.__version__), te_optimizers.FusedAdam
         with injection:
-            return _train(remainders, moments, offload, dry_run, te_version, te_adam, chunked, checkpoint)
+            return _train(
+                remainders, moments, offload, dry_run, te_version, te_adam, chunked, checkpoint
+            )
     finally:
         try:
             from megatron.core import parallel_state
@@ -145,7 +150,9 @@ def gpu_job(port, remainders, moments, offload, dry_run=False, chunked=None, che
             dist.destroy_process_group()
 
 
-def _train(remainders, moments, offload, dry_run, te_version, te_adam, chunked=None, checkpoint=None):
+def _train(
+    remainders, moments, offload, dry_run, te_version, te_adam, chunked=None, checkpoint=None
+):
     import megatron.core.optimizer as mcore_optimizer
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -156,12 +163,17 @@ def _train(remainders, moments, offload, dry_run, te_version, te_adam, chunked=N
     from tests.harness import models
 
     assert mcore_optimizer.Adam is te_adam, (
-        f"megatron-core uses {mcore_optimizer.Adam!r}, not Transformer Engine's FusedAdam")
+        f"megatron-core uses {mcore_optimizer.Adam!r}, not Transformer Engine's FusedAdam"
+    )
     parallel_state.initialize_model_parallel(1, 1)
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)
-    overrides = dict(use_precision_aware_optimizer=True, store_param_remainders=remainders,
-                     exp_avg_dtype=MOMENTS[moments], exp_avg_sq_dtype=MOMENTS[moments])
+    overrides = dict(
+        use_precision_aware_optimizer=True,
+        store_param_remainders=remainders,
+        exp_avg_dtype=MOMENTS[moments],
+        exp_avg_sq_dtype=MOMENTS[moments],
+    )
     chunks, optimizer, config = models.build("mlp", "bf16", optimizer_overrides=overrides)
     distrib = models.distributed_optimizers(optimizer)[0]
     inner = distrib.optimizer
@@ -178,8 +190,10 @@ def _train(remainders, moments, offload, dry_run, te_version, te_adam, chunked=N
     def batch(step):
         gen = torch.Generator().manual_seed(step)
         shape = (spec.seq_length, spec.micro_batch_size, spec.hidden)
-        return (torch.randn(shape, generator=gen).to(device),
-                torch.randn(shape, generator=gen).to(device))
+        return (
+            torch.randn(shape, generator=gen).to(device),
+            torch.randn(shape, generator=gen).to(device),
+        )
 
     def forward_step(data_iterator, model):
         inputs, targets = next(data_iterator)
@@ -197,23 +211,31 @@ def _train(remainders, moments, offload, dry_run, te_version, te_adam, chunked=N
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
         reduced = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter([batch(step)]), model=chunks,
-            num_microbatches=1, seq_length=spec.seq_length,
-            micro_batch_size=spec.micro_batch_size, forward_only=False)
+            forward_step_func=forward_step,
+            data_iterator=iter([batch(step)]),
+            model=chunks,
+            num_microbatches=1,
+            seq_length=spec.seq_length,
+            micro_batch_size=spec.micro_batch_size,
+            forward_only=False,
+        )
         ok, grad_norm, _ = optimizer.step()
         losses.append((float(reduced[0]["loss"]), float(grad_norm), bool(ok)))
         if offloader:
             torch.cuda.synchronize()
             collected = [t for _, t in adapter.collect(distrib)]
             stats = offloader.stats()
-            figures.append({
-                "max_storage": max(t.untyped_storage().nbytes() for t in collected),
-                "subclasses": sum(type(t) is not torch.Tensor for t in collected),
-                "census_max_storage": _census(inner)[0],
-                "tracked": stats["tracked_bytes"], "offloaded": stats["offloaded_bytes"],
-                "kept": stats["kept_resident_bytes"],
-                "update_chunks": stats.get("update_chunks", 0),
-            })
+            figures.append(
+                {
+                    "max_storage": max(t.untyped_storage().nbytes() for t in collected),
+                    "subclasses": sum(type(t) is not torch.Tensor for t in collected),
+                    "census_max_storage": _census(inner)[0],
+                    "tracked": stats["tracked_bytes"],
+                    "offloaded": stats["offloaded_bytes"],
+                    "kept": stats["kept_resident_bytes"],
+                    "update_chunks": stats.get("update_chunks", 0),
+                }
+            )
         # After the figures: a load replaces every state (offloaded again at the next step).
         if checkpoint is not None and step == STEPS // 2 - 1:
             import os
@@ -244,8 +266,13 @@ def _train(remainders, moments, offload, dry_run, te_version, te_adam, chunked=N
         else:
             freed = (tracked, tracked)
     torch.cuda.synchronize()
-    return {"te_version": te_version, "losses": losses, "figures": figures, "freed": freed,
-            "snapshot": _snapshot(chunks, inner)}
+    return {
+        "te_version": te_version,
+        "losses": losses,
+        "figures": figures,
+        "freed": freed,
+        "snapshot": _snapshot(chunks, inner),
+    }
 
 
 def _run(remainders, moments, offload, dry_run=False, chunked=None, checkpoint=None):
@@ -253,7 +280,9 @@ def _run(remainders, moments, offload, dry_run=False, chunked=None, checkpoint=N
 
     process = IsolatedProcess(timeout=600)
     try:
-        return process.run(gpu_job, _free_port(), remainders, moments, offload, dry_run, chunked, checkpoint)
+        return process.run(
+            gpu_job, _free_port(), remainders, moments, offload, dry_run, chunked, checkpoint
+        )
     finally:
         process.close()
 
@@ -273,7 +302,8 @@ def _assert_bitwise_and_offloaded(reference, offloaded):
         other = off[key]
         if isinstance(value, torch.Tensor):
             same = value.dtype == other.dtype and torch.equal(
-                value.reshape(-1).view(torch.uint8), other.reshape(-1).view(torch.uint8))
+                value.reshape(-1).view(torch.uint8), other.reshape(-1).view(torch.uint8)
+            )
         else:
             same = value == other
         if not same:

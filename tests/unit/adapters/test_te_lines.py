@@ -19,23 +19,42 @@ SIZES = (36, 40, 12)  # multiples of 4 elements: fp32 temporaries need no alignm
 MOMENTS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8}
 
 
-def _build(line, moments, remainders=True, master=torch.float32, empty_group=False, param_dtype=torch.bfloat16):
+def _build(
+    line,
+    moments,
+    remainders=True,
+    master=torch.float32,
+    empty_group=False,
+    param_dtype=torch.bfloat16,
+):
     gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter((torch.randn(n, generator=gen) * 0.1).to(param_dtype)) for n in SIZES]
+    params = [
+        torch.nn.Parameter((torch.randn(n, generator=gen) * 0.1).to(param_dtype)) for n in SIZES
+    ]
     groups = [{"params": params[:2]}, {"params": params[2:]}]
     if empty_group:
         groups.append({"params": []})
     with te_line(line):
-        opt = FusedAdam(groups, lr=1e-2, weight_decay=0.1, master_weights=True, master_weight_dtype=master,
-                        exp_avg_dtype=MOMENTS[moments], exp_avg_sq_dtype=MOMENTS[moments],
-                        use_decoupled_grad=True, store_param_remainders=remainders)
+        opt = FusedAdam(
+            groups,
+            lr=1e-2,
+            weight_decay=0.1,
+            master_weights=True,
+            master_weight_dtype=master,
+            exp_avg_dtype=MOMENTS[moments],
+            exp_avg_sq_dtype=MOMENTS[moments],
+            use_decoupled_grad=True,
+            store_param_remainders=remainders,
+        )
     return params, opt
 
 
 def _grads(params, seed, zero=False):
     gen = torch.Generator().manual_seed(seed)
     for p in params:
-        p.decoupled_grad = torch.zeros(p.shape) if zero else torch.randn(p.shape, generator=gen) * 0.01
+        p.decoupled_grad = (
+            torch.zeros(p.shape) if zero else torch.randn(p.shape, generator=gen) * 0.01
+        )
 
 
 def _bytes(t):
@@ -48,14 +67,19 @@ def _state_bytes(opt, params):
         out.append(_bytes(p))
         for key in sorted(opt.state[p]):
             value = opt.state[p][key]
-            out.extend([_bytes(value._data), _bytes(value._transpose)] if isinstance(value, Float8Tensor)
-                       else [_bytes(value)])
+            out.extend(
+                [_bytes(value._data), _bytes(value._transpose)]
+                if isinstance(value, Float8Tensor)
+                else [_bytes(value)]
+            )
     return out
 
 
 def test_line_of_maps_versions_to_lines():
-    assert [te_fused_adam.line_of(v) for v in ("2.8.0", "2.12", "2.13.0", "2.17.1", "2.18", "2.19.0", "3.0")] == [
-        "2.12", "2.12", "2.17", "2.17", "2.17", "2.19", "2.19"]
+    assert [
+        te_fused_adam.line_of(v)
+        for v in ("2.8.0", "2.12", "2.13.0", "2.17.1", "2.18", "2.19.0", "3.0")
+    ] == ["2.12", "2.12", "2.17", "2.17", "2.17", "2.19", "2.19"]
     with pytest.raises(ValueError, match="unknown TE line"):
         with te_line("2.14"):
             pass
@@ -105,24 +129,39 @@ def test_empty_groups_count_steps_from_2_19(line):
 
 
 @pytest.mark.parametrize("line", LINES)
-@pytest.mark.parametrize("moments,remainders,master", [
-    ("fp8", True, torch.float32), ("fp8", False, torch.float32), ("bf16", True, torch.float32),
-    ("fp16", False, torch.float16), ("fp32", True, torch.float32), ("bf16", False, torch.float16),
-])
-def test_the_planner_knows_states_and_temporaries_before_they_exist(line, moments, remainders, master):
+@pytest.mark.parametrize(
+    "moments,remainders,master",
+    [
+        ("fp8", True, torch.float32),
+        ("fp8", False, torch.float32),
+        ("bf16", True, torch.float32),
+        ("fp16", False, torch.float16),
+        ("fp32", True, torch.float32),
+        ("bf16", False, torch.float16),
+    ],
+)
+def test_the_planner_knows_states_and_temporaries_before_they_exist(
+    line, moments, remainders, master
+):
     params, opt = _build(line, moments, remainders, master)
-    planned = [inner_optimizers.planned_state_bytes(opt, p, moments=True, masters=True) for p in params]
+    planned = [
+        inner_optimizers.planned_state_bytes(opt, p, moments=True, masters=True) for p in params
+    ]
     transient = sum(inner_optimizers.transient_bytes(opt, p) for p in params)
     _grads(params, 0)
     opt.step()
     for p, (nbytes, exact) in zip(params, planned):
-        actual = sum(-(-t.numel() * t.element_size() // 16) * 16
-                     for _, t in inner_optimizers.state_tensors(p, opt.state[p]))
+        actual = sum(
+            -(-t.numel() * t.element_size() // 16) * 16
+            for _, t in inner_optimizers.state_tensors(p, opt.state[p])
+        )
         assert exact and nbytes == actual, (nbytes, actual)
     # The double's accounting of its fp32 temporaries (what TE allocates per step call).
     assert opt.transient_bytes_last_call == transient
     fused = moments == "bf16" and line != "2.12" and master == torch.float32
-    expected_per_element = {"fp8": 8, "fp16": 8, "fp32": 0, "bf16": 0 if line != "2.12" else 8}[moments]
+    expected_per_element = {"fp8": 8, "fp16": 8, "fp32": 0, "bf16": 0 if line != "2.12" else 8}[
+        moments
+    ]
     expected_per_element += 4 if master == torch.float16 else 0
     assert transient == expected_per_element * sum(SIZES), (transient, fused)
 
@@ -155,5 +194,7 @@ def test_te_reads_the_fp8_transpose_outside_step():
     target.copy_(state)
     assert (target._transpose == 0x55).all()
     # What FusedAdam reads (dequantize: the data only) does not see it.
-    assert torch.equal(opt.get_unscaled_state(params[0], "exp_avg"),
-                       state._data.view(torch.float8_e4m3fn).float() * state._scale_inv)
+    assert torch.equal(
+        opt.get_unscaled_state(params[0], "exp_avg"),
+        state._data.view(torch.float8_e4m3fn).float() * state._scale_inv,
+    )

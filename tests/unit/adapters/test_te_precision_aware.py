@@ -31,8 +31,12 @@ EXTRA = [
 
 
 def _pair(pool, model, dtype, steps, overrides, **kw):
-    reference = pool.run(_jobs.train_job, "te", model, dtype, steps, False, overrides=overrides, **kw)
-    offloaded = pool.run(_jobs.train_job, "te", model, dtype, steps, True, overrides=overrides, **kw)
+    reference = pool.run(
+        _jobs.train_job, "te", model, dtype, steps, False, overrides=overrides, **kw
+    )
+    offloaded = pool.run(
+        _jobs.train_job, "te", model, dtype, steps, True, overrides=overrides, **kw
+    )
     return reference, offloaded
 
 
@@ -40,8 +44,9 @@ def _check_layout(rank, remainders, exp_avg, exp_avg_sq, master):
     layout = rank["layout"]
     assert rank["classes"][-1] == "FusedAdam"  # the double, not torch's AdamW fallback
     assert layout["param_dtype"] == "torch.bfloat16"  # TE steps the bf16 shards themselves
-    expected_master = ("torch.int16" if remainders and master == "fp32"
-                       else str(_jobs.DTYPES[master]))
+    expected_master = (
+        "torch.int16" if remainders and master == "fp32" else str(_jobs.DTYPES[master])
+    )
     assert layout["master_param"][1] == expected_master
     for key, name in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         if name == "fp8":
@@ -54,7 +59,8 @@ def _check_layout(rank, remainders, exp_avg, exp_avg_sq, master):
 
 @pytest.mark.parametrize("remainders,exp_avg,exp_avg_sq,master,groups", MATRIX + EXTRA)
 def test_precision_aware_training_is_bitwise_identical_with_offloading(
-        rank_pool, remainders, exp_avg, exp_avg_sq, master, groups):
+    rank_pool, remainders, exp_avg, exp_avg_sq, master, groups
+):
     overrides = _jobs.precision_aware(remainders, exp_avg, exp_avg_sq, master)
     reference, offloaded = _pair(rank_pool, "mlp", "bf16", 8, overrides)
     for rank in reference:
@@ -69,8 +75,10 @@ def test_precision_aware_offloading_is_bitwise_in_the_other_te_lines(rank_pool, 
     """The matrix above runs the double's default line (2.13-2.18); here the others: 2.8-2.12
     (bf16 moments unscaled into fp32 temporaries) and 2.19+ (empty groups count steps)."""
     overrides = _jobs.precision_aware(True, moments)
-    reference, offloaded = (rank_pool.run(_jobs.train_job, f"te@{line}", "mlp", "bf16", 6, offload,
-                                          overrides=overrides) for offload in (False, True))
+    reference, offloaded = (
+        rank_pool.run(_jobs.train_job, f"te@{line}", "mlp", "bf16", 6, offload, overrides=overrides)
+        for offload in (False, True)
+    )
     _jobs.assert_bitwise_equal(reference, offloaded)
     _jobs.assert_offloaded_between_steps(offloaded, groups=2)
 
@@ -99,8 +107,16 @@ def test_fp32_model_keeps_an_unused_master_copy_and_offloads_it(rank_pool):
 def test_moments_only_leave_the_masters_resident(rank_pool):
     overrides = _jobs.precision_aware(True, "fp8")
     reference = rank_pool.run(_jobs.train_job, "te", "mlp", "bf16", 5, False, overrides=overrides)
-    offloaded = rank_pool.run(_jobs.train_job, "te", "mlp", "bf16", 5, True, overrides=overrides,
-                              options={"offload_primary_weights": False})
+    offloaded = rank_pool.run(
+        _jobs.train_job,
+        "te",
+        "mlp",
+        "bf16",
+        5,
+        True,
+        overrides=overrides,
+        options={"offload_primary_weights": False},
+    )
     _jobs.assert_bitwise_equal(reference, offloaded)
     for rank in offloaded:
         last = rank["figures"][-1]
@@ -137,8 +153,12 @@ def test_fp16_model_with_skipped_steps(rank_pool):
     """fp16 params (TE ignores remainders for them: fp32 ``master_param``) with dynamic loss
     scaling tuned to overflow every other step: a skipped step copies nothing and leaves the
     states offloaded with their still-valid host copy."""
-    overrides = dict(_jobs.precision_aware(True, "bf16"), initial_loss_scale=2.0**22,
-                     hysteresis=1, loss_scale_window=1)
+    overrides = dict(
+        _jobs.precision_aware(True, "bf16"),
+        initial_loss_scale=2.0**22,
+        hysteresis=1,
+        loss_scale_window=1,
+    )
     # fp16 grads are refused as decoupled grads by megatron-core's clipping: reduce in fp32.
     reference, offloaded = _pair(rank_pool, "mlp", "fp16", 10, overrides, grad_reduce_in_fp32=True)
     layout = reference[0]["layout"]
@@ -147,7 +167,7 @@ def test_fp16_model_with_skipped_steps(rank_pool):
     _jobs.assert_bitwise_equal(reference, offloaded)
     for rank in offloaded:
         successes = [r["update_successful"] for r in rank["results"]]
-        assert True in successes and False in successes[successes.index(True):]
+        assert True in successes and False in successes[successes.index(True) :]
         seen_state = False
         for ok, fig in zip(successes, rank["figures"]):
             seen_state = seen_state or ok
@@ -163,19 +183,24 @@ def test_fp16_model_with_skipped_steps(rank_pool):
 def injection_job():
     import sys
 
-    import torch
-
     import megatron.core.optimizer as mcore_optimizer
     import megatron.core.optimizer.distrib_optimizer as mcore_distrib
     import megatron.core.optimizer.optimizer_config as mcore_config
+    import torch
 
     from tests.doubles import megatron_injection, te_fused_adam
 
     def globals_now():
-        return (mcore_optimizer.Adam, mcore_optimizer.USING_PYTORCH_OPTIMIZER,
-                mcore_optimizer.is_te_min_version, mcore_distrib.Adam,
-                mcore_distrib.USING_TE_OPTIMIZER, mcore_distrib.HAVE_APEX_OR_TE,
-                mcore_config.is_te_min_version, mcore_config.OptimizerConfig.__post_init__)
+        return (
+            mcore_optimizer.Adam,
+            mcore_optimizer.USING_PYTORCH_OPTIMIZER,
+            mcore_optimizer.is_te_min_version,
+            mcore_distrib.Adam,
+            mcore_distrib.USING_TE_OPTIMIZER,
+            mcore_distrib.HAVE_APEX_OR_TE,
+            mcore_config.is_te_min_version,
+            mcore_config.OptimizerConfig.__post_init__,
+        )
 
     before = globals_now()
     inside = {}
@@ -184,15 +209,21 @@ def injection_job():
             inside["adam"] = mcore_optimizer.Adam is te_fused_adam.FusedAdam
             inside["te_imported"] = "transformer_engine" in sys.modules
             config = mcore_optimizer.OptimizerConfig(
-                bf16=True, use_distributed_optimizer=True, use_precision_aware_optimizer=True,
-                exp_avg_dtype=torch.uint8)
+                bf16=True,
+                use_distributed_optimizer=True,
+                use_precision_aware_optimizer=True,
+                exp_avg_dtype=torch.uint8,
+            )
             inside["remainders_kept"] = config.store_param_remainders  # TE >= 2.1 seen
             raise KeyError("leave the block by an exception")
     except KeyError:
         pass
-    return {"restored": globals_now() == before, "inside": inside,
-            "te_left_behind": any(name.startswith("transformer_engine") for name in sys.modules),
-            "torch_adam": before[0].__module__.startswith("torch.optim")}
+    return {
+        "restored": globals_now() == before,
+        "inside": inside,
+        "te_left_behind": any(name.startswith("transformer_engine") for name in sys.modules),
+        "torch_adam": before[0].__module__.startswith("torch.optim"),
+    }
 
 
 def test_injection_is_undone_even_on_errors(rank_pool):

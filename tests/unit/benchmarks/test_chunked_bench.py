@@ -14,8 +14,9 @@ def test_chunked_benchmark_figures(rank_pool):
     cfg = chunked_bench.job_config(layers=3, hidden=128, steps=4, fraction=0.25)
     whole = rank_pool.run(chunked_bench.chunked_job, {**cfg, "mode": "whole"})
     chunked = rank_pool.run(chunked_bench.chunked_job, {**cfg, "mode": "chunked"})
-    result = chunked_bench.strip({"whole": whole, "chunked": chunked,
-                                  "bitwise": chunked_bench.bitwise(whole, chunked)})
+    result = chunked_bench.strip(
+        {"whole": whole, "chunked": chunked, "bitwise": chunked_bench.bitwise(whole, chunked)}
+    )
     assert result["bitwise"]
     for w, c in zip(result["whole"], result["chunked"]):
         assert w["budget"] is None and 0 < c["budget"] < c["state_bytes"]

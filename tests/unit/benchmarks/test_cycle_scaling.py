@@ -68,7 +68,6 @@ def per_cycle_job(cfg: dict) -> list[dict]:
 
     import megatron_offload
     from megatron_offload.integration import distributed_optimizers
-
     from tests.harness import models
 
     class Counting(torch.overrides.TorchFunctionMode):
@@ -108,13 +107,23 @@ def per_cycle_job(cfg: dict) -> list[dict]:
 
     out = []
     for layers in cfg["layers"]:
-        chunks, optimizer, _config = models.build(model="mlp", dtype="bf16", num_layers=layers, hidden=8)
+        chunks, optimizer, _config = models.build(
+            model="mlp", dtype="bf16", num_layers=layers, hidden=8
+        )
         distributed = distributed_optimizers(optimizer)
-        masters = [m for d in distributed for g in d.shard_fp32_from_float16_groups for m in g if m is not None]
+        masters = [
+            m
+            for d in distributed
+            for g in d.shard_fp32_from_float16_groups
+            for m in g
+            if m is not None
+        ]
         offloader = megatron_offload.attach(optimizer)
         in_step = []
         handles = [
-            d.optimizer.register_step_post_hook(lambda *_: in_step.append(sum(m.grad is not None for m in masters)))
+            d.optimizer.register_step_post_hook(
+                lambda *_: in_step.append(sum(m.grad is not None for m in masters))
+            )
             for d in distributed
         ]
         for chunk in chunks:
@@ -146,16 +155,30 @@ def per_cycle_job(cfg: dict) -> list[dict]:
             calls.append(mode.calls)
             touches.append(CountingDict.touches)
         stats = offloader.stats()
-        out.append({
-            "layers": layers, "masters": len(masters), "grads_in_step": in_step,
-            "grads_after_step": grads_after_step, "torch_calls": calls, "dict_touches": touches,
-            "tensors": stats["tensors"], "copies": (stats["d2h_copies"], stats["h2d_copies"]),
-            "offloaded": offloader.is_offloaded,
-        })
+        out.append(
+            {
+                "layers": layers,
+                "masters": len(masters),
+                "grads_in_step": in_step,
+                "grads_after_step": grads_after_step,
+                "torch_calls": calls,
+                "dict_touches": touches,
+                "tensors": stats["tensors"],
+                "copies": (stats["d2h_copies"], stats["h2d_copies"]),
+                "offloaded": offloader.is_offloaded,
+            }
+        )
         offloader.detach()
     # Negative control: without the release, the step's gradients stay (as large as the masters).
-    chunks, optimizer, _config = models.build(model="mlp", dtype="bf16", num_layers=cfg["layers"][0], hidden=8)
-    masters = [m for d in distributed_optimizers(optimizer) for g in d.shard_fp32_from_float16_groups for m in g]
+    chunks, optimizer, _config = models.build(
+        model="mlp", dtype="bf16", num_layers=cfg["layers"][0], hidden=8
+    )
+    masters = [
+        m
+        for d in distributed_optimizers(optimizer)
+        for g in d.shard_fp32_from_float16_groups
+        for m in g
+    ]
     offloader = megatron_offload.attach(optimizer, release_master_grads=False)
     for chunk in chunks:
         chunk.zero_grad_buffer()
@@ -185,7 +208,11 @@ def test_a_real_steps_master_grads_are_released_by_the_offload(per_cycle):
     for rank, runs in enumerate(per_cycle):
         for run in runs:
             # megatron-core gave every master an fp32 gradient for the step ...
-            assert run["grads_in_step"] and all(n == run["masters"] > 0 for n in run["grads_in_step"]), (rank, run)
+            assert run["grads_in_step"] and all(
+                n == run["masters"] > 0 for n in run["grads_in_step"]
+            ), (rank, run)
             # ... and the automatic offload after it freed them all.
             assert run["grads_after_step"] == 0, (rank, run)
-        assert runs[0]["grads_after_step_without_release"] == runs[0]["masters"]  # (they do not go by themselves)
+        assert (
+            runs[0]["grads_after_step_without_release"] == runs[0]["masters"]
+        )  # (they do not go by themselves)

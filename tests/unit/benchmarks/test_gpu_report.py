@@ -31,22 +31,38 @@ ITERS, WARMUP = 8, 3
 @pytest.fixture(scope="module")
 def modelled():
     """Offload of a 2 GB state at 25 GB/s on the allocator model, as pieces and as one block."""
-    return {layout: modelled_gpu.measure(layout, 25 * GB, state_bytes=2 * GB, tensors=20)
-            for layout in ("pieces", "one block")}
+    return {
+        layout: modelled_gpu.measure(layout, 25 * GB, state_bytes=2 * GB, tensors=20)
+        for layout in ("pieces", "one block")
+    }
 
 
 def _offload_line(it, stats, ranks):
     from megatron_offload.integration.stats_log import human_bytes
 
     scope = f" (max over {ranks} ranks)" if ranks > 1 else ""
-    return (f" [optimizer-state offload] iteration {it:8d} | offloaded: {human_bytes(stats['offloaded_bytes'])} |"
-            f" host: {human_bytes(stats['host_bytes'])} | D2H: {stats['d2h_ms']:.3f} ms ({stats['d2h_gbps']:.2f} GB/s) |"
-            f" H2D: {stats['h2d_ms']:.3f} ms ({stats['h2d_gbps']:.2f} GB/s) | exposed: {stats['exposed_ms']:.3f} ms |"
-            f" issue: 0.412 ms |{scope}")
+    return (
+        f" [optimizer-state offload] iteration {it:8d} | offloaded: {human_bytes(stats['offloaded_bytes'])} |"
+        f" host: {human_bytes(stats['host_bytes'])} | D2H: {stats['d2h_ms']:.3f} ms ({stats['d2h_gbps']:.2f} GB/s) |"
+        f" H2D: {stats['h2d_ms']:.3f} ms ({stats['h2d_gbps']:.2f} GB/s) | exposed: {stats['exposed_ms']:.3f} ms |"
+        f" issue: 0.412 ms |{scope}"
+    )
 
 
-def synthetic_log(tmp_path, row, *, offload, world=2, bench_factor=1.0, freed_factor=1.0,
-                  retries_after_warmup=0, flip=None, drop_iteration=None, step_s=0.5, name="log"):
+def synthetic_log(
+    tmp_path,
+    row,
+    *,
+    offload,
+    world=2,
+    bench_factor=1.0,
+    freed_factor=1.0,
+    retries_after_warmup=0,
+    flip=None,
+    drop_iteration=None,
+    step_s=0.5,
+    name="log",
+):
     """A run's log: noise, the job's lines (written by ``job.emit``) and the offloader's lines.
 
     Copy figures from the modelled ``row``: bytes, and the time until all of the state's
@@ -58,7 +74,10 @@ def synthetic_log(tmp_path, row, *, offload, world=2, bench_factor=1.0, freed_fa
     path = tmp_path / f"{name}.{'on' if offload else 'off'}.raw"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
-        os.write(fd, b"W0101 torch/distributed/run.py] Setting OMP_NUM_THREADS\n> building mock GPT datasets ...\n")
+        os.write(
+            fd,
+            b"W0101 torch/distributed/run.py] Setting OMP_NUM_THREADS\n> building mock GPT datasets ...\n",
+        )
         for it in range(1, ITERS + 1):
             if it == drop_iteration:
                 continue
@@ -66,34 +85,71 @@ def synthetic_log(tmp_path, row, *, offload, world=2, bench_factor=1.0, freed_fa
                 state = nbytes // world
                 stats = None
                 if offload:
-                    stats = {"offloaded_bytes": state, "offloaded_payload_bytes": state, "host_bytes": state,
-                             "d2h_bytes": state, "h2d_bytes": state, "d2h_ms": ms / world, "h2d_ms": ms / world,
-                             "d2h_gbps": state / (ms / world * 1e6), "h2d_gbps": state / (ms / world * 1e6),
-                             "exposed_ms": 1.5, "offload_seconds": 0.001, "reload_seconds": 0.001}
-                retries = max(0, it - WARMUP) * retries_after_warmup + (1 if it >= 2 else 0)  # one warm-up retry
+                    stats = {
+                        "offloaded_bytes": state,
+                        "offloaded_payload_bytes": state,
+                        "host_bytes": state,
+                        "d2h_bytes": state,
+                        "h2d_bytes": state,
+                        "d2h_ms": ms / world,
+                        "h2d_ms": ms / world,
+                        "d2h_gbps": state / (ms / world * 1e6),
+                        "h2d_gbps": state / (ms / world * 1e6),
+                        "exposed_ms": 1.5,
+                        "offload_seconds": 0.001,
+                        "reload_seconds": 0.001,
+                    }
+                retries = max(0, it - WARMUP) * retries_after_warmup + (
+                    1 if it >= 2 else 0
+                )  # one warm-up retry
                 loss = 4.5 - it * 0.01
                 if flip == (rank, it) and offload:
                     loss = float.fromhex(loss.hex()) + 2**-50
                 grads = state // 3
-                job.emit({
-                    "kind": "iteration", "rank": rank, "world_size": world, "offload": offload, "iteration": it,
-                    "t_entry": it * step_s * (1.1 if offload else 1.0), "t_exit": it * step_s * (1.1 if offload else 1.0) + 0.3,
-                    "allocated_entry": (3 * state if offload else 3 * state + state + grads),
-                    "max_allocated": 6 * state, "reserved": 7 * state, "alloc_retries": retries if offload else 0,
-                    "allocated_exit": 3 * state, "lm_loss": loss.hex(), "grad_norm": (1.0 + it).hex(), "skipped": 0,
-                    "state_bytes": state, "offload_calls": 1 if offload else 0,
-                    "freed": int((state + grads) * freed_factor) if offload else None,
-                    "expected_freed": state + grads if offload else None, "stats": stats,
-                }, fd)
+                job.emit(
+                    {
+                        "kind": "iteration",
+                        "rank": rank,
+                        "world_size": world,
+                        "offload": offload,
+                        "iteration": it,
+                        "t_entry": it * step_s * (1.1 if offload else 1.0),
+                        "t_exit": it * step_s * (1.1 if offload else 1.0) + 0.3,
+                        "allocated_entry": (3 * state if offload else 3 * state + state + grads),
+                        "max_allocated": 6 * state,
+                        "reserved": 7 * state,
+                        "alloc_retries": retries if offload else 0,
+                        "allocated_exit": 3 * state,
+                        "lm_loss": loss.hex(),
+                        "grad_norm": (1.0 + it).hex(),
+                        "skipped": 0,
+                        "state_bytes": state,
+                        "offload_calls": 1 if offload else 0,
+                        "freed": int((state + grads) * freed_factor) if offload else None,
+                        "expected_freed": state + grads if offload else None,
+                        "stats": stats,
+                    },
+                    fd,
+                )
             if offload:
                 os.write(fd, (_offload_line(it, stats, world) + "\n").encode())
         for rank in range(world):
             if offload:
                 bench_ms = row["floor_s"] * 1e3 / world / bench_factor
-                job.emit({"kind": "copy_bench", "rank": rank, "repeats": 5,
-                          "d2h_bytes": nbytes // world, "h2d_bytes": nbytes // world, "d2h_ms": bench_ms,
-                          "h2d_ms": bench_ms, "d2h_gbps": nbytes // world / (bench_ms * 1e6),
-                          "h2d_gbps": nbytes // world / (bench_ms * 1e6)}, fd)
+                job.emit(
+                    {
+                        "kind": "copy_bench",
+                        "rank": rank,
+                        "repeats": 5,
+                        "d2h_bytes": nbytes // world,
+                        "h2d_bytes": nbytes // world,
+                        "d2h_ms": bench_ms,
+                        "h2d_ms": bench_ms,
+                        "d2h_gbps": nbytes // world / (bench_ms * 1e6),
+                        "h2d_gbps": nbytes // world / (bench_ms * 1e6),
+                    },
+                    fd,
+                )
     finally:
         os.close(fd)
     return path.read_text()
@@ -101,7 +157,9 @@ def synthetic_log(tmp_path, row, *, offload, world=2, bench_factor=1.0, freed_fa
 
 def _figures(tmp_path, row, **kwargs):
     on = synthetic_log(tmp_path, row, offload=True, **kwargs)
-    off = synthetic_log(tmp_path, row, offload=False, **{k: v for k, v in kwargs.items() if k == "drop_iteration"})
+    off = synthetic_log(
+        tmp_path, row, offload=False, **{k: v for k, v in kwargs.items() if k == "drop_iteration"}
+    )
     fig = gr.run_figures(on, off, WARMUP)
     return fig, {name: ok for name, _, ok in gr.guards(fig)}
 
@@ -113,18 +171,37 @@ def _guard(rows, prefix):
 
 # ------------------------------------------------------------------------------ parsing
 def test_offload_line_of_the_new_format_is_parsed_with_and_without_the_rank_scope():
-    stats = {"offloaded_bytes": 3 << 30, "host_bytes": 3 << 30, "d2h_ms": 120.5, "d2h_gbps": 26.73,
-             "h2d_ms": 98.25, "h2d_gbps": 32.78, "exposed_ms": 4.125}
+    stats = {
+        "offloaded_bytes": 3 << 30,
+        "host_bytes": 3 << 30,
+        "d2h_ms": 120.5,
+        "d2h_gbps": 26.73,
+        "h2d_ms": 98.25,
+        "h2d_gbps": 32.78,
+        "exposed_ms": 4.125,
+    }
     log = "noise\n" + _offload_line(7, stats, 8) + "\nmore\n" + _offload_line(8, stats, 1) + "\n"
     rows = gr.parse_offload_lines(log)
     assert [r["iteration"] for r in rows] == [7, 8]
     assert [r["ranks"] for r in rows] == [8, 1]
-    assert rows[0]["offloaded_gib"] == 3.0 and rows[0]["d2h_ms"] == 120.5 and rows[0]["d2h_gbps"] == 26.73
-    assert rows[0]["h2d_gbps"] == 32.78 and rows[0]["exposed_ms"] == 4.125 and rows[0]["issue_ms"] == 0.412
-    old = (" [optimizer-state offload] iteration        2 | offloaded: 0.000617 GiB | host: 0.000617 GiB |"
-           " D2H: 0.717 ms | H2D: 1.021 ms | (max over 2 ranks)")
+    assert (
+        rows[0]["offloaded_gib"] == 3.0
+        and rows[0]["d2h_ms"] == 120.5
+        and rows[0]["d2h_gbps"] == 26.73
+    )
+    assert (
+        rows[0]["h2d_gbps"] == 32.78
+        and rows[0]["exposed_ms"] == 4.125
+        and rows[0]["issue_ms"] == 0.412
+    )
+    old = (
+        " [optimizer-state offload] iteration        2 | offloaded: 0.000617 GiB | host: 0.000617 GiB |"
+        " D2H: 0.717 ms | H2D: 1.021 ms | (max over 2 ranks)"
+    )
     assert gr.parse_offload_lines(old) == []
-    noted = _offload_line(9, stats, 4).replace("(max over 4 ranks)", "(max over 4 ranks; GB/s: min)")
+    noted = _offload_line(9, stats, 4).replace(
+        "(max over 4 ranks)", "(max over 4 ranks; GB/s: min)"
+    )
     assert [(r["iteration"], r["ranks"]) for r in gr.parse_offload_lines(noted)] == [(9, 4)]
 
 
@@ -144,8 +221,13 @@ def test_modelled_pieces_pass_every_guard_and_figures_follow_the_model(tmp_path,
     assert all(rows.values()), rows
     rank = fig["ranks"][0]
     assert rank["d2h_gbps"] == pytest.approx(row["bytes"] / row["full_s"] / 1e9, rel=1e-9)
-    assert rank["d2h_gbps"] / rank["bench"]["d2h_gbps"] == pytest.approx(1 / row["full_ratio"], rel=1e-9)
-    assert rank["between_steps_off"] - rank["between_steps_on"] == row["bytes"] // 2 + row["bytes"] // 2 // 3
+    assert rank["d2h_gbps"] / rank["bench"]["d2h_gbps"] == pytest.approx(
+        1 / row["full_ratio"], rel=1e-9
+    )
+    assert (
+        rank["between_steps_off"] - rank["between_steps_on"]
+        == row["bytes"] // 2 + row["bytes"] // 2 // 3
+    )
     assert fig["overhead_pct"] == pytest.approx(10.0)
     assert rank["step_on"] == pytest.approx(0.55) and rank["step_off"] == pytest.approx(0.5)
 
@@ -176,7 +258,9 @@ def test_loss_guard_fails_on_one_bit_and_on_a_missing_iteration(tmp_path, modell
     assert not _guard(rows, "lm loss")
     fig, rows = _figures(tmp_path, modelled["pieces"])
     fig["ranks"][0]["losses_off"].pop(2)
-    assert not {name: ok for name, _, ok in gr.guards(fig)}["lm loss and grad norm bitwise equal on and off"]
+    assert not {name: ok for name, _, ok in gr.guards(fig)}[
+        "lm loss and grad norm bitwise equal on and off"
+    ]
 
 
 def test_runs_with_no_figures_fail_every_guard():
@@ -206,11 +290,19 @@ def test_main_on_saved_logs_exits_by_the_guards(tmp_path, modelled, capsys, benc
     logs.mkdir()
     for world in (1, 4):
         for offload in (True, False):
-            text = synthetic_log(tmp_path, modelled["pieces"], offload=offload, world=world,
-                                 bench_factor=bench_factor if offload else 1.0)
+            text = synthetic_log(
+                tmp_path,
+                modelled["pieces"],
+                offload=offload,
+                world=world,
+                bench_factor=bench_factor if offload else 1.0,
+            )
             (logs / gr._log_name(world, offload)).write_text(text)
     out_json = tmp_path / "figures.json"
-    assert gr.main(["--from-logs", str(logs), "--warmup", str(WARMUP), "--json", str(out_json)]) == status
+    assert (
+        gr.main(["--from-logs", str(logs), "--warmup", str(WARMUP), "--json", str(out_json)])
+        == status
+    )
     out = capsys.readouterr().out
     assert "== 1 GPU: 1 rank(s)" in out and "== 4 GPUs: 4 rank(s)" in out
     assert ("all guards held" in out) is (status == 0)
@@ -219,18 +311,39 @@ def test_main_on_saved_logs_exits_by_the_guards(tmp_path, modelled, capsys, benc
 
 # ----------------------------------------------------------------------------- commands
 def test_commands_one_gpu_plain_several_with_torchrun():
-    args = gr.parse_args(["--micro-batch", "2", "--micro-batches", "3", "--megatron-args=--deterministic-mode"])
+    args = gr.parse_args(
+        ["--micro-batch", "2", "--micro-batches", "3", "--megatron-args=--deterministic-mode"]
+    )
     flags = gr.megatron_flags(args, 4)
     assert flags[flags.index("--global-batch-size") + 1] == "24"
     assert flags[flags.index("--distributed-backend") + 1] == "nccl"
     assert flags[-1] == "--deterministic-mode" and "--use-distributed-optimizer" in flags
     one_on = gr.command(1, True, ["--x"], python="py")
-    assert one_on == ["py", "-m", "benchmarks.gpu_report_job", "launch", str(gr.EXAMPLE), "--x",
-                      "--offload-optimizer-states"]
-    assert gr.command(1, False, ["--x"], python="py") == ["py", "-m", "benchmarks.gpu_report_job", "direct",
-                                                         str(gr.EXAMPLE), "--x"]
+    assert one_on == [
+        "py",
+        "-m",
+        "benchmarks.gpu_report_job",
+        "launch",
+        str(gr.EXAMPLE),
+        "--x",
+        "--offload-optimizer-states",
+    ]
+    assert gr.command(1, False, ["--x"], python="py") == [
+        "py",
+        "-m",
+        "benchmarks.gpu_report_job",
+        "direct",
+        str(gr.EXAMPLE),
+        "--x",
+    ]
     several = gr.command(8, True, ["--x"], python="py")
-    assert several[:5] == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8"]
+    assert several[:5] == [
+        "py",
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=8",
+    ]
     assert several[5:8] == ["-m", "benchmarks.gpu_report_job", "launch"]
     assert gr.configurations(1) == [1] and gr.configurations(8) == [1, 8]
     assert gr.environment({"PYTHONPATH": "/x"})["PYTHONPATH"] == os.pathsep.join([str(REPO), "/x"])
@@ -239,8 +352,14 @@ def test_commands_one_gpu_plain_several_with_torchrun():
 def test_without_a_gpu_the_report_exits_2_and_says_so():
     assert not torch.cuda.is_available()
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_report"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_report"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "needs a CUDA GPU" in proc.stderr
     assert "all guards held" not in proc.stdout
@@ -263,7 +382,11 @@ class _FakeOffloader:
         self.hooks["post"].append(hook)
 
     def stats(self):
-        return {"offloaded_payload_bytes": self.payload, "offloaded_bytes": self.payload, "d2h_gbps": 12.5}
+        return {
+            "offloaded_payload_bytes": self.payload,
+            "offloaded_bytes": self.payload,
+            "d2h_gbps": 12.5,
+        }
 
     def _offload(self, selection, *, skip_unchanged=False):
         for hook in self.hooks["pre"]:
@@ -294,7 +417,9 @@ def test_recorder_measures_each_offload_and_emits_one_line_per_iteration():
     dopt = SimpleNamespace(optimizer=inner, shard_fp32_from_float16_groups=[[master]])
     dopt._state_offloader = _FakeOffloader(probe, released=120)
     lines = []
-    recorder = job.IterationRecorder(offload=True, probe=probe, rank=3, world_size=4, emit=lines.append)
+    recorder = job.IterationRecorder(
+        offload=True, probe=probe, rank=3, world_size=4, emit=lines.append
+    )
 
     def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config):
         optimizer._state_offloader._offload([("optimizer_states",)])
@@ -317,19 +442,61 @@ def test_recorder_measures_each_offload_and_emits_one_line_per_iteration():
 @pytest.fixture(scope="module")
 def cpu_runs(tmp_path_factory):
     """The job around the pretrain example on one CPU rank (gloo), offloading on and off."""
-    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-             "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
-             "--lr", "1e-3", "--seed", "1234", "--bf16", "--use-distributed-optimizer", "--mock-data",
-             "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--transformer-impl", "local",
-             "--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--no-masked-softmax-fusion",
-             "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1", "--train-iters", "5",
-             "--distributed-backend", "gloo"]
+    flags = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "32",
+        "--max-position-embeddings",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--lr",
+        "1e-3",
+        "--seed",
+        "1234",
+        "--bf16",
+        "--use-distributed-optimizer",
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "128",
+        "--transformer-impl",
+        "local",
+        "--no-gradient-accumulation-fusion",
+        "--no-persist-layer-norm",
+        "--no-masked-softmax-fusion",
+        "--eval-iters",
+        "0",
+        "--eval-interval",
+        "1000",
+        "--log-interval",
+        "1",
+        "--train-iters",
+        "5",
+        "--distributed-backend",
+        "gloo",
+    ]
     env = gr.environment(dict(os.environ, CUDA_VISIBLE_DEVICES="", GLOO_SOCKET_IFNAME="lo"))
     env.pop("RANK", None)
     logs = {}
     for offload in (True, False):
-        proc = subprocess.run(gr.command(1, offload, flags), cwd=tmp_path_factory.mktemp("job"), env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+        proc = subprocess.run(
+            gr.command(1, offload, flags),
+            cwd=tmp_path_factory.mktemp("job"),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stdout[-4000:]
         logs[offload] = proc.stdout
     return logs
@@ -340,7 +507,11 @@ def test_job_on_cpu_ranks_records_the_real_example(cpu_runs):
     off = gr.parse_job_lines(cpu_runs[False])
     assert list(on["iterations"]) == [0] and list(off["iterations"]) == [0]
     records_on, records_off = on["iterations"][0], off["iterations"][0]
-    assert [r["iteration"] for r in records_on] == [1, 2, 3, 4, 5] == [r["iteration"] for r in records_off]
+    assert (
+        [r["iteration"] for r in records_on]
+        == [1, 2, 3, 4, 5]
+        == [r["iteration"] for r in records_off]
+    )
     for r in records_on:
         assert r["offload"] and r["offload_calls"] == 1
         assert r["stats"]["offloaded_payload_bytes"] == r["state_bytes"] > 0
@@ -348,7 +519,9 @@ def test_job_on_cpu_ranks_records_the_real_example(cpu_runs):
         assert r["expected_freed"] == r["state_bytes"] + r["state_bytes"] // 3
         assert r["freed"] is None and r["alloc_retries"] is None  # no CUDA: no memory figures
     assert all(r["stats"] is None and r["offload_calls"] == 0 for r in records_off)
-    assert [(r["lm_loss"], r["grad_norm"]) for r in records_on] == [(r["lm_loss"], r["grad_norm"]) for r in records_off]
+    assert [(r["lm_loss"], r["grad_norm"]) for r in records_on] == [
+        (r["lm_loss"], r["grad_norm"]) for r in records_off
+    ]
     assert on["copy_bench"][0]["skipped"] == "no CUDA device"
     # The offloader's own line, one per iteration (--log-interval 1), agrees with its stats.
     lines = gr.parse_offload_lines(cpu_runs[True])

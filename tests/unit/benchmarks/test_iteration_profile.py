@@ -8,13 +8,21 @@ from tests.support.isolated import IsolatedProcess
 
 def test_counts_named_functions_of_the_package_alone():
     def work():
-        allocator.piece_bound({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"})  # settings, backend, ...
+        allocator.piece_bound(
+            {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}
+        )  # settings, backend, ...
         allocator_model.round_size(1000)  # test machinery: not counted
         sorted([3, 1], key=lambda x: x)  # a lambda: not counted
 
     out = iteration_profile.count(iteration_profile.starts(work))
     names = {name for _, _, name, _ in out["table"]}
-    assert names == {"piece_bound", "backend", "settings", "max_split_size", "splittable_piece_bytes"}
+    assert names == {
+        "piece_bound",
+        "backend",
+        "settings",
+        "max_split_size",
+        "splittable_piece_bytes",
+    }
     assert out["files"] == 1 and out["functions"] == 5
     assert out["calls"] == sum(calls for *_, calls in out["table"]) == 6  # settings() twice
 
@@ -33,13 +41,22 @@ def test_one_iteration_stays_within_the_files_functions_and_calls_goals():
     finally:
         process.close()
     whole, chunked = out["whole"], out["chunked"]
-    listing = {mode: [f"{path}:{line} {name} x{calls}" for path, line, name, calls in figures["table"]]
-               for mode, figures in out.items()}
+    listing = {
+        mode: [f"{path}:{line} {name} x{calls}" for path, line, name, calls in figures["table"]]
+        for mode, figures in out.items()
+    }
     assert whole["files"] <= 7 and whole["functions"] <= 30, listing["whole"]
     assert chunked["files"] <= 10 and chunked["calls"] <= 300, listing["chunked"]
     # What was counted is the real cycle: the step wrapper, the engine's offload and reload,
     # the update's pre-hook, and something offloaded between the steps.
     for figures in (whole, chunked):
         names = {name for _, _, name, _ in figures["table"]}
-        assert {"_step", "offload", "reload", "wait", "_before_inner_step", "finalize_model_grads"} <= names
+        assert {
+            "_step",
+            "offload",
+            "reload",
+            "wait",
+            "_before_inner_step",
+            "finalize_model_grads",
+        } <= names
         assert figures["offloaded"] > 0

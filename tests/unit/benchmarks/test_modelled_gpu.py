@@ -14,7 +14,9 @@ GB = modelled_gpu.GB
 
 @pytest.fixture(scope="module")
 def rows():
-    return {r["layout"]: r for r in modelled_gpu.run(links=(25 * GB,), state_bytes=8 * GB, tensors=60)}
+    return {
+        r["layout"]: r for r in modelled_gpu.run(links=(25 * GB,), state_bytes=8 * GB, tensors=60)
+    }
 
 
 def test_pieces_free_memory_progressively_at_link_speed(rows):

@@ -110,8 +110,22 @@ def _cli_body(json_path: str) -> tuple[int, dict]:
     threads = torch.get_num_threads()
     try:
         code = offload_cycle.main(
-            ["--mode", "engine", "--mib", "4", "--params", "20", "--bookkeeping-params", "50",
-             "--repeats", "3", "--bookkeeping-repeats", "5", "--json", json_path]
+            [
+                "--mode",
+                "engine",
+                "--mib",
+                "4",
+                "--params",
+                "20",
+                "--bookkeeping-params",
+                "50",
+                "--repeats",
+                "3",
+                "--bookkeeping-repeats",
+                "5",
+                "--json",
+                json_path,
+            ]
         )
     finally:
         torch.set_num_threads(threads)
@@ -139,7 +153,9 @@ def test_copies_per_cycle_do_not_grow_with_ten_times_the_parameters(isolated):
     scaling = isolated.run(_copies_body, 200, 10)
     small, large = scaling[200], scaling[2000]
     assert large["n_tensors"] == 10 * small["n_tensors"]
-    counts = {n: (s["d2h_copies"], s["h2d_copies"], s["device_copy_calls"]) for n, s in scaling.items()}
+    counts = {
+        n: (s["d2h_copies"], s["h2d_copies"], s["device_copy_calls"]) for n, s in scaling.items()
+    }
     assert counts[200] == counts[2000], counts
     assert small["d2h_copies"] > 0 and small["h2d_copies"] > 0  # the cycles really copied
 
@@ -169,7 +185,11 @@ def test_bookkeeping_per_cycle_is_under_1ms_for_2000_parameter_tensors(isolated)
 def test_the_benchmark_command_runs_and_reports_the_targets(isolated, tmp_path):
     code, figures = isolated.run(_cli_body, str(tmp_path / "figures.json"))
     assert code == 0
-    assert {t["target"].split(" ")[0] for t in figures["targets"]} >= {"host", "copies", "bookkeeping"}
+    assert {t["target"].split(" ")[0] for t in figures["targets"]} >= {
+        "host",
+        "copies",
+        "bookkeeping",
+    }
     assert figures["engine"]["layout"]["d2h_copies"] > 0
 
 
@@ -187,7 +207,10 @@ def test_offloader_copies_do_not_grow_with_ten_times_the_parameters(offloader_sc
     for rank, (small, large) in enumerate(offloader_scaling):
         assert (small["model_param_tensors"], large["model_param_tensors"]) == (200, 2000)
         assert large["layout"]["tensors"] == 10 * small["layout"]["tensors"]
-        assert (small["d2h_copies"], small["h2d_copies"]) == (large["d2h_copies"], large["h2d_copies"]), rank
+        assert (small["d2h_copies"], small["h2d_copies"]) == (
+            large["d2h_copies"],
+            large["h2d_copies"],
+        ), rank
         assert small["d2h_copies"] > 0
 
 

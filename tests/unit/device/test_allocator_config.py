@@ -19,10 +19,19 @@ MiB = 1 << 20
         ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}, {"max_split_size_mb": "128"}),
         ({"PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync"}, {"backend": "cudaMallocAsync"}),
         # The CUDA-specific name is read first, as torch does.
-        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync"},
-         {"expandable_segments": "True"}),
-        ({"PYTORCH_CUDA_ALLOC_CONF": " Max_Split_Size_MB : 200 , garbage_collection_threshold:0.6,"},
-         {"max_split_size_mb": "200", "garbage_collection_threshold": "0.6"}),
+        (
+            {
+                "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+                "PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync",
+            },
+            {"expandable_segments": "True"},
+        ),
+        (
+            {
+                "PYTORCH_CUDA_ALLOC_CONF": " Max_Split_Size_MB : 200 , garbage_collection_threshold:0.6,"
+            },
+            {"max_split_size_mb": "200", "garbage_collection_threshold": "0.6"},
+        ),
     ],
 )
 def test_settings_are_parsed_from_the_environment(environ, expected):
@@ -34,7 +43,12 @@ def test_piece_bound_keeps_each_segment_under_max_split_size():
     assert allocator.piece_bound({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:160"}) == 158 * MiB
     assert allocator.piece_bound({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:161"}) == 160 * MiB
     # Under cudaMallocAsync there is no split bound: nothing is lowered.
-    assert allocator.piece_bound({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync,max_split_size_mb:64"}) is None
+    assert (
+        allocator.piece_bound(
+            {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync,max_split_size_mb:64"}
+        )
+        is None
+    )
     assert allocator.piece_bound({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:lots"}) is None
     for max_split in range(21 * MiB, 600 * MiB, 7 * MiB):
         piece = allocator.splittable_piece_bytes(max_split)

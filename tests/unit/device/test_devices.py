@@ -37,7 +37,10 @@ def cycle_under_another_default_device():
     try:
         from megatron_offload.engine import OffloadEngine
 
-        tensors = [torch.randn(1000, device="cpu"), torch.randn(10, dtype=torch.float64, device="cpu")]
+        tensors = [
+            torch.randn(1000, device="cpu"),
+            torch.randn(10, dtype=torch.float64, device="cpu"),
+        ]
         expected = [t.clone() for t in tensors]
         engine = OffloadEngine(CPUDevice(), lambda: [("optimizer_states", t) for t in tensors])
         engine.offload(release=True)

@@ -19,7 +19,9 @@ import time
 
 import pytest
 
-from benchmarks.gpu_kit import mapping_private_bytes  # the GPU kit reads the child's smaps the same way
+from benchmarks.gpu_kit import (
+    mapping_private_bytes,
+)  # the GPU kit reads the child's smaps the same way
 
 MIB = 1 << 20
 SIZES = (32 * MIB, 128 * MIB)
@@ -32,7 +34,11 @@ class _IoVec(ctypes.Structure):
 
 def _private_bytes() -> int:
     with open("/proc/self/smaps_rollup") as f:
-        return 1024 * sum(int(line.split()[1]) for line in f if line.startswith(("Private_Dirty", "Private_Clean")))
+        return 1024 * sum(
+            int(line.split()[1])
+            for line in f
+            if line.startswith(("Private_Dirty", "Private_Clean"))
+        )
 
 
 def fork_with_pinned(nbytes: int, arena: bool):
@@ -113,10 +119,16 @@ def attached_fork_job():
         models.train_step(chunks, optimizer, config, step)
     arena = offloader.engines[0].host_arena
     nbytes = arena.numel()
-    control = torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
+    control = torch.frombuffer(
+        mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8
+    )
     control.copy_(arena)
-    result = {"arena_bytes": nbytes, "arena": _pinned_fork(arena), "control": _pinned_fork(control),
-              "offloaded": offloader.stats()["offloaded_bytes"]}
+    result = {
+        "arena_bytes": nbytes,
+        "arena": _pinned_fork(arena),
+        "control": _pinned_fork(control),
+        "offloaded": offloader.stats()["offloaded_bytes"],
+    }
     offloader.detach()
     return result
 
@@ -124,7 +136,9 @@ def attached_fork_job():
 def test_a_fork_after_attach_copies_none_of_the_arena(rank_pool):
     for rank in rank_pool.run(attached_fork_job):
         if isinstance(rank["arena"], str):
-            pytest.skip(f"this kernel does not pin memory through io_uring ({rank['arena']}): nothing to measure")
+            pytest.skip(
+                f"this kernel does not pin memory through io_uring ({rank['arena']}): nothing to measure"
+            )
         assert rank["arena_bytes"] == rank["offloaded"] > 0
         (arena_child,), (control_child,) = rank["arena"], rank["control"]
         assert arena_child == 0, rank  # the child shares every page of the arena
@@ -132,13 +146,21 @@ def test_a_fork_after_attach_copies_none_of_the_arena(rank_pool):
 
 
 def test_a_fork_copies_none_of_the_pinned_arena(isolated):
-    results = {(arena, size): isolated.run(fork_with_pinned, size, arena) for arena in (True, False) for size in SIZES}
+    results = {
+        (arena, size): isolated.run(fork_with_pinned, size, arena)
+        for arena in (True, False)
+        for size in SIZES
+    }
     refused = [r for r in results.values() if isinstance(r, str)]
     if refused:
-        pytest.skip(f"this kernel does not pin memory through io_uring ({refused[0]}): nothing to measure")
+        pytest.skip(
+            f"this kernel does not pin memory through io_uring ({refused[0]}): nothing to measure"
+        )
     for (arena, size), (forked_ms, child) in results.items():
-        print(f"\n{'arena' if arena else 'private control'} {size // MIB} MiB pinned: fork {forked_ms:.1f} ms, "
-              f"child private {child / MIB:.1f} MiB")
+        print(
+            f"\n{'arena' if arena else 'private control'} {size // MIB} MiB pinned: fork {forked_ms:.1f} ms, "
+            f"child private {child / MIB:.1f} MiB"
+        )
     for size in SIZES:
         # The arena: the child holds none of it, whatever its size.
         assert results[(True, size)][1] < 16 * MIB, results[(True, size)]

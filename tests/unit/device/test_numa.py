@@ -25,7 +25,9 @@ def _tree(tmp_path, *, online, node, cpulist="8-11,20"):
     (root / "devices/system/node/online").write_text(online + "\n")
     for n in numa.parse_list(online):
         (root / f"devices/system/node/node{n}").mkdir()
-        (root / f"devices/system/node/node{n}/cpulist").write_text(cpulist if n == node else "0-1" + "\n")
+        (root / f"devices/system/node/node{n}/cpulist").write_text(
+            cpulist if n == node else "0-1" + "\n"
+        )
     device = root / "bus/pci/devices" / BUS_ID.lower()
     device.mkdir(parents=True)
     (device / "numa_node").write_text(f"{node}\n")
@@ -37,15 +39,21 @@ def test_the_accelerators_node_and_its_cpus_come_from_sysfs(tmp_path):
     assert place == numa.Placement(1, 2, (8, 9, 10, 11, 20)) and place.binds
 
 
-@pytest.mark.parametrize("online,node,note", [
-    ("0", 0, "single NUMA node"),
-    ("0-1", -1, "does not say which node"),
-    ("0-1", 3, "does not say which node"),
-])
+@pytest.mark.parametrize(
+    "online,node,note",
+    [
+        ("0", 0, "single NUMA node"),
+        ("0-1", -1, "does not say which node"),
+        ("0-1", 3, "does not say which node"),
+    ],
+)
 def test_nothing_is_bound_without_a_choice_and_the_note_says_why(tmp_path, online, node, note):
     place = numa.placement(BUS_ID, sysfs=_tree(tmp_path, online=online, node=node))
     assert place.node is None and not place.binds and note in place.note
-    assert "PCI bus id is unknown" in numa.placement(None, sysfs=_tree(tmp_path / "x", online="0-1", node=0)).note
+    assert (
+        "PCI bus id is unknown"
+        in numa.placement(None, sysfs=_tree(tmp_path / "x", online="0-1", node=0)).note
+    )
 
 
 def test_lists_parse_as_sysfs_writes_them():
@@ -60,7 +68,9 @@ def _numa_maps_line(address):
 
 def test_binding_puts_a_fresh_buffers_pages_on_the_node():
     if not os.path.exists("/proc/self/numa_maps"):
-        pytest.skip("this kernel has no NUMA support (/proc/self/numa_maps is missing): nothing to bind")
+        pytest.skip(
+            "this kernel has no NUMA support (/proc/self/numa_maps is missing): nothing to bind"
+        )
     buffer = pinned.shared_host_buffer(1 << 20)
     assert numa.bind(buffer.data_ptr(), buffer.numel(), 0) == ""
     buffer[::4096].fill_(1)  # touched after the binding, as the device does
@@ -71,24 +81,43 @@ def test_binding_puts_a_fresh_buffers_pages_on_the_node():
     assert "bind:" not in _numa_maps_line(control.data_ptr())
 
 
-def test_the_accelerator_binds_its_host_buffers_and_faults_them_in_on_the_node(tmp_path, monkeypatch):
+def test_the_accelerator_binds_its_host_buffers_and_faults_them_in_on_the_node(
+    tmp_path, monkeypatch
+):
     from megatron_offload.device import accelerator
     from tests.unit.device.test_pinned import FakeModule, FakeRegistry
 
     module = FakeModule()
-    module.get_device_properties = lambda device: type("P", (), {"pci_domain_id": 0, "pci_bus_id": 0x3B,
-                                                               "pci_device_id": 0})()
+    module.get_device_properties = lambda device: type(
+        "P", (), {"pci_domain_id": 0, "pci_bus_id": 0x3B, "pci_device_id": 0}
+    )()
     real = torch.get_device_module
-    monkeypatch.setattr(torch, "get_device_module", lambda t: module if str(t) == "cuda" else real(t))
+    monkeypatch.setattr(
+        torch, "get_device_module", lambda t: module if str(t) == "cuda" else real(t)
+    )
     registry = FakeRegistry(current=lambda: module.current)
-    monkeypatch.setattr(accelerator, "_host_register_calls", lambda: (registry.register, registry.unregister))
-    sysfs = _tree(tmp_path, online="0-1", node=1, cpulist=",".join(map(str, sorted(os.sched_getaffinity(0)))))
-    monkeypatch.setattr(numa, "placement", lambda bus_id, _real=numa.placement: _real(bus_id, sysfs=sysfs))
+    monkeypatch.setattr(
+        accelerator, "_host_register_calls", lambda: (registry.register, registry.unregister)
+    )
+    sysfs = _tree(
+        tmp_path, online="0-1", node=1, cpulist=",".join(map(str, sorted(os.sched_getaffinity(0))))
+    )
+    monkeypatch.setattr(
+        numa, "placement", lambda bus_id, _real=numa.placement: _real(bus_id, sysfs=sysfs)
+    )
     bound, affinities = [], []
-    monkeypatch.setattr(numa, "bind", lambda address, nbytes, node: bound.append((address, nbytes, node)) or "")
+    monkeypatch.setattr(
+        numa, "bind", lambda address, nbytes, node: bound.append((address, nbytes, node)) or ""
+    )
     real_affinity = os.sched_setaffinity
-    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cpus: affinities.append(
-        (threading.current_thread().name, tuple(sorted(cpus)))) or real_affinity(pid, cpus))
+    monkeypatch.setattr(
+        os,
+        "sched_setaffinity",
+        lambda pid, cpus: (
+            affinities.append((threading.current_thread().name, tuple(sorted(cpus))))
+            or real_affinity(pid, cpus)
+        ),
+    )
 
     device = accelerator.AcceleratorDevice(torch.device("cuda", 0))
     device.pin_threads = 2

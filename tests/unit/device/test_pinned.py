@@ -61,22 +61,34 @@ def test_ranges_cover_the_buffer_with_page_aligned_borders():
     for (a, n), (b, _) in zip(ranges, ranges[1:]):
         assert a + n == b and b % PAGE == 0  # no page in two ranges
     # Small buffers are not split below min_bytes; empty ones give nothing.
-    assert pinned.split_ranges(base, 3 * PAGE, 8, page=PAGE, min_bytes=2 * PAGE) == [(base, 3 * PAGE)]
+    assert pinned.split_ranges(base, 3 * PAGE, 8, page=PAGE, min_bytes=2 * PAGE) == [
+        (base, 3 * PAGE)
+    ]
     assert pinned.split_ranges(base, 0, 4, page=PAGE) == []
 
 
 def test_pages_are_faulted_in_by_several_threads_and_registered_once():
     buffer = torch.full((64 * PAGE,), 0xAB, dtype=torch.uint8)
     fake = FakeRegistry()
-    ranges = pinned.pin(buffer, register=fake.register, unregister=fake.unregister, threads=4,
-                        min_range_bytes=PAGE, page=PAGE)
+    ranges = pinned.pin(
+        buffer,
+        register=fake.register,
+        unregister=fake.unregister,
+        threads=4,
+        min_range_bytes=PAGE,
+        page=PAGE,
+    )
     base = buffer.data_ptr()
     assert ranges == ((base, buffer.numel()),)
     assert fake.calls == [("register", base, buffer.numel(), None)]
     # One byte in every page was written (first touch), nothing else.
-    offsets = sorted({(a - base) + k for a, n in pinned.split_ranges(base, buffer.numel(), 4, page=PAGE,
-                                                                       min_bytes=PAGE)
-                      for k in range(0, n, PAGE)})
+    offsets = sorted(
+        {
+            (a - base) + k
+            for a, n in pinned.split_ranges(base, buffer.numel(), 4, page=PAGE, min_bytes=PAGE)
+            for k in range(0, n, PAGE)
+        }
+    )
     assert len(offsets) >= 64
     assert bool((buffer[offsets] == 0).all())
     assert int((buffer == 0).sum()) == len(offsets)
@@ -86,8 +98,15 @@ def test_pages_are_faulted_in_by_several_threads_and_registered_once():
 def test_per_range_registration_runs_on_the_pool_and_unregisters_what_succeeded_on_failure():
     buffer = torch.zeros(32 * PAGE, dtype=torch.uint8)
     fake = FakeRegistry()
-    ranges = pinned.pin(buffer, register=fake.register, unregister=fake.unregister, threads=4,
-                        per_range=True, min_range_bytes=PAGE, page=PAGE)
+    ranges = pinned.pin(
+        buffer,
+        register=fake.register,
+        unregister=fake.unregister,
+        threads=4,
+        per_range=True,
+        min_range_bytes=PAGE,
+        page=PAGE,
+    )
     assert len(ranges) == 4 and len(fake.live) == 4
     assert all(name.startswith("pin-host") for name in fake.threads)
     pinned.unpin(ranges, fake.unregister)
@@ -95,24 +114,42 @@ def test_per_range_registration_runs_on_the_pool_and_unregisters_what_succeeded_
 
     failing = FakeRegistry(fail_at={2})
     with pytest.raises(pinned.PinError, match="failed with error 2") as info:
-        pinned.pin(buffer, register=failing.register, unregister=failing.unregister, threads=4,
-                   per_range=True, min_range_bytes=PAGE, page=PAGE)
+        pinned.pin(
+            buffer,
+            register=failing.register,
+            unregister=failing.unregister,
+            threads=4,
+            per_range=True,
+            min_range_bytes=PAGE,
+            page=PAGE,
+        )
     assert info.value.code == 2
     assert not failing.live  # the three ranges that were registered are unregistered again
     assert sum(1 for c in failing.calls if c[0] == "unregister") == 3
 
     raising = FakeRegistry(raise_at={1})
     with pytest.raises(OSError, match="planted"):
-        pinned.pin(buffer, register=raising.register, unregister=raising.unregister, threads=4,
-                   per_range=True, min_range_bytes=PAGE, page=PAGE)
+        pinned.pin(
+            buffer,
+            register=raising.register,
+            unregister=raising.unregister,
+            threads=4,
+            per_range=True,
+            min_range_bytes=PAGE,
+            page=PAGE,
+        )
     assert not raising.live
 
 
 def test_a_failed_whole_registration_raises_with_the_code():
     fake = FakeRegistry(fail_at={0})
     with pytest.raises(pinned.PinError) as info:
-        pinned.pin(torch.zeros(3 * PAGE, dtype=torch.uint8), register=fake.register,
-                   unregister=fake.unregister, page=PAGE)
+        pinned.pin(
+            torch.zeros(3 * PAGE, dtype=torch.uint8),
+            register=fake.register,
+            unregister=fake.unregister,
+            page=PAGE,
+        )
     assert info.value.code == 2 and not fake.live
 
 
@@ -154,12 +191,17 @@ class FakeRuntime:
 def fake_cuda(monkeypatch):
     module = FakeModule()
     real = torch.get_device_module
-    monkeypatch.setattr(torch, "get_device_module", lambda t: module if str(t) == "cuda" else real(t))
+    monkeypatch.setattr(
+        torch, "get_device_module", lambda t: module if str(t) == "cuda" else real(t)
+    )
     runtime = FakeRuntime()
     monkeypatch.setattr(accelerator, "_cuda_runtime", lambda: runtime)
     state = {"registry": FakeRegistry(current=lambda: module.current)}
-    monkeypatch.setattr(accelerator, "_host_register_calls",
-                        lambda: (state["registry"].register, state["registry"].unregister))
+    monkeypatch.setattr(
+        accelerator,
+        "_host_register_calls",
+        lambda: (state["registry"].register, state["registry"].unregister),
+    )
     return module, runtime, state
 
 

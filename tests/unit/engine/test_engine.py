@@ -75,8 +75,14 @@ def _cycles_bitwise(sizes, dtype, steps, skip_every):
         engine.release()
         stats = engine.stats()
         figures.append(
-            (skipped, stats["d2h_copies"], stats["offloaded_bytes"], stats["tracked_bytes"],
-             stats["host_bytes"], max(tracked_storage_bytes(off)))
+            (
+                skipped,
+                stats["d2h_copies"],
+                stats["offloaded_bytes"],
+                stats["tracked_bytes"],
+                stats["host_bytes"],
+                max(tracked_storage_bytes(off)),
+            )
         )
     engine.reload()
     engine.wait()
@@ -130,7 +136,9 @@ def _masters_before_first_step():
     stats = engine.stats()
     only_masters = stats["offloaded_bytes"] == sum(aligned(p) for p in off.params)
     # The payload leaves out the alignment padding the layout adds.
-    only_masters &= stats["offloaded_payload_bytes"] == sum(p.numel() * p.element_size() for p in off.params)
+    only_masters &= stats["offloaded_payload_bytes"] == sum(
+        p.numel() * p.element_size() for p in off.params
+    )
     only_masters &= stats["offloaded_payload_bytes"] < stats["offloaded_bytes"]
     released = all(p.untyped_storage().nbytes() == 0 for p in off.params)
     engine.reload()
@@ -168,7 +176,11 @@ def _views_survive():
     released = view.untyped_storage().nbytes() == 0
     engine.reload()
     engine.wait()
-    return released, torch.equal(view, expected), model.opt.state[model.params[1]]["exp_avg"] is exp_avg
+    return (
+        released,
+        torch.equal(view, expected),
+        model.opt.state[model.params[1]]["exp_avg"] is exp_avg,
+    )
 
 
 def test_tensor_objects_and_views_survive_a_cycle(isolated):
@@ -251,8 +263,12 @@ def test_host_budget_is_checked_before_anything_is_allocated():
     model = Model()
     model.step()
     need = sum(aligned(t) for _, t in model.collect())  # one fp32 group per kind
-    engine = OffloadEngine(CPUDevice(), model.collect, budget=HostBudget(need - 1), name="optimizer 0")
-    with pytest.raises(HostMemoryBudgetError, match=f"needs {need:,} bytes.*host_memory_budget={need - 1:,}"):
+    engine = OffloadEngine(
+        CPUDevice(), model.collect, budget=HostBudget(need - 1), name="optimizer 0"
+    )
+    with pytest.raises(
+        HostMemoryBudgetError, match=f"needs {need:,} bytes.*host_memory_budget={need - 1:,}"
+    ):
         engine.offload()
     assert engine.stats()["host_bytes"] == 0
     assert all(t.untyped_storage().nbytes() > 0 for _, t in model.collect())
@@ -346,12 +362,16 @@ def _rebuild_keeps_released_groups():
     masters = [torch.randn(6), torch.randn(10)]
     expected = [m.clone() for m in masters]
     moments = []
-    engine = OffloadEngine(CPUDevice(), lambda: [(MASTERS, m) for m in masters] + [(STATES, m) for m in moments])
+    engine = OffloadEngine(
+        CPUDevice(), lambda: [(MASTERS, m) for m in masters] + [(STATES, m) for m in moments]
+    )
     engine.offload([MASTERS])
     engine.release([MASTERS])
     moments.append(torch.ones(6))  # a new state appears while the masters are on the host
     engine.offload([STATES])  # the layout is rebuilt: the masters' bytes move to the new arena
-    still_released = engine.is_released([MASTERS]) and all(m.untyped_storage().nbytes() == 0 for m in masters)
+    still_released = engine.is_released([MASTERS]) and all(
+        m.untyped_storage().nbytes() == 0 for m in masters
+    )
     engine.release([STATES])
     engine.reload()
     engine.wait()

@@ -65,11 +65,16 @@ def _layout(engine):
     return [(g.kind, g.dtype, g.streamed, g.piece, g.offsets, g.nbytes) for g in engine.groups]
 
 
-def run_cycles(reserve: bool, fraction=1.0, max_piece_bytes=None, streamed=False, amsgrad=False) -> dict:
+def run_cycles(
+    reserve: bool, fraction=1.0, max_piece_bytes=None, streamed=False, amsgrad=False
+) -> dict:
     masters, distrib = _model(amsgrad=amsgrad)
     device = CountingDevice()
     engine = OffloadEngine(
-        device, lambda: adapter.collect(distrib), fraction=fraction, max_piece_bytes=max_piece_bytes,
+        device,
+        lambda: adapter.collect(distrib),
+        fraction=fraction,
+        max_piece_bytes=max_piece_bytes,
         streamed=(lambda: adapter.in_state(distrib)) if streamed else None,
     )
     reserved = engine.reserve_host(adapter.expected(distrib)) if reserve else 0
@@ -93,17 +98,26 @@ def run_cycles(reserve: bool, fraction=1.0, max_piece_bytes=None, streamed=False
     values += [t.clone() for p in masters for t in distrib.optimizer.state[p].values()]
     engine.close()
     device.check()
-    return {"reserved": reserved, "buffers": device.buffers, "layout": first_layout,
-            "host_bytes": host_bytes, "values": values}
+    return {
+        "reserved": reserved,
+        "buffers": device.buffers,
+        "layout": first_layout,
+        "host_bytes": host_bytes,
+        "values": values,
+    }
 
 
-@pytest.mark.parametrize("options", [
-    {},
-    {"fraction": 0.5},
-    {"max_piece_bytes": 128},
-    {"streamed": True, "max_piece_bytes": 200},
-    {"amsgrad": True},
-], ids=["whole", "fraction", "pieces", "streamed", "amsgrad"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"fraction": 0.5},
+        {"max_piece_bytes": 128},
+        {"streamed": True, "max_piece_bytes": 200},
+        {"amsgrad": True},
+    ],
+    ids=["whole", "fraction", "pieces", "streamed", "amsgrad"],
+)
 def test_the_first_offload_uses_the_arena_reserved_at_attach(isolated, options):
     with_reserve = isolated.run(run_cycles, True, **options)
     without = isolated.run(run_cycles, False, **options)
@@ -174,8 +188,14 @@ def run_rebuild(limit_factor=None) -> dict:
     host_equals_tracked = _host_bytes(engine) == _tracked_bytes(engine)
     engine.close()
     device.check()
-    return {"error": error, "reused": reused, "released": released, "intact": intact,
-            "buffers": device.buffers, "host_equals_tracked": host_equals_tracked}
+    return {
+        "error": error,
+        "reused": reused,
+        "released": released,
+        "intact": intact,
+        "buffers": device.buffers,
+        "host_equals_tracked": host_equals_tracked,
+    }
 
 
 def test_a_rebuild_that_fits_reuses_the_arena_and_carries_released_copies(isolated):
@@ -197,8 +217,11 @@ def run_growth(halves: int) -> dict:
     old = engine._host.buffer
     old_bytes = _host_bytes(engine)
     for p in masters:  # the states Adam makes (by hand: the masters are on the host)
-        distrib.optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.full(p.shape, 2.0),
-                                      "exp_avg_sq": torch.full(p.shape, 3.0)}
+        distrib.optimizer.state[p] = {
+            "step": torch.tensor(0.0),
+            "exp_avg": torch.full(p.shape, 2.0),
+            "exp_avg_sq": torch.full(p.shape, 3.0),
+        }
     budget.limit = halves * old_bytes // 2
     buffers_before, freed_before = len(device.buffers), device.freed
     error = None
@@ -206,8 +229,12 @@ def run_growth(halves: int) -> dict:
         engine.offload([STATES], release=True)
     except HostMemoryBudgetError as exc:
         error = str(exc)
-    untouched = (engine._host.buffer is old and len(device.buffers) == buffers_before
-                 and device.freed == freed_before and engine.is_released([MASTERS]))
+    untouched = (
+        engine._host.buffer is old
+        and len(device.buffers) == buffers_before
+        and device.freed == freed_before
+        and engine.is_released([MASTERS])
+    )
     if error is not None:
         budget.limit = None
         engine.offload([STATES], release=True)
@@ -215,18 +242,30 @@ def run_growth(halves: int) -> dict:
     engine.reload()
     engine.wait()
     intact = all(torch.equal(m.detach(), e) for m, e in zip(masters, expected))
-    intact = intact and all(torch.equal(distrib.optimizer.state[p]["exp_avg_sq"], torch.full(p.shape, 3.0))
-                            for p in masters)
+    intact = intact and all(
+        torch.equal(distrib.optimizer.state[p]["exp_avg_sq"], torch.full(p.shape, 3.0))
+        for p in masters
+    )
     engine.close()
     device.check()
-    return {"error": error, "untouched": untouched, "intact": intact, "old": old_bytes, "new": new_bytes}
+    return {
+        "error": error,
+        "untouched": untouched,
+        "intact": intact,
+        "old": old_bytes,
+        "new": new_bytes,
+    }
 
 
 def test_a_budget_below_the_transient_peak_of_a_rebuild_is_refused_before_anything_moves(isolated):
     # Room for the new layout alone (and more than the old one), not for both at once.
     out = isolated.run(run_growth, 7)
     assert out["new"] > out["old"] and out["new"] <= 7 * out["old"] // 2 < out["new"] + out["old"]
-    assert out["error"] is not None and "at once" in out["error"] and "Nothing was freed" in out["error"]
+    assert (
+        out["error"] is not None
+        and "at once" in out["error"]
+        and "Nothing was freed" in out["error"]
+    )
     assert out["untouched"] and out["intact"]
 
 

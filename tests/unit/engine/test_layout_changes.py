@@ -31,23 +31,33 @@ def run_carry(skip_labels=()) -> dict:
     expected = [m.clone() for m in masters]
     moments = []
     device = CheckedDevice(skip_labels=skip_labels, raise_violations=False)
-    engine = OffloadEngine(device, lambda: [(MASTERS, m) for m in masters] + [(STATES, m) for m in moments])
+    engine = OffloadEngine(
+        device, lambda: [(MASTERS, m) for m in masters] + [(STATES, m) for m in moments]
+    )
     engine.offload([MASTERS])
     engine.release([MASTERS])
     pending = device.pending()
     moments.append(torch.ones(6))
     engine.offload([STATES])
-    carried = engine.is_released([MASTERS]) and all(m.untyped_storage().nbytes() == 0 for m in masters)
+    carried = engine.is_released([MASTERS]) and all(
+        m.untyped_storage().nbytes() == 0 for m in masters
+    )
     engine.release([STATES])
     engine.reload()
     engine.wait()
-    intact = all(torch.equal(a, b) for a, b in zip(masters, expected)) and torch.equal(moments[0], torch.ones(6))
+    intact = all(torch.equal(a, b) for a, b in zip(masters, expected)) and torch.equal(
+        moments[0], torch.ones(6)
+    )
     stats = engine.stats()
     engine.close()
     device.check(raise_on_violation=False)
-    return {"pending_before": pending, "carried": carried, "intact": intact,
-            "host_equals_tracked": stats["host_bytes"] == stats["tracked_bytes"],
-            "violations": [(v.rule, v.kind) for v in device.violations]}
+    return {
+        "pending_before": pending,
+        "carried": carried,
+        "intact": intact,
+        "host_equals_tracked": stats["host_bytes"] == stats["tracked_bytes"],
+        "violations": [(v.rule, v.kind) for v in device.violations],
+    }
 
 
 def test_released_groups_are_carried_to_the_new_arena(isolated):
@@ -105,8 +115,12 @@ def run_adopt(mixed: bool) -> dict:
     except ProtocolViolation as exc:
         raised = (exc.rule, exc.kind)
         intact = released_after_rescan = groups = None
-    return {"raised": raised, "intact": intact, "released_after_rescan": released_after_rescan,
-            "groups": groups}
+    return {
+        "raised": raised,
+        "intact": intact,
+        "released_after_rescan": released_after_rescan,
+        "groups": groups,
+    }
 
 
 def test_adopted_tensors_join_released_groups(isolated):

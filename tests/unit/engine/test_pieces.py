@@ -26,12 +26,20 @@ def test_split_pieces_bounds_each_piece_and_keeps_order():
         # Within the bound, or a single tensor larger than it.
         assert sum(aligned(t) for t in piece) <= 2 * KIB or len(piece) == 1
     # 400+1200+208 bytes | 8000 (alone: larger than the bound) | 48+48 | 2800 (alone)
-    assert [[t.numel() for t in piece] for piece in pieces] == [[100, 300, 50], [2000], [10, 10], [700]]
+    assert [[t.numel() for t in piece] for piece in pieces] == [
+        [100, 300, 50],
+        [2000],
+        [10, 10],
+        [700],
+    ]
 
 
 def test_split_pieces_examples():
     def sizes(numels, bound):
-        return [[t.numel() for t in piece] for piece in split_pieces([torch.empty(n) for n in numels], 4, bound)]
+        return [
+            [t.numel() for t in piece]
+            for piece in split_pieces([torch.empty(n) for n in numels], 4, bound)
+        ]
 
     assert sizes([4, 4, 4], None) == [[4, 4, 4]]  # unbounded: one piece
     assert sizes([4, 4, 4], 32) == [[4, 4], [4]]  # 16 + 16 bytes fill a piece
@@ -59,13 +67,20 @@ def _pieces_job(max_piece_bytes, steps=5):
         engine.offload(release=True)
         stats = engine.stats()
         storages = {g.flat.untyped_storage()._cdata for g in engine.groups if g.flat is not None}
-        figures.append({
-            "pieces": stats["pieces"], "groups": stats["groups"], "d2h": stats["d2h_copies"],
-            "h2d": stats["h2d_copies"], "largest": stats["largest_piece_bytes"],
-            "piece_bytes": [g.nbytes for g in engine.groups], "flats": len(storages),
-            "held": sum(t.untyped_storage().nbytes() for _, t in off.collect()),
-            "offloaded": stats["offloaded_bytes"], "tracked": stats["tracked_bytes"],
-        })
+        figures.append(
+            {
+                "pieces": stats["pieces"],
+                "groups": stats["groups"],
+                "d2h": stats["d2h_copies"],
+                "h2d": stats["h2d_copies"],
+                "largest": stats["largest_piece_bytes"],
+                "piece_bytes": [g.nbytes for g in engine.groups],
+                "flats": len(storages),
+                "held": sum(t.untyped_storage().nbytes() for _, t in off.collect()),
+                "offloaded": stats["offloaded_bytes"],
+                "tracked": stats["tracked_bytes"],
+            }
+        )
     engine.reload()
     engine.wait()
     same = all(torch.equal(a, b) for a, b in zip(ref.snapshot(), off.snapshot()))

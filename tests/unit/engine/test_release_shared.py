@@ -46,16 +46,26 @@ def run_shared_release() -> dict:
     engine.offload(release=True)
     allocations = list(device.allocations)
     released = [t.untyped_storage().nbytes() == 0 for t in tensors]
-    others_alive = base.untyped_storage().nbytes() == 400 and keeper.untyped_storage().nbytes() == 80
-    others_intact = torch.equal(base[0:30], expected[0]) and torch.equal(keeper.reshape(-1), expected[3])
+    others_alive = (
+        base.untyped_storage().nbytes() == 400 and keeper.untyped_storage().nbytes() == 80
+    )
+    others_intact = torch.equal(base[0:30], expected[0]) and torch.equal(
+        keeper.reshape(-1), expected[3]
+    )
     unreleasable = engine.unreleasable_bytes
     engine.reload()
     engine.wait()
     intact = [torch.equal(t, e) for t, e in zip(tensors, expected)]
     engine.close()
     device.check()
-    return {"allocations": allocations, "released": released, "others_alive": others_alive,
-            "others_intact": others_intact, "unreleasable": unreleasable, "intact": intact}
+    return {
+        "allocations": allocations,
+        "released": released,
+        "others_alive": others_alive,
+        "others_intact": others_intact,
+        "unreleasable": unreleasable,
+        "intact": intact,
+    }
 
 
 def test_shared_storages_are_left_through_one_scratch_allocation(isolated):

@@ -36,7 +36,8 @@ class Model:
         gen = torch.Generator().manual_seed(seed)
         dtypes = (torch.float32, torch.float64)
         self.params = [
-            torch.nn.Parameter(torch.randn(n, generator=gen).to(dtypes[i % 2])) for i, n in enumerate(sizes)
+            torch.nn.Parameter(torch.randn(n, generator=gen).to(dtypes[i % 2]))
+            for i, n in enumerate(sizes)
         ]
         self.opt = torch.optim.AdamW(self.params, lr=0.01, weight_decay=0.1)
 
@@ -58,7 +59,9 @@ class Model:
 def _chunked_step(model, engine, stream, device):
     """One AdamW step with the states streamed: per chunk, swap the state entries for the
     slot views, step only the chunk's parameters, swap back."""
-    units = [[model.opt.state[p]["exp_avg"], model.opt.state[p]["exp_avg_sq"]] for p in model.params]
+    units = [
+        [model.opt.state[p]["exp_avg"], model.opt.state[p]["exp_avg_sq"]] for p in model.params
+    ]
     chunks = stream.plan(units)
 
     def update(chunk, views):
@@ -83,8 +86,16 @@ def _chunked_step(model, engine, stream, device):
     return chunks
 
 
-def run_stream(skip_labels=(), raise_violations=True, *, sizes=(40, 7, 33, 16, 5, 24), slot_bytes=512,
-               slots=2, steps=3, fail_at_chunk=None) -> dict:
+def run_stream(
+    skip_labels=(),
+    raise_violations=True,
+    *,
+    sizes=(40, 7, 33, 16, 5, 24),
+    slot_bytes=512,
+    slots=2,
+    steps=3,
+    fail_at_chunk=None,
+) -> dict:
     ref, off = Model(sizes), Model(sizes)
     device = CheckedDevice(skip_labels=skip_labels, raise_violations=raise_violations)
     engine = OffloadEngine(device, off.collect, name="checked", streamed=off.states)
@@ -119,10 +130,16 @@ def run_stream(skip_labels=(), raise_violations=True, *, sizes=(40, 7, 33, 16, 5
             finally:
                 off.opt.__dict__.pop("step", None)
             stats = engine.stats()
-            figures.append({"chunks": len(chunks), "stats_chunks": stats["update_chunks"],
-                            "copies": stats["update_copies"],
-                            "released": engine.is_released(), "slot_peak": stream.peak_slot_bytes,
-                            "largest_chunk": max((c.nbytes for c in chunks), default=0)})
+            figures.append(
+                {
+                    "chunks": len(chunks),
+                    "stats_chunks": stats["update_chunks"],
+                    "copies": stats["update_copies"],
+                    "released": engine.is_released(),
+                    "slot_peak": stream.peak_slot_bytes,
+                    "largest_chunk": max((c.nbytes for c in chunks), default=0),
+                }
+            )
         engine.reload()
         engine.wait()
         states_equal = [torch.equal(a, b) for a, b in zip(off.states(), ref.states())]
@@ -206,14 +223,18 @@ def test_dropped_ordering_call_is_caught(isolated, label):
 def test_dropped_record_stream_lets_poison_into_the_host_copy(isolated):
     """Without record_stream the slots die with their D2H still queued: the copies read
     freed memory (the model writes poison), so the states come back wrong."""
-    out = isolated.run(run_stream, skip_labels=(engine_module.D2H_RECORD_STREAM,), raise_violations=False)
+    out = isolated.run(
+        run_stream, skip_labels=(engine_module.D2H_RECORD_STREAM,), raise_violations=False
+    )
     assert out["skipped"].get(engine_module.D2H_RECORD_STREAM, 0) > 0
     assert out["violations"] and out["mismatches"]
 
 
 def test_use_before_h2d_reads_poison_when_not_raising(isolated):
     """The update runs on a slot its H2D has not filled: it reads the slot's poison."""
-    out = isolated.run(run_stream, skip_labels=(engine_module.USE_AFTER_H2D,), raise_violations=False)
+    out = isolated.run(
+        run_stream, skip_labels=(engine_module.USE_AFTER_H2D,), raise_violations=False
+    )
     assert (3, DEVICE_RACE) in out["violations"]
     assert out["mismatches"]
 
@@ -242,7 +263,9 @@ def run_plan_errors():
     engine = OffloadEngine(device, model.collect, name="checked", streamed=model.states)
     stream = SlotStream(engine, slot_bytes=1024)
     out = {}
-    units = [[model.opt.state[p]["exp_avg"], model.opt.state[p]["exp_avg_sq"]] for p in model.params]
+    units = [
+        [model.opt.state[p]["exp_avg"], model.opt.state[p]["exp_avg_sq"]] for p in model.params
+    ]
     engine.offload()
     try:
         stream.run(stream.plan(units[:1]), lambda chunk, views: None)

@@ -9,7 +9,9 @@ import pytest
 
 pytestmark = pytest.mark.bridge  # skipped, with the reason, where Bridge is absent (conftest)
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "bridge_train_offload.py")
+EXAMPLE = os.path.join(
+    os.path.dirname(__file__), "..", "..", "..", "examples", "bridge_train_offload.py"
+)
 
 
 def example_job(steps):

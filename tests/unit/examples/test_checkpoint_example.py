@@ -13,7 +13,9 @@ EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples")
 
 def _example():
     sys.path.insert(0, os.path.abspath(EXAMPLES))
-    spec = importlib.util.spec_from_file_location("checkpoint_offload", os.path.join(EXAMPLES, "checkpoint_offload.py"))
+    spec = importlib.util.spec_from_file_location(
+        "checkpoint_offload", os.path.join(EXAMPLES, "checkpoint_offload.py")
+    )
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     return example

@@ -43,7 +43,9 @@ def verl_job(sketch: bool):
             _load("verl_offload_engine")
         from verl.workers.engine.base import EngineRegistry
 
-        engine = EngineRegistry.new("language_model", "megatron", lambda: models.build("gpt", "bf16", **BUILD))
+        engine = EngineRegistry.new(
+            "language_model", "megatron", lambda: models.build("gpt", "bf16", **BUILD)
+        )
         engine.initialize()
         phases, losses, step = [("init", _offloaded(engine.optimizer))], [], 0
         for _ in range(2):
@@ -51,14 +53,22 @@ def verl_job(sketch: bool):
             with engine.train_mode():
                 phases.append(("train mode in", _offloaded(engine.optimizer)))
                 for _ in range(2):
-                    losses.append(models.train_step(engine.module, engine.optimizer, engine.config, step)["loss"])
+                    losses.append(
+                        models.train_step(engine.module, engine.optimizer, engine.config, step)[
+                            "loss"
+                        ]
+                    )
                     step += 1
             phases.append(("train mode out", _offloaded(engine.optimizer)))
         summary = engine.offloader.summary() if sketch else None
         if sketch:
             engine.offloader.detach()
-        return {"phases": phases, "losses": losses, "summary": summary,
-                "snapshot": models.snapshot(engine.module, engine.optimizer)}
+        return {
+            "phases": phases,
+            "losses": losses,
+            "summary": summary,
+            "snapshot": models.snapshot(engine.module, engine.optimizer),
+        }
     finally:
         adapter.uninstall(importlib.import_module("verl.utils.megatron_utils"))
         rl_frameworks.remove_real_names(names)
@@ -75,7 +85,9 @@ def nemo_rl_job(sketch: bool):
         if sketch:
             worker_class = _load("nemo_rl_offload_worker").OffloadingMegatronPolicyWorker
         else:
-            from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyWorker as worker_class
+            from nemo_rl.models.policy.workers.megatron_policy_worker import (
+                MegatronPolicyWorker as worker_class,
+            )
         chunks, optimizer, config = models.build("gpt", "bf16", **BUILD)
         worker = worker_class(chunks, optimizer, config, models.train_step)
         phases, results = [], []
@@ -90,10 +102,16 @@ def nemo_rl_job(sketch: bool):
         summary = worker.offloader.summary() if sketch else None
         if sketch:
             worker.offloader.detach()
-        return {"phases": phases, "losses": [r["loss"] for r in results], "summary": summary,
-                "snapshot": models.snapshot(chunks, optimizer)}
+        return {
+            "phases": phases,
+            "losses": [r["loss"] for r in results],
+            "summary": summary,
+            "snapshot": models.snapshot(chunks, optimizer),
+        }
     finally:
-        worker_module = importlib.import_module("nemo_rl.models.policy.workers.megatron_policy_worker")
+        worker_module = importlib.import_module(
+            "nemo_rl.models.policy.workers.megatron_policy_worker"
+        )
         adapter.uninstall(worker_module.MegatronPolicyWorker)
         rl_frameworks.remove_real_names(names)
 
@@ -109,7 +127,9 @@ def test_the_worker_sketch_offloads_at_every_phase_and_trains_bitwise(rank_pool,
     for reference, run in zip(plain, sketched):
         assert all(state is None for _, state in reference["phases"])  # nothing attached there
         first = 1 if framework == "nemo_rl" else 0  # NeMo-RL's first phase precedes any step
-        assert [name for name, state in run["phases"][first:] if state is not True] == [], run["phases"]
+        assert [name for name, state in run["phases"][first:] if state is not True] == [], run[
+            "phases"
+        ]
         assert run["losses"] == reference["losses"]
         for section in ("params", "optimizer"):
             a, b = reference["snapshot"][section], run["snapshot"][section]

@@ -6,7 +6,9 @@ import os
 
 import pytest
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "train_gpt_offload.py")
+EXAMPLE = os.path.join(
+    os.path.dirname(__file__), "..", "..", "..", "examples", "train_gpt_offload.py"
+)
 
 
 def example_job(bf16, steps):
@@ -33,8 +35,10 @@ def test_demo_prints_one_table_with_every_rank_folded_in(rank_pool):
     spec = importlib.util.spec_from_file_location("train_gpt_offload_table", EXAMPLE)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    ranks = [(plain, offloaded, {"host_bytes": host, "d2h_copies": copies, "h2d_copies": copies})
-             for plain, offloaded, host, copies in rank_pool.run(example_job, True, 2)]
+    ranks = [
+        (plain, offloaded, {"host_bytes": host, "d2h_copies": copies, "h2d_copies": copies})
+        for plain, offloaded, host, copies in rank_pool.run(example_job, True, 2)
+    ]
     text = example.table(ranks)
     lines = text.splitlines()
     assert len(lines) == 1 + 2 + 1 and lines[0].count("step") == 1

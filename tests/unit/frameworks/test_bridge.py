@@ -50,20 +50,56 @@ def _bridge_config(save_dir: str, load_dir: str | None):
     # The harness's GPT (tests/harness/models.py), as Bridge would describe it.
     return ConfigContainer(
         train=TrainingConfig(micro_batch_size=2, global_batch_size=4, train_iters=STEPS),
-        model=GPTModelProvider(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16,
-                               vocab_size=128, bf16=True, params_dtype=torch.bfloat16),
-        optimizer=OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=0.0, weight_decay=0.01, clip_grad=1.0, bf16=True,
-                                  params_dtype=torch.bfloat16, use_distributed_optimizer=True),
-        scheduler=SchedulerConfig(lr_decay_style="constant", lr_warmup_iters=0, start_weight_decay=0.01,
-                                  end_weight_decay=0.01, weight_decay_incr_style="constant"),
-        dataset=MockGPTDatasetConfig(random_seed=0, seq_length=16, reset_position_ids=False,
-                                     reset_attention_mask=False, eod_mask_loss=False),
+        model=GPTModelProvider(
+            num_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            seq_length=16,
+            vocab_size=128,
+            bf16=True,
+            params_dtype=torch.bfloat16,
+        ),
+        optimizer=OptimizerConfig(
+            optimizer="adam",
+            lr=1e-3,
+            min_lr=0.0,
+            weight_decay=0.01,
+            clip_grad=1.0,
+            bf16=True,
+            params_dtype=torch.bfloat16,
+            use_distributed_optimizer=True,
+        ),
+        scheduler=SchedulerConfig(
+            lr_decay_style="constant",
+            lr_warmup_iters=0,
+            start_weight_decay=0.01,
+            end_weight_decay=0.01,
+            weight_decay_incr_style="constant",
+        ),
+        dataset=MockGPTDatasetConfig(
+            random_seed=0,
+            seq_length=16,
+            reset_position_ids=False,
+            reset_attention_mask=False,
+            eod_mask_loss=False,
+        ),
         logger=LoggerConfig(log_interval=2),
         tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=128),
-        checkpoint=CheckpointConfig(save=save_dir, load=load_dir, ckpt_format="torch_dist",
-                                    save_tokenizer_assets=False, save_optim=True, save_rng=True),
-        ddp=DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True,
-                                          overlap_param_gather=True, bucket_size=3000, grad_reduce_in_fp32=True),
+        checkpoint=CheckpointConfig(
+            save=save_dir,
+            load=load_dir,
+            ckpt_format="torch_dist",
+            save_tokenizer_assets=False,
+            save_optim=True,
+            save_rng=True,
+        ),
+        ddp=DistributedDataParallelConfig(
+            use_distributed_optimizer=True,
+            overlap_grad_reduce=True,
+            overlap_param_gather=True,
+            bucket_size=3000,
+            grad_reduce_in_fp32=True,
+        ),
     )
 
 
@@ -99,8 +135,13 @@ def bridge_job(offload: bool, save_dir: str, resume: bool = False) -> dict:
         return optimizer
 
     chunks, optimizer, model_config = models.build(
-        "gpt", "bf16", overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=3000,
-        make_optimizer=make_optimizer)
+        "gpt",
+        "bf16",
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+        bucket_size=3000,
+        make_optimizer=make_optimizer,
+    )
     scheduler = made["scheduler"]
     spec = model_config.harness_spec
     state = GlobalState()
@@ -109,8 +150,13 @@ def bridge_job(offload: bool, save_dir: str, resume: bool = False) -> dict:
     # a recorder on every rank: what the callback writes at the log interval.
     state._tensorboard_logger = _Recorder()
     world = torch.distributed.get_world_size()
-    init_num_microbatches_calculator(torch.distributed.get_rank(), None, cfg.train.global_batch_size,
-                                     cfg.train.micro_batch_size, world)
+    init_num_microbatches_calculator(
+        torch.distributed.get_rank(),
+        None,
+        cfg.train.global_batch_size,
+        cfg.train.micro_batch_size,
+        world,
+    )
     out = {"results": [], "offloaded": [], "tracked": []}
     try:
         if resume:
@@ -127,7 +173,10 @@ def bridge_job(offload: bool, save_dir: str, resume: bool = False) -> dict:
             from megatron_offload.integration.guard import restore_step_tensors
 
             for distrib in models.distributed_optimizers(optimizer):
-                restore_step_tensors(distrib.optimizer, {"optimizer": {"param_groups": distrib.optimizer.param_groups}})
+                restore_step_tensors(
+                    distrib.optimizer,
+                    {"optimizer": {"param_groups": distrib.optimizer.param_groups}},
+                )
             models.flush_param_gather(chunks)
         manager = CallbackManager()
         callback = OptimizerStateOffloadCallback() if offload else None
@@ -135,8 +184,14 @@ def bridge_job(offload: bool, save_dir: str, resume: bool = False) -> dict:
             manager.add(callback)
 
         def context(**extra):
-            return CallbackContext(state=state, model=chunks, user_state=manager.user_state,
-                                   optimizer=optimizer, scheduler=scheduler, **extra)
+            return CallbackContext(
+                state=state,
+                model=chunks,
+                user_state=manager.user_state,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                **extra,
+            )
 
         manager.fire("on_train_start", context())
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
@@ -144,8 +199,16 @@ def bridge_job(offload: bool, save_dir: str, resume: bool = False) -> dict:
         for step in range(first, STEPS):
             batches = iter([models._micro_batch(spec, step, 0)])
             loss_dict, skipped, *_rest = train_step(
-                functools.partial(models._forward_step, spec), batches, chunks, optimizer, scheduler, state,
-                pg_collection, get_forward_backward_func(), None)
+                functools.partial(models._forward_step, spec),
+                batches,
+                chunks,
+                optimizer,
+                scheduler,
+                state,
+                pg_collection,
+                get_forward_backward_func(),
+                None,
+            )
             grad_norm = _rest[3]
             if model_config.harness_pre_hook_pending and not skipped:
                 for chunk in chunks:  # what Bridge's train() does after the first step
@@ -153,8 +216,10 @@ def bridge_job(offload: bool, save_dir: str, resume: bool = False) -> dict:
                 model_config.harness_pre_hook_pending = False
             state.train_state.step += 1
             out["results"].append((float(loss_dict["lm loss"]), float(grad_norm), bool(skipped)))
-            manager.fire("on_train_step_end", context(loss_dict=loss_dict, grad_norm=grad_norm,
-                                                      skipped_iter=bool(skipped)))
+            manager.fire(
+                "on_train_step_end",
+                context(loss_dict=loss_dict, grad_norm=grad_norm, skipped_iter=bool(skipped)),
+            )
             if callback is not None:
                 figures = callback.offloader.stats()
                 out["offloaded"].append(figures["offloaded_bytes"])
@@ -167,11 +232,15 @@ def bridge_job(offload: bool, save_dir: str, resume: bool = False) -> dict:
                 save_checkpoint(state, chunks, optimizer, scheduler, 0)
                 manager.fire("on_checkpoint_save", context())
                 out["storage_bytes_around_save"] = (
-                    sum(storages), sum(t.untyped_storage().nbytes() for t in _state_tensors(optimizer)))
+                    sum(storages),
+                    sum(t.untyped_storage().nbytes() for t in _state_tensors(optimizer)),
+                )
         manager.fire("on_train_end", context())
         models.flush_param_gather(chunks)
         out["snapshot"] = models.snapshot(chunks, optimizer)
-        out["finalize_restored"] = getattr(model_config.finalize_model_grads_func, "__megatron_offload_wrapper__", None)
+        out["finalize_restored"] = getattr(
+            model_config.finalize_model_grads_func, "__megatron_offload_wrapper__", None
+        )
         out["detached"] = callback is None or callback.offloader.detached
         out["scalars"] = state._tensorboard_logger.scalars
     finally:
@@ -224,7 +293,9 @@ def test_bridge_train_step_with_the_callback_is_bitwise_offloaded_and_resumes(ra
         logged = {step for _, step in rank["scalars"]}
         assert logged == {2, 4} and any("offloaded" in name for name, _ in rank["scalars"])
     for rank in reference:
-        assert rank["storage_bytes_around_save"][0] > 0  # the control: resident without the callback
+        assert (
+            rank["storage_bytes_around_save"][0] > 0
+        )  # the control: resident without the callback
         assert rank["scalars"] == []
 
     # What Bridge wrote while offloaded is bit for bit what it wrote without the callback.

@@ -44,7 +44,10 @@ def refusal_job():
         found[f"{flag}_untouched"] = (
             callback.offloader is None
             and config.finalize_model_grads_func is finalize
-            and all(getattr(d, "_state_offloader", None) is None for d in models.distributed_optimizers(optimizer))
+            and all(
+                getattr(d, "_state_offloader", None) is None
+                for d in models.distributed_optimizers(optimizer)
+            )
         )
         callback.on_train_end(context)
         for distrib in models.distributed_optimizers(optimizer):
@@ -68,16 +71,24 @@ def refusal_job():
     offloader.wait()
     for strategy in ("nvrx", "mcore"):
         checkpoint = types.SimpleNamespace(async_save=True, async_strategy=strategy)
-        save_context = types.SimpleNamespace(model=chunks, optimizer=optimizer,
-                                             state=types.SimpleNamespace(cfg=types.SimpleNamespace(checkpoint=checkpoint)))
+        save_context = types.SimpleNamespace(
+            model=chunks,
+            optimizer=optimizer,
+            state=types.SimpleNamespace(cfg=types.SimpleNamespace(checkpoint=checkpoint)),
+        )
         callback.on_checkpoint_save(save_context)
         stats = offloader.stats()
-        found[f"offloaded_after_{strategy}_save"] = stats["offloaded_bytes"] == stats["tracked_bytes"]
+        found[f"offloaded_after_{strategy}_save"] = (
+            stats["offloaded_bytes"] == stats["tracked_bytes"]
+        )
     # Bridge's writers get the figures at its log interval only.
     recorder = _Recorder()
-    state = types.SimpleNamespace(cfg=types.SimpleNamespace(logger=types.SimpleNamespace(log_interval=2)),
-                                  train_state=types.SimpleNamespace(step=1), tensorboard_logger=recorder,
-                                  wandb_logger=None)
+    state = types.SimpleNamespace(
+        cfg=types.SimpleNamespace(logger=types.SimpleNamespace(log_interval=2)),
+        train_state=types.SimpleNamespace(step=1),
+        tensorboard_logger=recorder,
+        wandb_logger=None,
+    )
     bridge_context = types.SimpleNamespace(model=chunks, optimizer=optimizer, state=state)
     callback.on_train_step_end(bridge_context)
     state.train_state.step = 2

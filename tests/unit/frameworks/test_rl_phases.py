@@ -32,7 +32,9 @@ def _save(directory):
         os.makedirs(directory, exist_ok=True)
 
         model = model_chunks[0].sharded_state_dict()
-        sharded = optimizer.sharded_state_dict(model, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+        sharded = optimizer.sharded_state_dict(
+            model, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
+        )
         dist_checkpointing.save({"model": model, "optimizer": sharded}, directory)
 
     return save
@@ -72,7 +74,11 @@ def nemo_rl_job(mode: str, directory: str):
             offloader.reload()
             offloader.wait()
         models.flush_param_gather(chunks)
-        return {"phases": phases, "results": results, "snapshot": models.snapshot(chunks, optimizer)}
+        return {
+            "phases": phases,
+            "results": results,
+            "snapshot": models.snapshot(chunks, optimizer),
+        }
     finally:
         nemo_rl.uninstall(MegatronPolicyWorker)
 
@@ -83,9 +89,9 @@ def verl_job(mode: str, directory: str):
     offloaded and loaded back (load_checkpoint), then more training."""
     import megatron_offload
     from megatron_offload.frameworks import verl
-    from tests.unit.integration.test_checkpoint_formats import _load
     from tests.doubles.rl_frameworks import verl_modules
     from tests.harness import models
+    from tests.unit.integration.test_checkpoint_formats import _load
 
     utils, engine = verl_modules()
     chunks, optimizer, config = models.build("gpt", "bf16", **BUILD)
@@ -108,7 +114,9 @@ def verl_job(mode: str, directory: str):
             phases.append(("train mode out (offload)", _figures(offloader)))
         models.flush_param_gather(chunks)
         _save(directory)(chunks, optimizer)
-        results.append(models.train_step(chunks, optimizer, config, step))  # moves past the checkpoint
+        results.append(
+            models.train_step(chunks, optimizer, config, step)
+        )  # moves past the checkpoint
         step += 1
         engine.offload_megatron_optimizer(optimizer)
         _load(chunks, optimizer, directory, "dp_reshardable")  # as the checkpoint tests load
@@ -121,7 +129,11 @@ def verl_job(mode: str, directory: str):
             offloader.reload()
             offloader.wait()
         models.flush_param_gather(chunks)
-        return {"phases": phases, "results": results, "snapshot": models.snapshot(chunks, optimizer)}
+        return {
+            "phases": phases,
+            "results": results,
+            "snapshot": models.snapshot(chunks, optimizer),
+        }
     finally:
         verl.uninstall(utils)
 
@@ -136,7 +148,9 @@ def _same(reference, run):
 
 def _all_offloaded(rank, skip_first=False):
     phases = rank["phases"][1:] if skip_first else rank["phases"]
-    return [(name, f) for name, f in phases if not (f["tracked"] > 0 and f["offloaded"] == f["tracked"])]
+    return [
+        (name, f) for name, f in phases if not (f["tracked"] > 0 and f["offloaded"] == f["tracked"])
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +159,9 @@ def shared_dir(rank_pool, tmp_path_factory):
 
 
 @pytest.mark.parametrize("framework", ["nemo_rl", "verl"])
-def test_phases_through_the_adapter_keep_the_states_offloaded_and_train_bitwise(rank_pool, shared_dir, framework):
+def test_phases_through_the_adapter_keep_the_states_offloaded_and_train_bitwise(
+    rank_pool, shared_dir, framework
+):
     job = nemo_rl_job if framework == "nemo_rl" else verl_job
     reference = rank_pool.run(job, "reference", f"{shared_dir}/{framework}-reference")
     adapted = rank_pool.run(job, "adapted", f"{shared_dir}/{framework}-adapted")

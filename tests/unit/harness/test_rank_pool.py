@@ -26,17 +26,17 @@ def describe_rank(scale):
     dist.all_reduce(total)
     bf16 = (torch.arange(6, dtype=torch.float32) * scale + rank).to(torch.bfloat16)
     return {
-        'rank': rank,
-        'pid': os.getpid(),
-        'sum': total.item(),
-        'bf16_view': bf16.view(2, 3)[:, 1],  # a view: must arrive as its own compact tensor
-        'tp': parallel_state.get_tensor_model_parallel_world_size(),
-        'dp': parallel_state.get_data_parallel_world_size(),
-        'job': current_job(),
-        'cuda_available': torch.cuda.is_available(),
-        'accelerator_available': torch.accelerator.is_available(),
-        'threads': torch.get_num_threads(),
-        'draw': torch.rand(3),
+        "rank": rank,
+        "pid": os.getpid(),
+        "sum": total.item(),
+        "bf16_view": bf16.view(2, 3)[:, 1],  # a view: must arrive as its own compact tensor
+        "tp": parallel_state.get_tensor_model_parallel_world_size(),
+        "dp": parallel_state.get_data_parallel_world_size(),
+        "job": current_job(),
+        "cuda_available": torch.cuda.is_available(),
+        "accelerator_available": torch.accelerator.is_available(),
+        "threads": torch.get_num_threads(),
+        "draw": torch.rand(3),
     }
 
 
@@ -44,8 +44,8 @@ def raise_on_rank(bad_rank):
     import torch.distributed as dist
 
     if dist.get_rank() == bad_rank:
-        raise ValueError(f'deliberate failure on rank {bad_rank}')
-    return 'fine'
+        raise ValueError(f"deliberate failure on rank {bad_rank}")
+    return "fine"
 
 
 def exit_on_rank(bad_rank, code):
@@ -54,7 +54,7 @@ def exit_on_rank(bad_rank, code):
     if dist.get_rank() == bad_rank:
         os._exit(code)
     dist.barrier()  # the survivor waits for a peer that will never come
-    return 'unreachable'
+    return "unreachable"
 
 
 def sleep_forever():
@@ -68,7 +68,7 @@ def start_child_job():
     import subprocess
     import sys
 
-    return subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']).pid
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]).pid
 
 
 def pid_job():
@@ -87,34 +87,34 @@ def train_job(model, dtype, steps, micro_batches=1, **build_kw):
     for step in range(steps):
         results.append(models.train_step(chunks, optimizer, config, step, micro_batches))
         if step == 0:
-            first = models.snapshot(chunks, optimizer)['optimizer']
+            first = models.snapshot(chunks, optimizer)["optimizer"]
     models.flush_param_gather(chunks)
     return {
-        'results': results,
-        'classes': models.optimizer_classes(optimizer),
-        'empty_before_first_step': empty_before_first_step,
-        'after_first_step': first,
-        'snapshot': models.snapshot(chunks, optimizer),
+        "results": results,
+        "classes": models.optimizer_classes(optimizer),
+        "empty_before_first_step": empty_before_first_step,
+        "after_first_step": first,
+        "snapshot": models.snapshot(chunks, optimizer),
     }
 
 
 # ------------------------------------------------------------------- helpers
-def assert_bitwise_equal(a, b, where=''):
+def assert_bitwise_equal(a, b, where=""):
     import torch
 
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor) and a.dtype == b.dtype, where
-        assert torch.equal(a, b), f'tensors differ at {where}'
+        assert torch.equal(a, b), f"tensors differ at {where}"
     elif isinstance(a, dict):
         assert a.keys() == b.keys(), where
         for key in a:
-            assert_bitwise_equal(a[key], b[key], f'{where}/{key}')
+            assert_bitwise_equal(a[key], b[key], f"{where}/{key}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), where
         for i, (x, y) in enumerate(zip(a, b)):
-            assert_bitwise_equal(x, y, f'{where}[{i}]')
+            assert_bitwise_equal(x, y, f"{where}[{i}]")
     else:
-        assert a == b, f'{where}: {a!r} != {b!r}'
+        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 # ------------------------------------------------------------------- tests
@@ -123,22 +123,22 @@ def test_results_round_trip_per_rank(rank_pool):
     import torch
 
     results = rank_pool.run(describe_rank, 2.0, tp=2)
-    assert [r['rank'] for r in results] == [0, 1]
-    assert {r['sum'] for r in results} == {3.0}
+    assert [r["rank"] for r in results] == [0, 1]
+    assert {r["sum"] for r in results} == {3.0}
     for rank, r in enumerate(results):
         expected = (torch.arange(6, dtype=torch.float32) * 2.0 + rank).to(torch.bfloat16)
-        assert torch.equal(r['bf16_view'], expected.view(2, 3)[:, 1])
-        assert r['bf16_view'].untyped_storage().nbytes() == 2 * 2  # compact, not the base
-        assert (r['tp'], r['dp']) == (2, 1)
-        assert r['job']['rank'] == rank and r['job']['tp'] == 2
+        assert torch.equal(r["bf16_view"], expected.view(2, 3)[:, 1])
+        assert r["bf16_view"].untyped_storage().nbytes() == 2 * 2  # compact, not the base
+        assert (r["tp"], r["dp"]) == (2, 1)
+        assert r["job"]["rank"] == rank and r["job"]["tp"] == 2
         # The harness must not make the CPU look like an accelerator to the code under test.
-        assert not r['cuda_available'] and not r['accelerator_available']
-        assert r['threads'] == 1
+        assert not r["cuda_available"] and not r["accelerator_available"]
+        assert r["threads"] == 1
     # Reseeded per job: the same draws whatever ran before, and equal across DP ranks.
     again = rank_pool.run(describe_rank, 1.0)
-    assert (again[0]['tp'], again[0]['dp']) == (1, 2)
-    assert torch.equal(again[0]['draw'], results[0]['draw'])
-    assert torch.equal(again[0]['draw'], again[1]['draw'])
+    assert (again[0]["tp"], again[0]["dp"]) == (1, 2)
+    assert torch.equal(again[0]["draw"], results[0]["draw"])
+    assert torch.equal(again[0]["draw"], again[1]["draw"])
 
 
 @pytest.mark.floor
@@ -148,9 +148,9 @@ def test_exception_on_one_rank_carries_its_traceback(rank_pool):
         rank_pool.run(raise_on_rank, 1)
     assert set(info.value.tracebacks) == {1}
     text = str(info.value)
-    assert 'rank(s) [1]' in text
-    assert 'ValueError: deliberate failure on rank 1' in text
-    assert 'raise_on_rank' in text  # the rank's own traceback, not the parent's
+    assert "rank(s) [1]" in text
+    assert "ValueError: deliberate failure on rank 1" in text
+    assert "raise_on_rank" in text  # the rank's own traceback, not the parent's
     # A job error leaves the pool usable, with the same processes.
     assert rank_pool.run(pid_job) == pids
 
@@ -160,24 +160,24 @@ def test_dead_rank_breaks_the_pool_and_the_next_run_starts_fresh(rank_pool):
     with pytest.raises(RankPoolBroken) as info:
         rank_pool.run(exit_on_rank, 1, 139, timeout=60)
     text = str(info.value)
-    assert 'rank 1' in text and 'exit code 139' in text
-    assert 'fresh pool' in text
+    assert "rank 1" in text and "exit code 139" in text
+    assert "fresh pool" in text
     assert rank_pool.broken
     new_pids = rank_pool.run(pid_job)
     assert not rank_pool.broken
     assert not set(new_pids) & set(pids)
-    assert rank_pool.run(raise_on_rank, -1) == ['fine', 'fine']
+    assert rank_pool.run(raise_on_rank, -1) == ["fine", "fine"]
 
 
 def _alive(pid):
     try:
-        with open(f'/proc/{pid}/stat') as f:
-            return f.read().split()[2] != 'Z'  # a zombie is dead, only not yet reaped
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"  # a zombie is dead, only not yet reaped
     except FileNotFoundError:
         return False
 
 
-@pytest.mark.parametrize('how', ['close', 'dead-rank'])
+@pytest.mark.parametrize("how", ["close", "dead-rank"])
 def test_nothing_a_job_started_outlives_the_pool(how):
     """A process a job started (and left running) is ended with the pool: when the pool is
     closed (the ranks exit normally first), and when a rank died and the pool was killed."""
@@ -189,7 +189,7 @@ def test_nothing_a_job_started_outlives_the_pool(how):
     try:
         children = pool.run(start_child_job)
         assert all(_alive(pid) for pid in children)
-        if how == 'close':
+        if how == "close":
             pool.close()
         else:
             with pytest.raises(RankPoolBroken):
@@ -203,58 +203,59 @@ def test_nothing_a_job_started_outlives_the_pool(how):
 
 
 def test_job_timeout_breaks_the_pool(rank_pool):
-    with pytest.raises(RankPoolBroken, match=r'timed out after 2 s'):
+    with pytest.raises(RankPoolBroken, match=r"timed out after 2 s"):
         rank_pool.run(sleep_forever, timeout=2)
-    assert rank_pool.run(raise_on_rank, -1) == ['fine', 'fine']
+    assert rank_pool.run(raise_on_rank, -1) == ["fine", "fine"]
 
 
 @pytest.mark.floor
-@pytest.mark.parametrize('dtype', ['fp32', 'bf16'])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_training_is_reproducible_and_optimizer_state_is_as_expected(rank_pool, dtype):
     import torch
 
     kw = dict(overlap_grad_reduce=True, bucket_size=1000)
-    first = rank_pool.run(train_job, 'mlp', dtype, 3, **kw)
+    first = rank_pool.run(train_job, "mlp", dtype, 3, **kw)
     # Something different in between must not leak into the next job.
-    rank_pool.run(train_job, 'mlp', 'bf16' if dtype == 'fp32' else 'fp32', 2, seed=7)
-    second = rank_pool.run(train_job, 'mlp', dtype, 3, **kw)
+    rank_pool.run(train_job, "mlp", "bf16" if dtype == "fp32" else "fp32", 2, seed=7)
+    second = rank_pool.run(train_job, "mlp", dtype, 3, **kw)
     assert_bitwise_equal(first, second)
 
     for rank_result in first:
-        assert rank_result['classes'][-2:] == ['DistributedOptimizer', 'AdamW']
-        assert rank_result['empty_before_first_step']
-        assert all(r['update_successful'] for r in rank_result['results'])
-        losses = [r['loss'] for r in rank_result['results']]
+        assert rank_result["classes"][-2:] == ["DistributedOptimizer", "AdamW"]
+        assert rank_result["empty_before_first_step"]
+        assert all(r["update_successful"] for r in rank_result["results"])
+        losses = [r["loss"] for r in rank_result["results"]]
         assert all(isinstance(x, float) and x == x for x in losses)
-        after_first = rank_result['after_first_step']
-        final = rank_result['snapshot']['optimizer']
+        after_first = rank_result["after_first_step"]
+        final = rank_result["snapshot"]["optimizer"]
         shards = {key[:3] for key in final}
-        assert shards, 'the DistributedOptimizer holds no shards'
+        assert shards, "the DistributedOptimizer holds no shards"
         for shard in shards:
-            assert shard + ('exp_avg',) in after_first
-            assert shard + ('exp_avg_sq',) in after_first
-            assert after_first[shard + ('step',)].item() == 1
-            assert final[shard + ('step',)].item() == 3
-            assert final[shard + ('main_param',)].dtype == torch.float32
+            assert shard + ("exp_avg",) in after_first
+            assert shard + ("exp_avg_sq",) in after_first
+            assert after_first[shard + ("step",)].item() == 1
+            assert final[shard + ("step",)].item() == 3
+            assert final[shard + ("main_param",)].dtype == torch.float32
     # Data-parallel ranks see different data but end with identical replicas.
-    assert first[0]['results'][0]['loss'] == first[1]['results'][0]['loss']  # DP-averaged
-    assert_bitwise_equal(first[0]['snapshot']['params'], first[1]['snapshot']['params'])
+    assert first[0]["results"][0]["loss"] == first[1]["results"][0]["loss"]  # DP-averaged
+    assert_bitwise_equal(first[0]["snapshot"]["params"], first[1]["snapshot"]["params"])
 
 
 @pytest.mark.floor
 def test_gpt_training_is_reproducible(rank_pool):
-    kw = dict(micro_batches=2, overlap_grad_reduce=True, overlap_param_gather=True,
-              bucket_size=3000)
-    first = rank_pool.run(train_job, 'gpt', 'bf16', 3, **kw)
-    second = rank_pool.run(train_job, 'gpt', 'bf16', 3, **kw)
+    kw = dict(
+        micro_batches=2, overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=3000
+    )
+    first = rank_pool.run(train_job, "gpt", "bf16", 3, **kw)
+    second = rank_pool.run(train_job, "gpt", "bf16", 3, **kw)
     assert_bitwise_equal(first, second)
-    assert all(r['update_successful'] for rank in first for r in rank['results'])
+    assert all(r["update_successful"] for rank in first for r in rank["results"])
 
 
 def test_four_ranks_with_tensor_parallelism(rank_pool4):
     results = rank_pool4.run(describe_rank, 1.0, tp=2)
-    assert [(r['rank'], r['tp'], r['dp'], r['sum']) for r in results] == [
+    assert [(r["rank"], r["tp"], r["dp"], r["sum"]) for r in results] == [
         (rank, 2, 2, 10.0) for rank in range(4)
     ]
-    trained = rank_pool4.run(train_job, 'mlp', 'bf16', 2, tp=2, micro_batches=2)
-    assert all(r['update_successful'] for rank in trained for r in rank['results'])
+    trained = rank_pool4.run(train_job, "mlp", "bf16", 2, tp=2, micro_batches=2)
+    assert all(r["update_successful"] for rank in trained for r in rank["results"])

@@ -62,19 +62,47 @@ class _Forward:
             self.model.free(self.blocks.pop())
 
 
-def modelled_job(max_piece_bytes, *, offload=True, capacity=None, skip_labels=(), chunked=None,
-                 max_split=None, honour_split=True, backend="native", empty_cache_level=None):
+def modelled_job(
+    max_piece_bytes,
+    *,
+    offload=True,
+    capacity=None,
+    skip_labels=(),
+    chunked=None,
+    max_split=None,
+    honour_split=True,
+    backend="native",
+    empty_cache_level=None,
+):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = _modelled_job(max_piece_bytes, offload=offload, capacity=capacity, skip_labels=skip_labels,
-                            chunked=chunked, max_split=max_split, honour_split=honour_split, backend=backend,
-                            empty_cache_level=empty_cache_level)
+        out = _modelled_job(
+            max_piece_bytes,
+            offload=offload,
+            capacity=capacity,
+            skip_labels=skip_labels,
+            chunked=chunked,
+            max_split=max_split,
+            honour_split=honour_split,
+            backend=backend,
+            empty_cache_level=empty_cache_level,
+        )
     out["warnings"] = [str(w.message) for w in caught if "megatron-offload" in str(w.message)]
     return out
 
 
-def _modelled_job(max_piece_bytes, *, offload, capacity, skip_labels, chunked, max_split, honour_split, backend,
-                  empty_cache_level):
+def _modelled_job(
+    max_piece_bytes,
+    *,
+    offload,
+    capacity,
+    skip_labels,
+    chunked,
+    max_split,
+    honour_split,
+    backend,
+    empty_cache_level,
+):
     from megatron_offload import attach
     from megatron_offload_testing import ModelledDevice
     from megatron_offload_testing.allocator_model import segment_size
@@ -84,9 +112,18 @@ def _modelled_job(max_piece_bytes, *, offload, capacity, skip_labels, chunked, m
     devices = []
 
     def factory(torch_device):
-        devices.append(ModelledDevice(capacity=1 << 62, d2h_bandwidth=LINK, h2d_bandwidth=LINK, scale=SCALE,
-                                      skip_labels=skip_labels, raise_violations=not skip_labels,
-                                      max_split_size=max_split, backend=backend))
+        devices.append(
+            ModelledDevice(
+                capacity=1 << 62,
+                d2h_bandwidth=LINK,
+                h2d_bandwidth=LINK,
+                scale=SCALE,
+                skip_labels=skip_labels,
+                raise_violations=not skip_labels,
+                max_split_size=max_split,
+                backend=backend,
+            )
+        )
         if not honour_split:  # negative control: pieces as if the allocator had no bound
             devices[-1].piece_bound = lambda: None
         return devices[-1]
@@ -99,8 +136,12 @@ def _modelled_job(max_piece_bytes, *, offload, capacity, skip_labels, chunked, m
         from megatron_offload.config import OffloadConfig
         from megatron_offload.integration import training as hooks
 
-        args = argparse.Namespace(offload_optimizer_states=True, empty_unused_memory_level=empty_cache_level)
-        offload_config = OffloadConfig(**{**dataclasses.asdict(hooks.config_from_args(args)), **options})
+        args = argparse.Namespace(
+            offload_optimizer_states=True, empty_unused_memory_level=empty_cache_level
+        )
+        offload_config = OffloadConfig(
+            **{**dataclasses.asdict(hooks.config_from_args(args)), **options}
+        )
         original, hooks.config_from_args = hooks.config_from_args, lambda _args: offload_config
         try:
             offloader = hooks.attach_for_training(optimizer, args)
@@ -123,21 +164,39 @@ def _modelled_job(max_piece_bytes, *, offload, capacity, skip_labels, chunked, m
             # of the residency of the step or of the forward, whichever is larger, plus one
             # piece (the largest: a tensor over the bound is a piece of its own).
             model.empty_cache()
-            sizes = [segment_size(g.nbytes * SCALE) for e in offloader.engines for g in e.groups if not g.streamed]
+            sizes = [
+                segment_size(g.nbytes * SCALE)
+                for e in offloader.engines
+                for g in e.groups
+                if not g.streamed
+            ]
             # The chunked update's two slots are the streamed states' residency in the step,
             # and a slot is freed as one block: for the spare, a slot counts as a piece.
             slots = [segment_size(chunked // 2 * SCALE)] * 2 if chunked else []
             step_need = sum(sizes) + sum(slots)
             forward_need = forward.count * segment_size(CHUNK)
             model.capacity = capacity or max(step_need, forward_need) + max(sizes + slots)
-            figures.append({"capacity": model.capacity, "state": offloader.stats()["tracked_bytes"] * SCALE,
-                            "step_need": step_need, "forward_need": forward_need, "spare": max(sizes + slots)})
+            figures.append(
+                {
+                    "capacity": model.capacity,
+                    "state": offloader.stats()["tracked_bytes"] * SCALE,
+                    "step_need": step_need,
+                    "forward_need": forward_need,
+                    "spare": max(sizes + slots),
+                }
+            )
         stalls = model.num_alloc_retries if model is not None else 0
         results.append(models.train_step(chunks, optimizer, config, step))
         if forward is not None and step >= WARMUP:
             t0 = model.now  # the step just ended: its D2H copies start now
-            figures.append({"step": step, "stalls": model.num_alloc_retries - stalls, "t0": t0,
-                            "ooms": model.oom_count})
+            figures.append(
+                {
+                    "step": step,
+                    "stalls": model.num_alloc_retries - stalls,
+                    "t0": t0,
+                    "ooms": model.oom_count,
+                }
+            )
     out = {"results": results, "figures": figures}
     if offloader is not None:
         model = devices[0].model
@@ -147,8 +206,10 @@ def _modelled_job(max_piece_bytes, *, offload, capacity, skip_labels, chunked, m
         t0 = figures[-1]["t0"]
         model.synchronize()  # let every copy finish in modelled time
         out.update(
-            timeline=[(t, n) for t, n in model.reuse_timeline() if t >= t0], pieces=pieces,
-            pieces_per_kind=stats["pieces"], t0=t0,
+            timeline=[(t, n) for t, n in model.reuse_timeline() if t >= t0],
+            pieces=pieces,
+            pieces_per_kind=stats["pieces"],
+            t0=t0,
             violations=[(v.rule, v.kind) for d in devices for v in d.violations],
             hazards=len(model.hazards),
             stall_log=[(s.time, s.requested, s.waited, s.waited_for) for s in model.stalls],
@@ -250,8 +311,13 @@ def test_pieces_stay_splittable_under_max_split_size(rank_pool):
     same capacity."""
     split = 160 * MIB
     run = rank_pool.run(modelled_job, 4 * PIECE, max_split=split)
-    control = rank_pool.run(modelled_job, 4 * PIECE, max_split=split, honour_split=False,
-                            capacity=run[0]["figures"][0]["capacity"])
+    control = rank_pool.run(
+        modelled_job,
+        4 * PIECE,
+        max_split=split,
+        honour_split=False,
+        capacity=run[0]["figures"][0]["capacity"],
+    )
     for rank in run:
         assert max(rank["pieces"]) <= split - 2 * MIB, rank["pieces"]
         steady = rank["figures"][1:]
@@ -286,8 +352,10 @@ def test_empty_cache_after_the_step_is_said_once_with_the_host_wait(rank_pool):
     one = rank_pool.run(modelled_job, PIECE, empty_cache_level=1)
     for rank in two:
         assert len(rank["warnings"]) == 1, rank["warnings"]
-        assert re.search(r"--empty-unused-memory-level 2 .* \([0-9.]+ ms measured at the offload after step 2\)",
-                         rank["warnings"][0]), rank["warnings"]
+        assert re.search(
+            r"--empty-unused-memory-level 2 .* \([0-9.]+ ms measured at the offload after step 2\)",
+            rank["warnings"][0],
+        ), rank["warnings"]
     for rank in one:
         assert rank["warnings"] == []
 

@@ -21,15 +21,17 @@ from megatron_offload.integration.arguments import (
     validate_args,
 )
 
-OK_BASE = [OFFLOAD_FLAG, '--use-distributed-optimizer', '--bf16']
-HAVE_EMERGING = importlib.util.find_spec('emerging_optimizers') is not None
-EMERGING_REASON = 'needs the emerging-optimizers package (requirements/py312.txt: emerging-optimizers==0.3.0)'
+OK_BASE = [OFFLOAD_FLAG, "--use-distributed-optimizer", "--bf16"]
+HAVE_EMERGING = importlib.util.find_spec("emerging_optimizers") is not None
+EMERGING_REASON = (
+    "needs the emerging-optimizers package (requirements/py312.txt: emerging-optimizers==0.3.0)"
+)
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def megatron_parser():
     """Megatron's full parser (megatron.training.arguments) plus this project's flags."""
-    arguments = pytest.importorskip('megatron.training.arguments')
+    arguments = pytest.importorskip("megatron.training.arguments")
     parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     return add_arguments(parser)
 
@@ -55,26 +57,33 @@ def test_add_arguments_is_an_extra_args_provider():
         action = parser._option_string_actions[flag]
         assert action.help and len(action.help) > 40, flag
         # Megatron's conventions: lower-case, hyphenated, dest = flag name with underscores.
-        assert flag == flag.lower() and '_' not in flag
-    assert parser._option_string_actions[OFFLOAD_FLAG].dest == 'offload_optimizer_states'
+        assert flag == flag.lower() and "_" not in flag
+    assert parser._option_string_actions[OFFLOAD_FLAG].dest == "offload_optimizer_states"
 
 
 def test_flags_coexist_with_megatrons(megatron_parser):
-    args = _parse(megatron_parser, OK_BASE + ['--no-offload-master-weights',
-                                              '--no-offload-prefetch'])
+    args = _parse(
+        megatron_parser, OK_BASE + ["--no-offload-master-weights", "--no-offload-prefetch"]
+    )
     assert args.offload_optimizer_states and not args.offload_master_weights
     assert not args.offload_prefetch and args.offload_moments and args.log_offload_stats
     validate_args(args)
 
 
 def test_config_from_args():
-    args = argparse.Namespace(offload_optimizer_states=True, offload_moments=False,
-                              offload_master_weights=True, offload_release_master_grads=False)
+    args = argparse.Namespace(
+        offload_optimizer_states=True,
+        offload_moments=False,
+        offload_master_weights=True,
+        offload_release_master_grads=False,
+    )
     assert config_from_args(args) == OffloadConfig(
         offload_optimizer_states=False, offload_primary_weights=True, release_master_grads=False
     )
     assert config_from_args(argparse.Namespace()) == OffloadConfig()
-    chunked = argparse.Namespace(offload_optimizer_states=True, offload_chunked_update_bytes=1 << 20)
+    chunked = argparse.Namespace(
+        offload_optimizer_states=True, offload_chunked_update_bytes=1 << 20
+    )
     assert config_from_args(chunked).chunked_update_bytes == 1 << 20
     assert config_from_args(chunked).chunked_update_undo is False
     chunked.offload_chunked_update_undo = True
@@ -97,43 +106,52 @@ def test_max_piece_bytes_option_is_validated_before_anything_is_touched():
 
 
 # ---------------------------------------------------------------------------- accepted runs
-@pytest.mark.parametrize('argv', [
-    [],  # no flag at all: nothing to check
-    ['--use-distributed-optimizer'],
-    OK_BASE,
-    [OFFLOAD_FLAG, '--use-distributed-optimizer'],  # fp32: moments only
-    OK_BASE + ['--fp16'],
-    OK_BASE + ['--no-offload-moments'],  # master weights only (bf16)
-    OK_BASE + ['--no-offload-master-weights', '--qk-clip'],
-    [OFFLOAD_FLAG, '--use-distributed-optimizer', '--qk-clip'],  # fp32: no master weights
-    OK_BASE + ['--cuda-graph-impl', 'full_iteration', '--no-offload-prefetch'],
-    OK_BASE + ['--cuda-graph-impl', 'local'],
-    OK_BASE + ['--overlap-grad-reduce', '--overlap-param-gather'],
-    OK_BASE + ['--use-precision-aware-optimizer'],
-    OK_BASE + [CHUNKED_FLAG, '1073741824'],
-    OK_BASE + [CHUNKED_FLAG, '1073741824', '--no-offload-master-weights'],
-    OK_BASE + [CHUNKED_FLAG, '1073741824', '--offload-chunked-update-undo'],
-    OK_BASE + [PIECE_FLAG, '64'],
-    # megatron-core's offload_to_cpu/restore_from_cpu are routed to the offloader.
-    OK_BASE + ['--rl-offload-optimizer-during-inference'],
-    ['--use-distributed-optimizer', '--optimizer-cpu-offload'],  # theirs alone is not ours to judge
-    # Without the distributed optimizer: Float16OptimizerWithFloat16Params / FP32Optimizer.
-    [OFFLOAD_FLAG, '--bf16'],
-    [OFFLOAD_FLAG],
-    [OFFLOAD_FLAG, '--bf16', '--no-offload-moments'],
-    # sgd: with --use-distributed-optimizer megatron-core refuses it itself, at build.
-    OK_BASE + ['--optimizer', 'sgd'],
-    [OFFLOAD_FLAG, '--bf16', '--optimizer', 'sgd'],
-], ids=lambda argv: ' '.join(argv) or 'no-flags')
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],  # no flag at all: nothing to check
+        ["--use-distributed-optimizer"],
+        OK_BASE,
+        [OFFLOAD_FLAG, "--use-distributed-optimizer"],  # fp32: moments only
+        OK_BASE + ["--fp16"],
+        OK_BASE + ["--no-offload-moments"],  # master weights only (bf16)
+        OK_BASE + ["--no-offload-master-weights", "--qk-clip"],
+        [OFFLOAD_FLAG, "--use-distributed-optimizer", "--qk-clip"],  # fp32: no master weights
+        OK_BASE + ["--cuda-graph-impl", "full_iteration", "--no-offload-prefetch"],
+        OK_BASE + ["--cuda-graph-impl", "local"],
+        OK_BASE + ["--overlap-grad-reduce", "--overlap-param-gather"],
+        OK_BASE + ["--use-precision-aware-optimizer"],
+        OK_BASE + [CHUNKED_FLAG, "1073741824"],
+        OK_BASE + [CHUNKED_FLAG, "1073741824", "--no-offload-master-weights"],
+        OK_BASE + [CHUNKED_FLAG, "1073741824", "--offload-chunked-update-undo"],
+        OK_BASE + [PIECE_FLAG, "64"],
+        # megatron-core's offload_to_cpu/restore_from_cpu are routed to the offloader.
+        OK_BASE + ["--rl-offload-optimizer-during-inference"],
+        [
+            "--use-distributed-optimizer",
+            "--optimizer-cpu-offload",
+        ],  # theirs alone is not ours to judge
+        # Without the distributed optimizer: Float16OptimizerWithFloat16Params / FP32Optimizer.
+        [OFFLOAD_FLAG, "--bf16"],
+        [OFFLOAD_FLAG],
+        [OFFLOAD_FLAG, "--bf16", "--no-offload-moments"],
+        # sgd: with --use-distributed-optimizer megatron-core refuses it itself, at build.
+        OK_BASE + ["--optimizer", "sgd"],
+        [OFFLOAD_FLAG, "--bf16", "--optimizer", "sgd"],
+    ],
+    ids=lambda argv: " ".join(argv) or "no-flags",
+)
 def test_accepted(megatron_parser, argv):
     validate_args(_parse(megatron_parser, argv))
 
 
 @pytest.mark.skipif(not HAVE_EMERGING, reason=EMERGING_REASON)
-@pytest.mark.parametrize('argv', [
-    OK_BASE + ['--optimizer', name] for name in ('muon', 'dist_muon', 'lion', 'soap')
-] + [[OFFLOAD_FLAG, '--bf16', '--optimizer', name] for name in ('muon', 'lion', 'soap')],
-    ids=lambda argv: ' '.join(argv))
+@pytest.mark.parametrize(
+    "argv",
+    [OK_BASE + ["--optimizer", name] for name in ("muon", "dist_muon", "lion", "soap")]
+    + [[OFFLOAD_FLAG, "--bf16", "--optimizer", name] for name in ("muon", "lion", "soap")],
+    ids=lambda argv: " ".join(argv),
+)
 def test_emerging_optimizers_accepted(megatron_parser, argv):
     validate_args(_parse(megatron_parser, argv))
 
@@ -146,136 +164,187 @@ def test_supported_optimizers_are_exactly_what_megatron_core_builds():
 
     from megatron_offload.integration.arguments import supported_optimizers
 
-    if not version('megatron-core').startswith('0.19.'):
-        pytest.skip(f"pins megatron-core 0.19's set; this is megatron-core {version('megatron-core')}")
-    assert supported_optimizers() == ('adam', 'sgd', 'muon', 'dist_muon', 'lion', 'soap')
+    if not version("megatron-core").startswith("0.19."):
+        pytest.skip(
+            f"pins megatron-core 0.19's set; this is megatron-core {version('megatron-core')}"
+        )
+    assert supported_optimizers() == ("adam", "sgd", "muon", "dist_muon", "lion", "soap")
 
 
-def test_emerging_optimizer_without_the_package_is_refused_with_the_reason(megatron_parser, monkeypatch):
+def test_emerging_optimizer_without_the_package_is_refused_with_the_reason(
+    megatron_parser, monkeypatch
+):
     from megatron.core.optimizer import emerging_optimizers
 
-    monkeypatch.setattr(emerging_optimizers, 'HAVE_EMERGING_OPTIMIZERS', False)
-    args = _parse(megatron_parser, OK_BASE + ['--optimizer', 'lion'])
+    monkeypatch.setattr(emerging_optimizers, "HAVE_EMERGING_OPTIMIZERS", False)
+    args = _parse(megatron_parser, OK_BASE + ["--optimizer", "lion"])
     with pytest.raises(OffloadArgumentError) as raised:
         validate_args(args)
     message = str(raised.value)
-    assert 'pip install emerging-optimizers' in message and 'are: adam, sgd.' in message
-
-
+    assert "pip install emerging-optimizers" in message and "are: adam, sgd." in message
 
 
 # ---------------------------------------------------------------------------- refused runs
 REFUSED = [
     pytest.param(
-        OK_BASE + ['--optimizer-cpu-offload'],
-        [OFFLOAD_FLAG, '--optimizer-cpu-offload', 'mutually exclusive', 'runs Adam on the CPU',
-         'drop --optimizer-cpu-offload'],
-        id='optimizer-cpu-offload'),
+        OK_BASE + ["--optimizer-cpu-offload"],
+        [
+            OFFLOAD_FLAG,
+            "--optimizer-cpu-offload",
+            "mutually exclusive",
+            "runs Adam on the CPU",
+            "drop --optimizer-cpu-offload",
+        ],
+        id="optimizer-cpu-offload",
+    ),
     pytest.param(
-        OK_BASE + ['--optimizer-cpu-offload', '--use-precision-aware-optimizer'],
-        [OFFLOAD_FLAG, '--optimizer-cpu-offload', 'mutually exclusive'],
-        id='optimizer-cpu-offload-precision-aware'),
+        OK_BASE + ["--optimizer-cpu-offload", "--use-precision-aware-optimizer"],
+        [OFFLOAD_FLAG, "--optimizer-cpu-offload", "mutually exclusive"],
+        id="optimizer-cpu-offload-precision-aware",
+    ),
     pytest.param(
-        OK_BASE + ['--optimizer', 'adaptive_muon'],
-        [OFFLOAD_FLAG, '--optimizer adaptive_muon', "no attribute 'scale_mode'",
-         'adam, sgd, muon, dist_muon, lion, soap', 'drop ' + OFFLOAD_FLAG],
-        id='adaptive-muon',
-        marks=pytest.mark.skipif(not HAVE_EMERGING, reason=EMERGING_REASON)),
+        OK_BASE + ["--optimizer", "adaptive_muon"],
+        [
+            OFFLOAD_FLAG,
+            "--optimizer adaptive_muon",
+            "no attribute 'scale_mode'",
+            "adam, sgd, muon, dist_muon, lion, soap",
+            "drop " + OFFLOAD_FLAG,
+        ],
+        id="adaptive-muon",
+        marks=pytest.mark.skipif(not HAVE_EMERGING, reason=EMERGING_REASON),
+    ),
     pytest.param(
-        OK_BASE + ['--use-megatron-fsdp'],
-        [OFFLOAD_FLAG, 'Megatron-FSDP (--use-megatron-fsdp)', 'Drop --use-megatron-fsdp',
-         '--use-distributed-optimizer'],
-        id='megatron-fsdp'),
+        OK_BASE + ["--use-megatron-fsdp"],
+        [
+            OFFLOAD_FLAG,
+            "Megatron-FSDP (--use-megatron-fsdp)",
+            "Drop --use-megatron-fsdp",
+            "--use-distributed-optimizer",
+        ],
+        id="megatron-fsdp",
+    ),
     pytest.param(
-        [OFFLOAD_FLAG, '--bf16', '--use-megatron-fsdp'],  # FSDP would switch the dist-opt on
-        [OFFLOAD_FLAG, '--use-megatron-fsdp'],
-        id='megatron-fsdp-without-distributed-optimizer'),
+        [OFFLOAD_FLAG, "--bf16", "--use-megatron-fsdp"],  # FSDP would switch the dist-opt on
+        [OFFLOAD_FLAG, "--use-megatron-fsdp"],
+        id="megatron-fsdp-without-distributed-optimizer",
+    ),
     pytest.param(
-        [OFFLOAD_FLAG, '--bf16', '--use-torch-fsdp2'],
-        [OFFLOAD_FLAG, '--use-torch-fsdp2', 'Drop --use-torch-fsdp2'],
-        id='torch-fsdp2'),
+        [OFFLOAD_FLAG, "--bf16", "--use-torch-fsdp2"],
+        [OFFLOAD_FLAG, "--use-torch-fsdp2", "Drop --use-torch-fsdp2"],
+        id="torch-fsdp2",
+    ),
     pytest.param(
-        OK_BASE + ['--optimizer-cuda-graph'],
-        [OFFLOAD_FLAG, '--optimizer-cuda-graph', 'fixed device addresses',
-         'Drop --optimizer-cuda-graph'],
-        id='optimizer-cuda-graph'),
+        OK_BASE + ["--optimizer-cuda-graph"],
+        [
+            OFFLOAD_FLAG,
+            "--optimizer-cuda-graph",
+            "fixed device addresses",
+            "Drop --optimizer-cuda-graph",
+        ],
+        id="optimizer-cuda-graph",
+    ),
     pytest.param(
-        OK_BASE + ['--cuda-graph-impl', 'full_iteration'],
-        [OFFLOAD_FLAG, '--cuda-graph-impl full_iteration', 'Add --no-offload-prefetch'],
-        id='full-iteration-cuda-graph'),
+        OK_BASE + ["--cuda-graph-impl", "full_iteration"],
+        [OFFLOAD_FLAG, "--cuda-graph-impl full_iteration", "Add --no-offload-prefetch"],
+        id="full-iteration-cuda-graph",
+    ),
     pytest.param(
-        OK_BASE + ['--enable-cuda-graph', '--cuda-graph-scope', 'full_iteration'],
-        [OFFLOAD_FLAG, '--cuda-graph-impl full_iteration', '--no-offload-prefetch'],
-        id='deprecated-full-iteration-cuda-graph'),
+        OK_BASE + ["--enable-cuda-graph", "--cuda-graph-scope", "full_iteration"],
+        [OFFLOAD_FLAG, "--cuda-graph-impl full_iteration", "--no-offload-prefetch"],
+        id="deprecated-full-iteration-cuda-graph",
+    ),
     pytest.param(
-        OK_BASE + ['--qk-clip'],
-        [OFFLOAD_FLAG, '--qk-clip', 'master weights', 'Add --no-offload-master-weights'],
-        id='qk-clip'),
+        OK_BASE + ["--qk-clip"],
+        [OFFLOAD_FLAG, "--qk-clip", "master weights", "Add --no-offload-master-weights"],
+        id="qk-clip",
+    ),
     pytest.param(
-        OK_BASE + ['--reuse-grad-buf-for-mxfp8-param-ag', '--overlap-grad-reduce',
-                   '--overlap-param-gather'],
-        [OFFLOAD_FLAG, '--reuse-grad-buf-for-mxfp8-param-ag', '--overlap-param-gather',
-         'Add --no-offload-master-weights'],
-        id='mxfp8-param-buffer-reuse'),
+        OK_BASE
+        + [
+            "--reuse-grad-buf-for-mxfp8-param-ag",
+            "--overlap-grad-reduce",
+            "--overlap-param-gather",
+        ],
+        [
+            OFFLOAD_FLAG,
+            "--reuse-grad-buf-for-mxfp8-param-ag",
+            "--overlap-param-gather",
+            "Add --no-offload-master-weights",
+        ],
+        id="mxfp8-param-buffer-reuse",
+    ),
     pytest.param(
-        OK_BASE + ['--freeze-all-layers'],
-        [OFFLOAD_FLAG, '--freeze-all-layers', 'Drop one'],
-        id='freeze-all-layers'),
+        OK_BASE + ["--freeze-all-layers"],
+        [OFFLOAD_FLAG, "--freeze-all-layers", "Drop one"],
+        id="freeze-all-layers",
+    ),
     pytest.param(
-        OK_BASE + ['--no-offload-moments', '--no-offload-master-weights'],
-        [OFFLOAD_FLAG, '--no-offload-moments', '--no-offload-master-weights', 'nothing to offload'],
-        id='nothing-selected'),
+        OK_BASE + ["--no-offload-moments", "--no-offload-master-weights"],
+        [OFFLOAD_FLAG, "--no-offload-moments", "--no-offload-master-weights", "nothing to offload"],
+        id="nothing-selected",
+    ),
     pytest.param(
-        [OFFLOAD_FLAG, '--use-distributed-optimizer', '--no-offload-moments'],
-        [OFFLOAD_FLAG, '--no-offload-moments', '--bf16 or --fp16'],
-        id='master-weights-only-in-fp32'),
+        [OFFLOAD_FLAG, "--use-distributed-optimizer", "--no-offload-moments"],
+        [OFFLOAD_FLAG, "--no-offload-moments", "--bf16 or --fp16"],
+        id="master-weights-only-in-fp32",
+    ),
     pytest.param(
-        ['--use-distributed-optimizer', '--no-offload-prefetch'],
-        ['--no-offload-prefetch has no effect without ' + OFFLOAD_FLAG, 'add ' + OFFLOAD_FLAG],
-        id='tuning-flag-without-offloading'),
+        ["--use-distributed-optimizer", "--no-offload-prefetch"],
+        ["--no-offload-prefetch has no effect without " + OFFLOAD_FLAG, "add " + OFFLOAD_FLAG],
+        id="tuning-flag-without-offloading",
+    ),
     pytest.param(
-        ['--use-distributed-optimizer', CHUNKED_FLAG, '4096'],
-        [CHUNKED_FLAG + ' has no effect without ' + OFFLOAD_FLAG],
-        id='chunked-update-without-offloading'),
+        ["--use-distributed-optimizer", CHUNKED_FLAG, "4096"],
+        [CHUNKED_FLAG + " has no effect without " + OFFLOAD_FLAG],
+        id="chunked-update-without-offloading",
+    ),
     pytest.param(
-        OK_BASE + [CHUNKED_FLAG, '0'],
-        [CHUNKED_FLAG, 'must be a number of bytes > 0'],
-        id='chunked-update-zero-bytes'),
+        OK_BASE + [CHUNKED_FLAG, "0"],
+        [CHUNKED_FLAG, "must be a number of bytes > 0"],
+        id="chunked-update-zero-bytes",
+    ),
     pytest.param(
-        OK_BASE + [CHUNKED_FLAG, '4096', '--no-offload-moments'],
-        [CHUNKED_FLAG, '--no-offload-moments', 'Drop one'],
-        id='chunked-update-without-moments'),
+        OK_BASE + [CHUNKED_FLAG, "4096", "--no-offload-moments"],
+        [CHUNKED_FLAG, "--no-offload-moments", "Drop one"],
+        id="chunked-update-without-moments",
+    ),
     pytest.param(
-        OK_BASE + ['--offload-chunked-update-undo'],
-        ['--offload-chunked-update-undo has no effect without ' + CHUNKED_FLAG],
-        id='chunked-undo-flag-without-chunked-update'),
+        OK_BASE + ["--offload-chunked-update-undo"],
+        ["--offload-chunked-update-undo has no effect without " + CHUNKED_FLAG],
+        id="chunked-undo-flag-without-chunked-update",
+    ),
     pytest.param(
-        ['--use-distributed-optimizer', PIECE_FLAG, '64'],
-        [PIECE_FLAG + ' has no effect without ' + OFFLOAD_FLAG],
-        id='max-piece-without-offloading'),
+        ["--use-distributed-optimizer", PIECE_FLAG, "64"],
+        [PIECE_FLAG + " has no effect without " + OFFLOAD_FLAG],
+        id="max-piece-without-offloading",
+    ),
     pytest.param(
-        OK_BASE + [PIECE_FLAG, '0'],
-        [PIECE_FLAG, 'must be a whole number of MiB > 0'],
-        id='max-piece-zero'),
+        OK_BASE + [PIECE_FLAG, "0"],
+        [PIECE_FLAG, "must be a whole number of MiB > 0"],
+        id="max-piece-zero",
+    ),
     pytest.param(
-        OK_BASE + [PIECE_FLAG, '-8'],
-        [PIECE_FLAG, 'must be a whole number of MiB > 0'],
-        id='max-piece-negative'),
+        OK_BASE + [PIECE_FLAG, "-8"],
+        [PIECE_FLAG, "must be a whole number of MiB > 0"],
+        id="max-piece-negative",
+    ),
     pytest.param(
-        ['--no-log-offload-stats', '--no-offload-master-weights'],
-        ['--no-offload-master-weights', '--no-log-offload-stats', OFFLOAD_FLAG],
-        id='tuning-flags-without-offloading'),
+        ["--no-log-offload-stats", "--no-offload-master-weights"],
+        ["--no-offload-master-weights", "--no-log-offload-stats", OFFLOAD_FLAG],
+        id="tuning-flags-without-offloading",
+    ),
 ]
 
 
-@pytest.mark.parametrize('argv, expected', REFUSED)
+@pytest.mark.parametrize("argv, expected", REFUSED)
 def test_refused(megatron_parser, argv, expected):
     args = _parse(megatron_parser, argv)
     with pytest.raises(OffloadArgumentError) as error:
         validate_args(args)
     message = str(error.value)
     for text in expected:
-        assert text in message, f'{text!r} not in: {message}'
+        assert text in message, f"{text!r} not in: {message}"
     assert isinstance(error.value, ValueError)
 
 
@@ -283,16 +352,20 @@ def test_accepted_after_megatron_derived_it():
     """validate_args also runs on the namespace Megatron's validate_args produced: Megatron
     turns the distributed optimizer off (and the layer-wise one on) for emerging optimizers;
     both are served."""
-    derived = argparse.Namespace(offload_optimizer_states=True, use_distributed_optimizer=False,
-                                 use_layer_wise_distributed_optimizer=True, optimizer='adam', bf16=True)
+    derived = argparse.Namespace(
+        offload_optimizer_states=True,
+        use_distributed_optimizer=False,
+        use_layer_wise_distributed_optimizer=True,
+        optimizer="adam",
+        bf16=True,
+    )
     validate_args(derived)
     derived.freeze_all_layers = True  # turns the optimizer off: nothing to offload
-    with pytest.raises(OffloadArgumentError, match='--freeze-all-layers'):
+    with pytest.raises(OffloadArgumentError, match="--freeze-all-layers"):
         validate_args(derived)
 
 
 def test_namespace_from_another_parser_is_read_with_defaults():
     validate_args(argparse.Namespace())
     validate_args(argparse.Namespace(offload_optimizer_states=False))
-    validate_args(argparse.Namespace(offload_optimizer_states=True,
-                                     use_distributed_optimizer=True))
+    validate_args(argparse.Namespace(offload_optimizer_states=True, use_distributed_optimizer=True))

@@ -65,7 +65,9 @@ class _Injector:
         for owner, name in _primitives():
             original = getattr(owner, name)  # a class's own method or one it inherits
             self._saved.append((owner, name, vars(owner).get(name)))
-            setattr(owner, name, self._counting(original, f"{getattr(owner, '__name__', owner)}.{name}"))
+            setattr(
+                owner, name, self._counting(original, f"{getattr(owner, '__name__', owner)}.{name}")
+            )
         return self
 
     def _counting(self, original, label):
@@ -178,7 +180,9 @@ def all_or_nothing_job(mode):
         injector.fail_at = None
 
     offloader = megatron_offload.attach(optimizer, **options)
-    found["losses"] = [models.train_step(chunks, optimizer, config, step)["loss"] for step in (1, 2)]
+    found["losses"] = [
+        models.train_step(chunks, optimizer, config, step)["loss"] for step in (1, 2)
+    ]
     found["offloaded"] = offloader.is_offloaded
     offloader.detach()
     found["snapshot"] = models.snapshot(chunks, optimizer)
@@ -197,12 +201,21 @@ def reference_job():
 def test_a_failure_at_any_step_of_attach_leaves_the_optimizer_as_it_was(rank_pool, mode):
     found = rank_pool.run(all_or_nothing_job, mode)[0]
     reference = rank_pool.run(reference_job)[0]
-    assert "host_memory_budget=100" in found["budget"] and "Nothing was allocated" in found["budget"]
+    assert (
+        "host_memory_budget=100" in found["budget"] and "Nothing was allocated" in found["budget"]
+    )
     assert found["budget_untouched"] == []
     steps = found["steps"]
     # The steps that change something were all reached (so every one was made to fail).
-    for needed in ("reserve_host", "_mark", "_install", "_wrap", "register_step_pre_hook",
-                   "update_wrapper", "warn_where_frees_wait"):
+    for needed in (
+        "reserve_host",
+        "_mark",
+        "_install",
+        "_wrap",
+        "register_step_pre_hook",
+        "update_wrapper",
+        "warn_where_frees_wait",
+    ):
         assert any(step.endswith(needed) for step in steps), (needed, steps)
     if mode == "chunked":
         assert any(step.endswith("ChunkedUpdate.install") for step in steps)
@@ -234,10 +247,14 @@ def chain_member_job():
         megatron_offload.attach(member)
     except ValueError as error:
         found["member"] = str(error)
-    found["member_untouched"] = "_state_offloader" not in vars(member) and "step" not in vars(member)
+    found["member_untouched"] = "_state_offloader" not in vars(member) and "step" not in vars(
+        member
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        offloader = megatron_offload.attach(optimizer, offload_optimizer_states=False, offload_primary_weights=False)
+        offloader = megatron_offload.attach(
+            optimizer, offload_optimizer_states=False, offload_primary_weights=False
+        )
         found["nothing_warnings"] = [str(w.message) for w in caught]
         offloader.detach()
         caught.clear()
@@ -246,7 +263,11 @@ def chain_member_job():
     found["summary_before"] = offloader.summary()
     models.train_step(chunks, optimizer, config, 0)
     found["chain_offloads"] = offloader.is_offloaded
-    found["summary"], found["str"], found["stats"] = offloader.summary(), str(offloader), offloader.stats()
+    found["summary"], found["str"], found["stats"] = (
+        offloader.summary(),
+        str(offloader),
+        offloader.stats(),
+    )
     offloader.detach()
     return found
 
@@ -256,7 +277,10 @@ def test_attaching_to_a_chain_member_is_refused_and_an_empty_selection_warns(ran
     message = found["member"]
     assert "chained_optimizers[0]" in message and "Attach to the ChainedOptimizer" in message
     assert found["member_untouched"]
-    assert len(found["nothing_warnings"]) == 1 and "nothing will be offloaded" in found["nothing_warnings"][0]
+    assert (
+        len(found["nothing_warnings"]) == 1
+        and "nothing will be offloaded" in found["nothing_warnings"][0]
+    )
     assert found["default_warnings"] == []
     assert found["chain_offloads"]
     from megatron_offload.integration.stats_log import human_bytes
@@ -264,5 +288,7 @@ def test_attaching_to_a_chain_member_is_refused_and_an_empty_selection_warns(ran
     stats = found["stats"]
     assert found["summary"].startswith(f"offloaded {human_bytes(stats['offloaded_bytes'])} | host ")
     assert "last D2H" in found["summary"] and found["summary"].endswith("| 1 cycle")
-    assert "last D2H" not in found["summary_before"] and found["summary_before"].endswith("| 0 cycles")
+    assert "last D2H" not in found["summary_before"] and found["summary_before"].endswith(
+        "| 0 cycles"
+    )
     assert found["str"] == "OptimizerStateOffloader (1 optimizer(s)): " + found["summary"]

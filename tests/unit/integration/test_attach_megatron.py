@@ -23,8 +23,17 @@ def _tracked_storage_bytes(offloader):
     return sizes
 
 
-def train_job(model, dtype, steps, offload, micro_batches=1, offload_before_first_step=False,
-              options=None, checked=False, **build_kw):
+def train_job(
+    model,
+    dtype,
+    steps,
+    offload,
+    micro_batches=1,
+    offload_before_first_step=False,
+    options=None,
+    checked=False,
+    **build_kw,
+):
     import megatron_offload
     from tests.harness import models
 
@@ -52,15 +61,32 @@ def train_job(model, dtype, steps, offload, micro_batches=1, offload_before_firs
     snapshot = models.snapshot(chunks, optimizer)
     check_devices(devices)
     numel = sum(p.numel() for chunk in chunks for p in chunk.parameters())
-    return {"results": results, "figures": figures, "snapshot": snapshot,
-            "checked_calls": [dict(d.calls) for d in devices], "numel": numel}
+    return {
+        "results": results,
+        "figures": figures,
+        "snapshot": snapshot,
+        "checked_calls": [dict(d.calls) for d in devices],
+        "numel": numel,
+    }
 
 
 def _figures(offloader, sizes):
     stats = offloader.stats()
-    keys = ("tracked_bytes", "offloaded_bytes", "resident_bytes", "host_bytes",
-            "kept_resident_bytes", "d2h_copies", "h2d_copies", "cycles")
-    return {**{k: stats[k] for k in keys}, "tensors": len(sizes), "max_storage": max(sizes, default=0)}
+    keys = (
+        "tracked_bytes",
+        "offloaded_bytes",
+        "resident_bytes",
+        "host_bytes",
+        "kept_resident_bytes",
+        "d2h_copies",
+        "h2d_copies",
+        "cycles",
+    )
+    return {
+        **{k: stats[k] for k in keys},
+        "tensors": len(sizes),
+        "max_storage": max(sizes, default=0),
+    }
 
 
 # ------------------------------------------------------------------- comparisons
@@ -110,18 +136,25 @@ def _run_pair(pool, model, dtype, ogr, opg, bucket, steps=10, **kw):
 
 
 @pytest.mark.parametrize("model,dtype,ogr,opg,bucket", CASES)
-def test_dp2_training_is_bitwise_identical_with_offloading(rank_pool, model, dtype, ogr, opg, bucket):
+def test_dp2_training_is_bitwise_identical_with_offloading(
+    rank_pool, model, dtype, ogr, opg, bucket
+):
     reference, offloaded = _run_pair(rank_pool, model, dtype, ogr, opg, bucket)
     assert_bitwise_equal(reference, offloaded)
     assert_offloaded_between_steps(offloaded, expect_masters=dtype == "bf16")
 
 
-@pytest.mark.parametrize("model,dtype,ogr,opg,bucket", [
-    ("mlp", "bf16", True, True, 1000),
-    ("gpt", "bf16", True, False, 3000),
-    ("gpt", "fp32", False, False, None),
-])
-def test_dp4_training_is_bitwise_identical_with_offloading(rank_pool4, model, dtype, ogr, opg, bucket):
+@pytest.mark.parametrize(
+    "model,dtype,ogr,opg,bucket",
+    [
+        ("mlp", "bf16", True, True, 1000),
+        ("gpt", "bf16", True, False, 3000),
+        ("gpt", "fp32", False, False, None),
+    ],
+)
+def test_dp4_training_is_bitwise_identical_with_offloading(
+    rank_pool4, model, dtype, ogr, opg, bucket
+):
     reference, offloaded = _run_pair(rank_pool4, model, dtype, ogr, opg, bucket)
     assert_bitwise_equal(reference, offloaded)
     assert_offloaded_between_steps(offloaded, expect_masters=dtype == "bf16")
@@ -137,7 +170,9 @@ def test_floor_smoke_mlp_bf16(rank_pool):
 def test_masters_offloaded_before_the_first_step(rank_pool):
     kw = dict(overlap_grad_reduce=False, overlap_param_gather=False, bucket_size=None)
     reference = rank_pool.run(train_job, "mlp", "bf16", 3, False, **kw)
-    offloaded = rank_pool.run(train_job, "mlp", "bf16", 3, True, offload_before_first_step=True, **kw)
+    offloaded = rank_pool.run(
+        train_job, "mlp", "bf16", 3, True, offload_before_first_step=True, **kw
+    )
     assert_bitwise_equal(reference, offloaded)
     for rank in offloaded:
         first = rank["figures"][0]
@@ -164,7 +199,9 @@ def test_selective_offload_leaves_the_other_kind_resident(rank_pool):
 def test_training_under_the_checked_stream_model(rank_pool, model, dtype):
     """The automatic cycle on real megatron-core with side streams deferred and memory
     poisoned until its copy ran: any missing wait raises or corrupts the comparison."""
-    reference, offloaded = _run_pair(rank_pool, model, dtype, True, True, 1000, steps=6, checked=True)
+    reference, offloaded = _run_pair(
+        rank_pool, model, dtype, True, True, 1000, steps=6, checked=True
+    )
     assert_bitwise_equal(reference, offloaded)
     assert_offloaded_between_steps(offloaded, expect_masters=True)
     for rank in offloaded:
@@ -227,7 +264,9 @@ def test_resident_block_for_reads_and_in_place_changes(rank_pool):
 def test_partial_offload_is_bitwise_and_moves_the_expected_bytes(rank_pool, fraction):
     kw = dict(overlap_grad_reduce=True, overlap_param_gather=False, bucket_size=1000)
     reference = rank_pool.run(train_job, "mlp", "bf16", 4, False, **kw)
-    partial = rank_pool.run(train_job, "mlp", "bf16", 4, True, options={"offload_fraction": fraction}, **kw)
+    partial = rank_pool.run(
+        train_job, "mlp", "bf16", 4, True, options={"offload_fraction": fraction}, **kw
+    )
     assert_bitwise_equal(reference, partial)
     for rank in partial:
         last = rank["figures"][-1]
@@ -268,7 +307,9 @@ def prefetch_job(prefetch, offload=True):
     import megatron_offload
     from tests.harness import models
 
-    chunks, optimizer, config = models.build("gpt", "bf16", overlap_grad_reduce=True, bucket_size=3000)
+    chunks, optimizer, config = models.build(
+        "gpt", "bf16", overlap_grad_reduce=True, bucket_size=3000
+    )
     offloader = megatron_offload.attach(optimizer, prefetch=prefetch) if offload else None
     at_step = []
     if offloader:
@@ -283,7 +324,11 @@ def prefetch_job(prefetch, offload=True):
     if offloader:
         offloader.reload()
         offloader.wait()
-    return {"results": results, "offloaded_at_step": at_step, "snapshot": models.snapshot(chunks, optimizer)}
+    return {
+        "results": results,
+        "offloaded_at_step": at_step,
+        "snapshot": models.snapshot(chunks, optimizer),
+    }
 
 
 @pytest.mark.parametrize("prefetch", ["step", 0.5])

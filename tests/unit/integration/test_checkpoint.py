@@ -16,7 +16,10 @@ SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 def _sharded_state_dict(chunks, optimizer, is_loading=False):
     model = chunks[0].sharded_state_dict()
-    return {"model": model, "optimizer": optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=SHARDING)}
+    return {
+        "model": model,
+        "optimizer": optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=SHARDING),
+    }
 
 
 WRITER_DELAY_S = 1.5
@@ -36,8 +39,11 @@ def _save(chunks, optimizer, directory, async_save):
     # next steps (and their offloads, which overwrite the host copy the save was served
     # from) run while the checkpoint is being written.
     # The writer's entry point: write_preloaded_data_multithread from 0.17, _multiproc in 0.16.
-    name = next(n for n in ("write_preloaded_data_multithread", "write_preloaded_data_multiproc")
-                if hasattr(FileSystemWriterAsync, n))
+    name = next(
+        n
+        for n in ("write_preloaded_data_multithread", "write_preloaded_data_multiproc")
+        if hasattr(FileSystemWriterAsync, n)
+    )
     write = getattr(FileSystemWriterAsync, name)
 
     def slow_write(*args, **kwargs):
@@ -51,7 +57,11 @@ def _save(chunks, optimizer, directory, async_save):
         import inspect
 
         # megatron-core 0.16 has one asynchronous strategy (megatron-core's own) and no argument.
-        strategy = {"async_strategy": "mcore"} if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters else {}
+        strategy = (
+            {"async_strategy": "mcore"}
+            if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters
+            else {}
+        )
         request = dist_checkpointing.save(state, directory, async_sharded_save=True, **strategy)
         queue.schedule_async_request(request)
     finally:
@@ -61,8 +71,10 @@ def _save(chunks, optimizer, directory, async_save):
 
 def _writing(queue):
     """Whether the forked writer of ``queue`` is still running."""
-    return any(call.async_caller.process is not None and call.async_caller.process.is_alive()
-               for call in queue.async_calls)
+    return any(
+        call.async_caller.process is not None and call.async_caller.process.is_alive()
+        for call in queue.async_calls
+    )
 
 
 @torch.no_grad()
@@ -77,10 +89,16 @@ def _load(chunks, optimizer, directory, offload):
             # that has no state yet (`assert len(steps) == 1`), offloading or not: create it
             # first, as its own loading code expects of TE/apex optimizers.
             distrib._init_optimizer_states_with_dummy_values()
-    state = dist_checkpointing.load(_sharded_state_dict(chunks, optimizer, is_loading=True), directory)
+    state = dist_checkpointing.load(
+        _sharded_state_dict(chunks, optimizer, is_loading=True), directory
+    )
     # The harness models' sharded keys carry the DDP wrapper's "module." prefixes; match
     # parameters by name without them.
-    loaded = {k.replace("module.", ""): v for k, v in state["model"].items() if not k.endswith("_extra_state")}
+    loaded = {
+        k.replace("module.", ""): v
+        for k, v in state["model"].items()
+        if not k.endswith("_extra_state")
+    }
     params = dict(chunks[0].named_parameters())
     assert len(params) == len(loaded)
     for name, param in params.items():
@@ -92,7 +110,9 @@ def _load(chunks, optimizer, directory, offload):
         from megatron_offload.integration.guard import restore_step_tensors
 
         for distrib in models.distributed_optimizers(optimizer):
-            restore_step_tensors(distrib.optimizer, {"optimizer": {"param_groups": distrib.optimizer.param_groups}})
+            restore_step_tensors(
+                distrib.optimizer, {"optimizer": {"param_groups": distrib.optimizer.param_groups}}
+            )
 
 
 def _shared_directory(path):
@@ -110,8 +130,12 @@ def _chunked_options(optimizer, options):
     """The chunked update with two slots of the largest parameter shard's two fp32 moments."""
     from tests.harness import models
 
-    largest = max(p.numel() for d in models.distributed_optimizers(optimizer)
-                  for g in d.optimizer.param_groups for p in g["params"])
+    largest = max(
+        p.numel()
+        for d in models.distributed_optimizers(optimizer)
+        for g in d.optimizer.param_groups
+        for p in g["params"]
+    )
     return {**options, "chunked_update_bytes": 2 * (8 * largest + 32)}
 
 
@@ -157,7 +181,9 @@ def checkpoint_job(offload, dtype, async_save, directory, checked=False, chunked
         options = _chunked_options(optimizer, options)
     offloader = megatron_offload.attach(optimizer, **options) if offload else None
     _load(chunks, optimizer, directory, offload)
-    out["resumed"] = [models.train_step(chunks, optimizer, config, s) for s in range(SAVE_AFTER, STEPS)]
+    out["resumed"] = [
+        models.train_step(chunks, optimizer, config, s) for s in range(SAVE_AFTER, STEPS)
+    ]
     out["resumed_snapshot"] = _final_snapshot(chunks, optimizer, offloader)
 
     # Phase 3: load into a running optimizer whose states are offloaded.
@@ -175,7 +201,9 @@ def checkpoint_job(offload, dtype, async_save, directory, checked=False, chunked
     if offloader:
         out["load"] = watch.figures()
         out["offloaded_after_load"] = _all_released(offloader)
-    out["loaded_running"] = [models.train_step(chunks, optimizer, config, s) for s in range(SAVE_AFTER, STEPS)]
+    out["loaded_running"] = [
+        models.train_step(chunks, optimizer, config, s) for s in range(SAVE_AFTER, STEPS)
+    ]
     out["loaded_running_snapshot"] = _final_snapshot(chunks, optimizer, offloader)
     if offloader:
         stats = offloader.stats()
@@ -209,7 +237,9 @@ class DeviceWatch:
     def probe(self):
         self.probes += 1
         # Each storage once (a consolidated group's tensors share one).
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.tensors}
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.tensors
+        }
         self.peak = max(self.peak, sum(storages.values()))
 
     def __enter__(self):
@@ -221,7 +251,10 @@ class DeviceWatch:
         for engine in self.offloader.engines:
             engine.synchronize_host()
         self.tensors = [t for e in self.offloader.engines for g in e.groups for t in g.tensors]
-        for name in ("_get_main_param_and_optimizer_states", "_set_main_param_and_optimizer_states"):
+        for name in (
+            "_get_main_param_and_optimizer_states",
+            "_set_main_param_and_optimizer_states",
+        ):
             original = getattr(DistributedOptimizer, name)
 
             def probed(*args, _original=original, **kwargs):
@@ -257,8 +290,12 @@ class DeviceWatch:
             self.probe()
 
     def figures(self):
-        return {"peak_state_bytes": self.peak, "allocations": self.allocations, "copies": self.copies,
-                "probes": self.probes}
+        return {
+            "peak_state_bytes": self.peak,
+            "allocations": self.allocations,
+            "copies": self.copies,
+            "probes": self.probes,
+        }
 
 
 def _final_snapshot(chunks, optimizer, offloader):
@@ -278,13 +315,30 @@ def _equal(a, b):
 
 
 @pytest.mark.floor  # on every megatron-core line (0.16 to 0.19): saves and loads from the host copy
-@pytest.mark.parametrize("dtype,async_save,checked,chunked", [
-    ("fp32", False, False, False), ("bf16", False, False, False), ("bf16", True, False, False),
-    ("bf16", True, True, False), ("bf16", True, True, True),
-], ids=["fp32-sync", "bf16-sync", "bf16-async", "bf16-async-checked-device", "bf16-async-checked-chunked"])
-def test_save_while_offloaded_then_resume_is_bitwise(rank_pool, tmp_path, dtype, async_save, checked, chunked):
+@pytest.mark.parametrize(
+    "dtype,async_save,checked,chunked",
+    [
+        ("fp32", False, False, False),
+        ("bf16", False, False, False),
+        ("bf16", True, False, False),
+        ("bf16", True, True, False),
+        ("bf16", True, True, True),
+    ],
+    ids=[
+        "fp32-sync",
+        "bf16-sync",
+        "bf16-async",
+        "bf16-async-checked-device",
+        "bf16-async-checked-chunked",
+    ],
+)
+def test_save_while_offloaded_then_resume_is_bitwise(
+    rank_pool, tmp_path, dtype, async_save, checked, chunked
+):
     reference = rank_pool.run(checkpoint_job, False, dtype, async_save, str(tmp_path / "ref"))
-    offloaded = rank_pool.run(checkpoint_job, True, dtype, async_save, str(tmp_path / "off"), checked, chunked)
+    offloaded = rank_pool.run(
+        checkpoint_job, True, dtype, async_save, str(tmp_path / "off"), checked, chunked
+    )
     assert all(rank["checked"] == (3 if checked else 0) for rank in offloaded)
     assert all((rank["update_chunks"] >= 2) == chunked for rank in offloaded)
     for ref, off in zip(reference, offloaded):
@@ -293,7 +347,11 @@ def test_save_while_offloaded_then_resume_is_bitwise(rank_pool, tmp_path, dtype,
         # Saved and loaded from the host copy: no state storage regrown, no allocation, and
         # offloaded right after (measured inside megatron-core's per-parameter accesses).
         assert off["offloaded_at_save"] and off["offloaded_after_save"]
-        assert off["offloaded_before_load"] and off["offloaded_after_load"] and off["host_equals_tracked"]
+        assert (
+            off["offloaded_before_load"]
+            and off["offloaded_after_load"]
+            and off["host_equals_tracked"]
+        )
         for call in ("save", "load"):
             assert off[call]["probes"] > 2 and off[call]["peak_state_bytes"] == 0, (call, off[call])
             assert off[call]["allocations"] == off[call]["copies"] == 0, (call, off[call])
@@ -301,10 +359,14 @@ def test_save_while_offloaded_then_resume_is_bitwise(rank_pool, tmp_path, dtype,
         for phase in ("uninterrupted", "resumed", "loaded_running"):
             assert off[phase] == ref[phase], phase
             for section in ("params", "optimizer"):
-                assert _equal(ref[phase + "_snapshot"][section], off[phase + "_snapshot"][section]), phase
+                assert _equal(
+                    ref[phase + "_snapshot"][section], off[phase + "_snapshot"][section]
+                ), phase
         # Resuming continues exactly as the run that never stopped.
         assert off["resumed"] == off["uninterrupted"][SAVE_AFTER:]
         assert off["loaded_running"] == off["uninterrupted"][SAVE_AFTER:]
         for phase in ("resumed", "loaded_running"):
             for section in ("params", "optimizer"):
-                assert _equal(off["uninterrupted_snapshot"][section], off[phase + "_snapshot"][section]), phase
+                assert _equal(
+                    off["uninterrupted_snapshot"][section], off[phase + "_snapshot"][section]
+                ), phase

@@ -21,17 +21,31 @@ import os
 import pytest
 import torch
 
-from tests.unit.integration.test_checkpoint import DeviceWatch, _all_released, _chunked_options, _equal, _final_snapshot, \
-    _shared_directory
+from tests.unit.integration.test_checkpoint import (
+    DeviceWatch,
+    _all_released,
+    _chunked_options,
+    _equal,
+    _final_snapshot,
+    _shared_directory,
+)
 
 SAVE_AFTER, MORE = 3, 2
-SHARDING_TYPES = ["dp_reshardable", "fully_reshardable", "fully_sharded_model_space", "dp_zero_gather_scatter"]
+SHARDING_TYPES = [
+    "dp_reshardable",
+    "fully_reshardable",
+    "fully_sharded_model_space",
+    "dp_zero_gather_scatter",
+]
 
 
 def _sharded(chunks, optimizer, sharding, is_loading=False):
     model = chunks[0].sharded_state_dict()
     metadata = {"distrib_optim_sharding_type": sharding}
-    return {"model": model, "optimizer": optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=metadata)}
+    return {
+        "model": model,
+        "optimizer": optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=metadata),
+    }
 
 
 @torch.no_grad()
@@ -40,29 +54,46 @@ def _load(chunks, optimizer, directory, sharding):
 
     from tests.harness import models
 
-    state = dist_checkpointing.load(_sharded(chunks, optimizer, sharding, is_loading=True), directory)
-    loaded = {k.replace("module.", ""): v for k, v in state["model"].items() if not k.endswith("_extra_state")}
+    state = dist_checkpointing.load(
+        _sharded(chunks, optimizer, sharding, is_loading=True), directory
+    )
+    loaded = {
+        k.replace("module.", ""): v
+        for k, v in state["model"].items()
+        if not k.endswith("_extra_state")
+    }
     for name, param in chunks[0].named_parameters():
         param.copy_(loaded[name.replace("module.", "")])
     optimizer.load_state_dict(state["optimizer"])
-    if not any(getattr(d, "_state_offloader", None) for d in models.distributed_optimizers(optimizer)):
+    if not any(
+        getattr(d, "_state_offloader", None) for d in models.distributed_optimizers(optimizer)
+    ):
         # The per-parameter `step` tensors megatron-core's load leaves shared and stale with
         # torch AdamW: the offloader repairs them; the reference gets the same fix by hand.
         from megatron_offload.integration.guard import restore_step_tensors
 
         for distrib in models.distributed_optimizers(optimizer):
-            restore_step_tensors(distrib.optimizer, {"optimizer": {"param_groups": distrib.optimizer.param_groups}})
+            restore_step_tensors(
+                distrib.optimizer, {"optimizer": {"param_groups": distrib.optimizer.param_groups}}
+            )
 
 
-def formats_job(offload, sharding, directory, modes=("whole", "chunked"), serve=True, read_first=False,
-                prefetch_first=False):
+def formats_job(
+    offload,
+    sharding,
+    directory,
+    modes=("whole", "chunked"),
+    serve=True,
+    read_first=False,
+    prefetch_first=False,
+):
     """Per mode: train, save while offloaded, train on, load into the running optimizer,
     train the same steps again. The reference (no offloader) runs the same sequence per mode
     in the same process, so every process-wide generator advances alike. ``serve=False``
     (a negative control): checkpoints are not served from the host copy."""
-    import megatron_offload
     from megatron.core import dist_checkpointing
 
+    import megatron_offload
     from megatron_offload.integration import guard
     from tests.harness import models
     from tests.support.checked import check_devices, checked_device_options
@@ -70,8 +101,14 @@ def formats_job(offload, sharding, directory, modes=("whole", "chunked"), serve=
     if not serve:
         guard.servable = lambda offloader: False  # this rank process only; restored below
         try:
-            return formats_job(offload, sharding, directory, modes, read_first=read_first,
-                               prefetch_first=prefetch_first)
+            return formats_job(
+                offload,
+                sharding,
+                directory,
+                modes,
+                read_first=read_first,
+                prefetch_first=prefetch_first,
+            )
         finally:
             from megatron_offload.integration.host_view import servable
 
@@ -95,7 +132,9 @@ def formats_job(offload, sharding, directory, modes=("whole", "chunked"), serve=
             offloader.prefetch()
         if read_first:  # research code reads a state between steps, then the run saves
             inner = models.distributed_optimizers(optimizer)[0].optimizer
-            figures["read"] = float(inner.state[inner.param_groups[0]["params"][0]]["exp_avg"].sum())
+            figures["read"] = float(
+                inner.state[inner.param_groups[0]["params"][0]]["exp_avg"].sum()
+            )
         try:
             with DeviceWatch(offloader) as watch:
                 dist_checkpointing.save(_sharded(chunks, optimizer, sharding), where)
@@ -110,7 +149,10 @@ def formats_job(offload, sharding, directory, modes=("whole", "chunked"), serve=
                 offloader.detach()
             torch.distributed.barrier()
             continue
-        after = [models.train_step(chunks, optimizer, config, step) for step in range(SAVE_AFTER, SAVE_AFTER + MORE)]
+        after = [
+            models.train_step(chunks, optimizer, config, step)
+            for step in range(SAVE_AFTER, SAVE_AFTER + MORE)
+        ]
         try:
             with DeviceWatch(offloader) as watch:
                 _load(chunks, optimizer, where, sharding)
@@ -119,15 +161,27 @@ def formats_job(offload, sharding, directory, modes=("whole", "chunked"), serve=
             loaded = f"{type(error).__name__}: {error}"
         if offloader:
             figures["load"] = {**watch.figures(), "released_after": _all_released(offloader)}
-        again = [models.train_step(chunks, optimizer, config, step) for step in range(SAVE_AFTER, SAVE_AFTER + MORE)] \
-            if loaded == "ok" else []
+        again = (
+            [
+                models.train_step(chunks, optimizer, config, step)
+                for step in range(SAVE_AFTER, SAVE_AFTER + MORE)
+            ]
+            if loaded == "ok"
+            else []
+        )
         if offloader:
             stats = offloader.stats()
             figures["stats"] = {k: v for k, v in stats.items() if k.startswith("host_view")}
             figures["stats"]["tracked_bytes"] = stats["tracked_bytes"]
-        out[mode] = {"saved": saved, "results": results + after, "again": again, "loaded": loaded, "figures": figures,
-                     "snapshot": _final_snapshot(chunks, optimizer, offloader),
-                     "checkpoint": _read_back(where, sharding)}
+        out[mode] = {
+            "saved": saved,
+            "results": results + after,
+            "again": again,
+            "loaded": loaded,
+            "figures": figures,
+            "snapshot": _final_snapshot(chunks, optimizer, offloader),
+            "checkpoint": _read_back(where, sharding),
+        }
         if offloader:
             offloader.detach()
         check_devices(devices)
@@ -147,7 +201,9 @@ def _read_back(directory, sharding):
     chunks, optimizer, _ = models.build("mlp", "bf16")
     for distrib in models.distributed_optimizers(optimizer):
         distrib._init_optimizer_states_with_dummy_values()
-    state = dist_checkpointing.load(_sharded(chunks, optimizer, sharding, is_loading=True), directory)
+    state = dist_checkpointing.load(
+        _sharded(chunks, optimizer, sharding, is_loading=True), directory
+    )
     return {str(key): value.clone() for key, value in _flatten(state)}
 
 
@@ -160,7 +216,9 @@ def test_every_sharding_type_is_saved_and_loaded_from_the_host(rank_pool, tmp_pa
             ref, run = ref_rank[mode], off_rank[mode]
             # megatron-core 0.19.2 cannot save fully_sharded_model_space at all ("flattened_range
             # is not supported"): the same failure with offloading, and nothing comes back.
-            assert run["saved"] == ref["saved"] and (ref["saved"] == "ok") == (sharding != "fully_sharded_model_space")
+            assert run["saved"] == ref["saved"] and (ref["saved"] == "ok") == (
+                sharding != "fully_sharded_model_space"
+            )
             calls = ("save", "load") if ref["saved"] == "ok" else ("save",)
             for call in calls:
                 figures = run["figures"][call]
@@ -180,7 +238,9 @@ def test_every_sharding_type_is_saved_and_loaded_from_the_host(rank_pool, tmp_pa
             if ref["loaded"] == "ok":
                 assert run["figures"]["load"]["probes"] > 2
             # The checkpoint written from the host copy is the one written without offloading.
-            assert ref["checkpoint"].keys() == run["checkpoint"].keys() and len(ref["checkpoint"]) > 4
+            assert (
+                ref["checkpoint"].keys() == run["checkpoint"].keys() and len(ref["checkpoint"]) > 4
+            )
             for key, value in ref["checkpoint"].items():
                 assert torch.equal(value, run["checkpoint"][key]), (mode, key)
             # Loading behaves as without offloading: megatron-core 0.19.2 itself fails to load
@@ -199,18 +259,30 @@ def test_partial_offload_saves_and_loads_from_both_places(rank_pool, tmp_path):
     """offload_fraction=0.5: the offloaded half is served from the host copy (its storages stay
     at 0 bytes), the resident half is read and written where it is; the checkpoint and the
     run after the load are those without offloading."""
-    reference = rank_pool.run(formats_job, False, "dp_reshardable", str(tmp_path / "ref"), ("partial",))
-    offloaded = rank_pool.run(formats_job, True, "dp_reshardable", str(tmp_path / "off"), ("partial",))
+    reference = rank_pool.run(
+        formats_job, False, "dp_reshardable", str(tmp_path / "ref"), ("partial",)
+    )
+    offloaded = rank_pool.run(
+        formats_job, True, "dp_reshardable", str(tmp_path / "off"), ("partial",)
+    )
     for ref, off in zip(reference, offloaded):
         ref, run = ref["partial"], off["partial"]
         stats = run["figures"]["stats"]
         assert 0 < stats["host_view_device_bytes"]  # the resident half, found on the device
         for call in ("save", "load"):
             figures = run["figures"][call]
-            assert figures["peak_state_bytes"] == 0 and figures["allocations"] == figures["copies"] == 0, figures
+            assert (
+                figures["peak_state_bytes"] == 0
+                and figures["allocations"] == figures["copies"] == 0
+            ), figures
         assert ref["checkpoint"].keys() == run["checkpoint"].keys()
-        assert all(torch.equal(value, run["checkpoint"][key]) for key, value in ref["checkpoint"].items())
-        assert run["results"] == ref["results"] and run["again"] == ref["again"] == ref["results"][SAVE_AFTER:]
+        assert all(
+            torch.equal(value, run["checkpoint"][key]) for key, value in ref["checkpoint"].items()
+        )
+        assert (
+            run["results"] == ref["results"]
+            and run["again"] == ref["again"] == ref["results"][SAVE_AFTER:]
+        )
         for section in ("params", "optimizer"):
             assert _equal(ref["snapshot"][section], run["snapshot"][section]), section
 
@@ -219,13 +291,18 @@ def test_a_save_between_the_prefetch_and_the_step(rank_pool, tmp_path):
     """On the checked device, whose copies run only once something waits for them: a save
     right after the prefetch (the copies back queued, not yet ordered before the save) reads
     the states after their copy, and the checkpoint is the one written without offloading."""
-    reference = rank_pool.run(formats_job, False, "dp_reshardable", str(tmp_path / "ref"), ("whole",))
-    offloaded = rank_pool.run(formats_job, True, "dp_reshardable", str(tmp_path / "off"), ("whole",), True, False,
-                              True)
+    reference = rank_pool.run(
+        formats_job, False, "dp_reshardable", str(tmp_path / "ref"), ("whole",)
+    )
+    offloaded = rank_pool.run(
+        formats_job, True, "dp_reshardable", str(tmp_path / "off"), ("whole",), True, False, True
+    )
     for ref, off in zip(reference, offloaded):
         ref, run = ref["whole"], off["whole"]
         assert ref["checkpoint"].keys() == run["checkpoint"].keys()
-        assert all(torch.equal(value, run["checkpoint"][key]) for key, value in ref["checkpoint"].items())
+        assert all(
+            torch.equal(value, run["checkpoint"][key]) for key, value in ref["checkpoint"].items()
+        )
         assert run["results"] == ref["results"] and run["again"] == ref["again"]
 
 
@@ -233,14 +310,23 @@ def test_a_save_after_a_read_between_steps(rank_pool, tmp_path):
     """A read of the state mapping between steps serves the values from the host copy until
     the next step; a save in that time serves the masters too (the read's view gives way to
     the save's), and the checkpoint is the one written without offloading."""
-    reference = rank_pool.run(formats_job, False, "dp_reshardable", str(tmp_path / "ref"), ("whole",), True, True)
-    offloaded = rank_pool.run(formats_job, True, "dp_reshardable", str(tmp_path / "off"), ("whole",), True, True)
+    reference = rank_pool.run(
+        formats_job, False, "dp_reshardable", str(tmp_path / "ref"), ("whole",), True, True
+    )
+    offloaded = rank_pool.run(
+        formats_job, True, "dp_reshardable", str(tmp_path / "off"), ("whole",), True, True
+    )
     for ref, off in zip(reference, offloaded):
         ref, run = ref["whole"], off["whole"]
         assert run["figures"]["read"] == ref["figures"]["read"]
-        assert run["figures"]["save"]["peak_state_bytes"] == 0 and run["figures"]["save"]["released_after"]
+        assert (
+            run["figures"]["save"]["peak_state_bytes"] == 0
+            and run["figures"]["save"]["released_after"]
+        )
         assert ref["checkpoint"].keys() == run["checkpoint"].keys()
-        assert all(torch.equal(value, run["checkpoint"][key]) for key, value in ref["checkpoint"].items())
+        assert all(
+            torch.equal(value, run["checkpoint"][key]) for key, value in ref["checkpoint"].items()
+        )
         assert run["results"] == ref["results"] and run["again"] == ref["again"]
 
 
@@ -258,7 +344,6 @@ def test_a_device_side_save_and_load_are_flagged(rank_pool, tmp_path):
 def torch_format_job(offload, directory):
     """What megatron.training's torch format saves for a DistributedOptimizer, as bytes."""
     import megatron_offload
-
     from tests.harness import models
 
     directory = _shared_directory(directory)
@@ -299,8 +384,14 @@ def test_torch_format_is_saved_from_the_host(rank_pool, tmp_path):
     offloaded = rank_pool.run(torch_format_job, True, str(tmp_path))
     for ref, off in zip(reference, offloaded):
         figures = off["figures"]
-        assert figures["peak_state_bytes"] == 0 and figures["allocations"] == 0 and figures["released_after"], figures
+        assert (
+            figures["peak_state_bytes"] == 0
+            and figures["allocations"] == 0
+            and figures["released_after"]
+        ), figures
         assert off["common"] == ref["common"]
     ref, off = reference[0]["param_state"], offloaded[0]["param_state"]
-    assert ref.keys() == off.keys() and len(ref) >= 3  # param, exp_avg, exp_avg_sq (gathered on DP rank 0)
+    assert (
+        ref.keys() == off.keys() and len(ref) >= 3
+    )  # param, exp_avg, exp_avg_sq (gathered on DP rank 0)
     assert all(torch.equal(ref[k], off[k]) for k in ref)

@@ -54,13 +54,18 @@ class FailingDevice(CheckedDevice):
 def _model(sizes, seed=0):
     gen = torch.Generator().manual_seed(seed)
     dtypes = (torch.float32, torch.float64)  # two groups: a chunk moves two segments
-    params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(dtypes[i % 2])) for i, n in enumerate(sizes)]
+    params = [
+        torch.nn.Parameter(torch.randn(n, generator=gen).to(dtypes[i % 2]))
+        for i, n in enumerate(sizes)
+    ]
     return params, torch.optim.AdamW(params, lr=0.01)
 
 
 def _grads(params, step):
     for j, p in enumerate(params):
-        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + j)).to(p.dtype)
+        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + j)).to(
+            p.dtype
+        )
 
 
 def run_failing_copy(fail_in: str, fail_at: int) -> dict:
@@ -72,7 +77,9 @@ def run_failing_copy(fail_in: str, fail_at: int) -> dict:
     params, opt = _model((40, 7, 33, 16, 5, 24))
     distrib = types.SimpleNamespace(optimizer=opt)
     device = FailingDevice()
-    engine = OffloadEngine(device, lambda: adapter.collect(distrib), streamed=lambda: adapter.in_state(distrib))
+    engine = OffloadEngine(
+        device, lambda: adapter.collect(distrib), streamed=lambda: adapter.in_state(distrib)
+    )
     chunked = ChunkedUpdate(engine, distrib, total_bytes=2 * 512, slots=2, kinds=(STATES,))
     chunked.install()
     error = None
@@ -104,7 +111,11 @@ def run_failing_copy(fail_in: str, fail_at: int) -> dict:
         device.check(raise_on_violation=False)
     except ProtocolViolation:  # pragma: no cover - raise_violations=False collects them
         readable = False
-    return {"error": error, "readable": readable, "violations": [(v.rule, v.kind, v.message) for v in device.violations]}
+    return {
+        "error": error,
+        "readable": readable,
+        "violations": [(v.rule, v.kind, v.message) for v in device.violations],
+    }
 
 
 # The streamed step's copies (slots of 512 bytes; fp32 and fp64 parameters, two groups):

@@ -42,11 +42,20 @@ def _build(kind, moments="fp32", remainders=True, line="2.17", empty_group=False
         return params, torch.optim.AdamW(groups, lr=0.01)
     if kind == "apex":
         return params, apex_fused_adam.FusedAdam(groups, lr=0.01)
-    m = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8}[moments]
+    m = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8}[
+        moments
+    ]
     with te_fused_adam.te_line(line):
-        opt = te_fused_adam.FusedAdam(groups, lr=0.01, weight_decay=0.1, master_weights=True,
-                                      exp_avg_dtype=m, exp_avg_sq_dtype=m, use_decoupled_grad=True,
-                                      store_param_remainders=remainders)
+        opt = te_fused_adam.FusedAdam(
+            groups,
+            lr=0.01,
+            weight_decay=0.1,
+            master_weights=True,
+            exp_avg_dtype=m,
+            exp_avg_sq_dtype=m,
+            use_decoupled_grad=True,
+            store_param_remainders=remainders,
+        )
     return params, opt
 
 
@@ -98,9 +107,14 @@ class _Run:
 
         self.distrib = types.SimpleNamespace(optimizer=opt)
         self.device = CheckedDevice() if device is None else device
-        self.engine = OffloadEngine(self.device, lambda: adapter.collect(self.distrib),
-                                    streamed=lambda: adapter.in_state(self.distrib))
-        self.chunked = ChunkedUpdate(self.engine, self.distrib, total_bytes=budget, slots=2, kinds=kinds, undo=undo)
+        self.engine = OffloadEngine(
+            self.device,
+            lambda: adapter.collect(self.distrib),
+            streamed=lambda: adapter.in_state(self.distrib),
+        )
+        self.chunked = ChunkedUpdate(
+            self.engine, self.distrib, total_bytes=budget, slots=2, kinds=kinds, undo=undo
+        )
         self.chunked.install()
         self.peaks, self.transients = [], []
         opt.register_step_post_hook(self._measure)
@@ -130,8 +144,11 @@ class _Run:
 
         opt = self.distrib.optimizer
         self._param_storages = {
-            t.untyped_storage()._cdata for g in opt.param_groups for p in g["params"]
-            for t in written_tensors(opt, p, opt.state.get(p)) if t.numel() < 2 or t is p
+            t.untyped_storage()._cdata
+            for g in opt.param_groups
+            for p in g["params"]
+            for t in written_tensors(opt, p, opt.state.get(p))
+            if t.numel() < 2 or t is p
         }
         self.chunked.active = True
         try:
@@ -162,8 +179,14 @@ def _per_param_need(opt, kind, slots=2):
     from megatron_offload.adapters import inner_optimizers
 
     params = [p for g in opt.param_groups for p in g["params"]]
-    planned = [inner_optimizers.planned_state_bytes(opt, p, moments=True, masters=kind == "te")[0] for p in params]
-    ratio = max((inner_optimizers.transient_bytes(opt, p) / n for p, n in zip(params, planned) if n), default=0.0)
+    planned = [
+        inner_optimizers.planned_state_bytes(opt, p, moments=True, masters=kind == "te")[0]
+        for p in params
+    ]
+    ratio = max(
+        (inner_optimizers.transient_bytes(opt, p) / n for p, n in zip(params, planned) if n),
+        default=0.0,
+    )
     return -(-math.ceil(max(planned) * (slots + ratio)) // 16) * 16, planned
 
 
@@ -203,15 +226,34 @@ def run_attach_refusal(kind, moments):
     from megatron_offload.adapters import inner_optimizers
 
     for p in params:
-        actual.append(sum(-(-t.numel() * t.element_size() // 16) * 16
-                          for _, t in inner_optimizers.state_tensors(p, opt.state[p])))
+        actual.append(
+            sum(
+                -(-t.numel() * t.element_size() // 16) * 16
+                for _, t in inner_optimizers.state_tensors(p, opt.state[p])
+            )
+        )
     run.close()
-    return {"refused": refused, "need": need, "planned": planned, "actual": actual,
-            "untouched": before == _snapshot(_build(kind, moments)[1]) and len(opt.state) == len(params)}
+    return {
+        "refused": refused,
+        "need": need,
+        "planned": planned,
+        "actual": actual,
+        "untouched": before == _snapshot(_build(kind, moments)[1])
+        and len(opt.state) == len(params),
+    }
 
 
-@pytest.mark.parametrize("kind,moments", [("torch", "fp32"), ("apex", "fp32"), ("te", "fp32"),
-                                          ("te", "fp8"), ("te", "bf16"), ("te", "fp16")])
+@pytest.mark.parametrize(
+    "kind,moments",
+    [
+        ("torch", "fp32"),
+        ("apex", "fp32"),
+        ("te", "fp32"),
+        ("te", "fp8"),
+        ("te", "bf16"),
+        ("te", "fp16"),
+    ],
+)
 def test_a_budget_one_parameter_cannot_fit_is_refused_at_attach(isolated, kind, moments):
     out = isolated.run(run_attach_refusal, kind, moments)
     assert out["refused"] is not None and f"give at least {out['need']:,} bytes" in out["refused"]
@@ -254,15 +296,27 @@ def run_step_refusal(kind, moments, remainders):
     result = _snapshot(opt) == _snapshot(ref_opt)
     retry.close()
     changed = [k for k in before if before[k] != after.get(k)]
-    return {"error": error, "changed": [repr(k) for k in changed], "same_keys": before.keys() == after.keys(),
-            "retry_equals_reference": result}
+    return {
+        "error": error,
+        "changed": [repr(k) for k in changed],
+        "same_keys": before.keys() == after.keys(),
+        "retry_equals_reference": result,
+    }
 
 
-@pytest.mark.parametrize("kind,moments,remainders", [
-    ("torch", "fp32", False), ("apex", "fp32", False),
-    ("te", "fp8", True), ("te", "bf16", False), ("te", "fp32", True),
-])
-def test_a_step_refused_part_way_touches_nothing_and_can_be_retried(isolated, kind, moments, remainders):
+@pytest.mark.parametrize(
+    "kind,moments,remainders",
+    [
+        ("torch", "fp32", False),
+        ("apex", "fp32", False),
+        ("te", "fp8", True),
+        ("te", "bf16", False),
+        ("te", "fp32", True),
+    ],
+)
+def test_a_step_refused_part_way_touches_nothing_and_can_be_retried(
+    isolated, kind, moments, remainders
+):
     out = isolated.run(run_step_refusal, kind, moments, remainders)
     assert out["error"] is not None and "no parameter was updated" in out["error"], out["error"]
     assert out["same_keys"] and out["changed"] == [], out["changed"][:5]
@@ -299,7 +353,11 @@ def run_new_group_temporaries():
     _grads("te", ref_params, 2)
     error, before, after = _refused_step(run, opt)
     error = error and str(error)
-    asked = int(re.search(r"with at least ([\d,]+) bytes", error or "").group(1).replace(",", "")) if error else 0
+    asked = (
+        int(re.search(r"with at least ([\d,]+) bytes", error or "").group(1).replace(",", ""))
+        if error
+        else 0
+    )
     retry = _Run(opt, asked, _kinds("te"))
     retry.step()
     ref_opt.step()
@@ -307,8 +365,13 @@ def run_new_group_temporaries():
     equal = _snapshot(opt) == _snapshot(ref_opt)
     within = max(retry.peaks) <= asked
     retry.close()
-    return {"error": error, "changed": [repr(k) for k in before if before[k] != after.get(k)],
-            "retry_equals_reference": equal, "within": within, "transients": retry.transients}
+    return {
+        "error": error,
+        "changed": [repr(k) for k in before if before[k] != after.get(k)],
+        "retry_equals_reference": equal,
+        "within": within,
+        "transients": retry.transients,
+    }
 
 
 def test_a_group_added_later_whose_temporaries_exceed_the_reserve_is_refused(isolated):
@@ -336,16 +399,30 @@ def run_lines(line, moments, remainders, fraction):
         ref_opt.step()
     run.reload()
     a, b = _snapshot(opt), _snapshot(ref_opt)
-    out = {"different": [repr(k) for k in a if a[k] != b[k]], "budget": budget, "peaks": run.peaks,
-           "steps": [g.get("step") for g in opt.param_groups],
-           "chunks": run.engine.last.update_chunks, "transient": max(run.transients)}
+    out = {
+        "different": [repr(k) for k in a if a[k] != b[k]],
+        "budget": budget,
+        "peaks": run.peaks,
+        "steps": [g.get("step") for g in opt.param_groups],
+        "chunks": run.engine.last.update_chunks,
+        "transient": max(run.transients),
+    }
     run.close()
     return out
 
 
 @pytest.mark.parametrize("line", ["2.12", "2.17", "2.19"])
-@pytest.mark.parametrize("moments,remainders", [("fp8", True), ("fp8", False), ("bf16", True),
-                                                ("bf16", False), ("fp16", True), ("fp32", True)])
+@pytest.mark.parametrize(
+    "moments,remainders",
+    [
+        ("fp8", True),
+        ("fp8", False),
+        ("bf16", True),
+        ("bf16", False),
+        ("fp16", True),
+        ("fp32", True),
+    ],
+)
 def test_chunked_steps_equal_whole_steps_in_every_te_line(isolated, line, moments, remainders):
     out = isolated.run(run_lines, line, moments, remainders, 0.3)
     assert out["different"] == [], out["different"][:5]

@@ -40,13 +40,18 @@ class CountingDevice(CheckedDevice):
 def _model(seed=0):
     gen = torch.Generator().manual_seed(seed)
     dtypes = (torch.float32, torch.float64)
-    params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(dtypes[i % 2])) for i, n in enumerate(SIZES)]
+    params = [
+        torch.nn.Parameter(torch.randn(n, generator=gen).to(dtypes[i % 2]))
+        for i, n in enumerate(SIZES)
+    ]
     return params, torch.optim.AdamW(params, lr=0.01)
 
 
 def _grads(params, step):
     for j, p in enumerate(params):
-        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + j)).to(p.dtype)
+        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + j)).to(
+            p.dtype
+        )
 
 
 def run_first_steps(steps=3, undo=False) -> dict:
@@ -54,8 +59,12 @@ def run_first_steps(steps=3, undo=False) -> dict:
     ref_params, ref_opt = _model()
     distrib = types.SimpleNamespace(optimizer=opt)
     device = CountingDevice()
-    engine = OffloadEngine(device, lambda: adapter.collect(distrib), streamed=lambda: adapter.in_state(distrib))
-    chunked = ChunkedUpdate(engine, distrib, total_bytes=2 * 512, slots=2, kinds=(STATES,), undo=undo)
+    engine = OffloadEngine(
+        device, lambda: adapter.collect(distrib), streamed=lambda: adapter.in_state(distrib)
+    )
+    chunked = ChunkedUpdate(
+        engine, distrib, total_bytes=2 * 512, slots=2, kinds=(STATES,), undo=undo
+    )
     chunked.install()
     at_attach = list(device.buffers)
     per_step = []
@@ -82,9 +91,15 @@ def run_first_steps(steps=3, undo=False) -> dict:
     engine.close()
     chunked.remove()
     device.check()
-    return {"per_step": per_step, "equal": equal, "tensors": tensors, "freed": device.freed,
-            "allocated": len(device.buffers), "undo_peak": chunked.undo.peak_bytes if undo else 0,
-            "at_attach": at_attach}
+    return {
+        "per_step": per_step,
+        "equal": equal,
+        "tensors": tensors,
+        "freed": device.freed,
+        "allocated": len(device.buffers),
+        "undo_peak": chunked.undo.peak_bytes if undo else 0,
+        "at_attach": at_attach,
+    }
 
 
 @pytest.mark.parametrize("undo", [False, True])

@@ -19,10 +19,23 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.integration.test_chunked_refusal import _build, _grads, _kinds, _per_param_need, _Run, _snapshot
+from tests.unit.integration.test_chunked_refusal import (
+    _build,
+    _grads,
+    _kinds,
+    _per_param_need,
+    _Run,
+    _snapshot,
+)
 
-KINDS = [("torch", "fp32", False), ("apex", "fp32", False), ("te", "fp8", True), ("te", "bf16", False),
-         ("te", "fp16", True), ("te", "fp32", True)]
+KINDS = [
+    ("torch", "fp32", False),
+    ("apex", "fp32", False),
+    ("te", "fp8", True),
+    ("te", "bf16", False),
+    ("te", "fp16", True),
+    ("te", "fp32", True),
+]
 
 
 class _Planted(RuntimeError):
@@ -79,7 +92,9 @@ def _scenario(kind, moments, remainders, *, warm, fail, undo=True):
     plan = {"at": None, "when": None, "calls": 0}
     _fail_calls(opt, plan)
     need, planned = _per_param_need(opt, kind)
-    run = _Run(opt, max(need, int(0.3 * sum(planned) * 2)), _kinds(kind), device=_device(), undo=undo)
+    run = _Run(
+        opt, max(need, int(0.3 * sum(planned) * 2)), _kinds(kind), device=_device(), undo=undo
+    )
     for step in range(warm):
         _grads(kind, params, step)
         _grads(kind, ref_params, step)
@@ -115,14 +130,23 @@ def _scenario(kind, moments, remainders, *, warm, fail, undo=True):
     run.reload()
     retried = _snapshot(opt) == _snapshot(ref_opt)
     run.close()
-    return {"error": error, "notes": notes, "calls": calls, "chunks": run.engine.last.update_chunks, "copies": copies,
-            "changed": [repr(k) for k in before if before[k] != after.get(k)],
-            "new_keys": [repr(k) for k in after if k not in before], "created": created, "retried": retried}
+    return {
+        "error": error,
+        "notes": notes,
+        "calls": calls,
+        "chunks": run.engine.last.update_chunks,
+        "copies": copies,
+        "changed": [repr(k) for k in before if before[k] != after.get(k)],
+        "new_keys": [repr(k) for k in after if k not in before],
+        "created": created,
+        "retried": retried,
+    }
 
 
 def _at_call(at, when):
     def fail(run, plan):
         plan["at"], plan["when"] = at, when
+
     return fail
 
 
@@ -131,7 +155,9 @@ def run_failed_calls(kind, moments, remainders, undo):
     for when in ("before", "after"):
         out[when] = _scenario(kind, moments, remainders, warm=2, fail=_at_call(2, when), undo=undo)
     # The first step (states created one parameter per call): the third parameter fails.
-    out["first"] = _scenario(kind, moments, remainders, warm=0, fail=_at_call(3, "after"), undo=undo)
+    out["first"] = _scenario(
+        kind, moments, remainders, warm=0, fail=_at_call(3, "after"), undo=undo
+    )
     return out
 
 
@@ -149,7 +175,9 @@ def test_a_call_failing_part_way_is_undone(isolated, kind, moments, remainders):
 
 
 @pytest.mark.parametrize("kind,moments,remainders", [KINDS[0], KINDS[2]])
-def test_without_the_undo_a_failed_call_leaves_the_step_half_done(isolated, kind, moments, remainders):
+def test_without_the_undo_a_failed_call_leaves_the_step_half_done(
+    isolated, kind, moments, remainders
+):
     out = isolated.run(run_failed_calls, kind, moments, remainders, False)
     for case in ("before", "after"):
         assert out[case]["error"] is not None and out[case]["changed"], case
@@ -158,11 +186,15 @@ def test_without_the_undo_a_failed_call_leaves_the_step_half_done(isolated, kind
 
 def run_every_copy_failing(kind, moments, remainders):
     # How many copies one step makes (H2D into the slots, the undo's copies, copy-backs).
-    total = _scenario(kind, moments, remainders, warm=2, fail=lambda run, plan: run.device.arm(None))["copies"]
+    total = _scenario(
+        kind, moments, remainders, warm=2, fail=lambda run, plan: run.device.arm(None)
+    )["copies"]
     results = {}
     for at in range(1, total + 1):
+
         def fail(run, plan, at=at):
             run.device.arm(at)
+
         results[at] = _scenario(kind, moments, remainders, warm=2, fail=fail)
     return {"total": total, "results": results}
 
@@ -236,8 +268,14 @@ def run_unknown_sizes():
     retry.reload()
     equal = _snapshot(opt) == _snapshot(ref_opt)
     retry.close()
-    return {"planned": planned, "error": error, "notes": notes, "states": states, "equal": equal,
-            "changed": [repr(k) for k in before if before[k] != after.get(k)]}
+    return {
+        "planned": planned,
+        "error": error,
+        "notes": notes,
+        "states": states,
+        "equal": equal,
+        "changed": [repr(k) for k in before if before[k] != after.get(k)],
+    }
 
 
 def test_a_state_larger_than_planned_is_found_part_way_and_the_step_undone(isolated):
@@ -266,9 +304,15 @@ def test_the_undo_buffer_counts_in_the_host_memory_budget():
         params = [torch.nn.Parameter(torch.randn(n)) for n in (40, 24)]
         distrib = types.SimpleNamespace(optimizer=torch.optim.AdamW(params, lr=0.01))
         budget = HostBudget(limit)
-        engine = OffloadEngine(CheckedDevice(), lambda: adapter.collect(distrib),
-                               streamed=lambda: adapter.in_state(distrib), budget=budget)
-        chunked = ChunkedUpdate(engine, distrib, total_bytes=1024, slots=2, kinds=("optimizer_states",), undo=undo)
+        engine = OffloadEngine(
+            CheckedDevice(),
+            lambda: adapter.collect(distrib),
+            streamed=lambda: adapter.in_state(distrib),
+            budget=budget,
+        )
+        chunked = ChunkedUpdate(
+            engine, distrib, total_bytes=1024, slots=2, kinds=("optimizer_states",), undo=undo
+        )
         chunked.install()
         held = sum(budget._held.values())
         chunked.remove()
@@ -298,6 +342,7 @@ def run_undo_that_fails():
         def failing_restore():
             device.arm(1)  # the undo's first copy back raises
             restore()
+
         run.chunked.undo.restore = failing_restore
 
     try:
@@ -311,7 +356,9 @@ def test_an_undo_that_fails_says_the_state_may_be_partly_updated(isolated):
     out = isolated.run(run_undo_that_fails)
     message = out.get("error") or ""
     assert "could not be undone" in message and "Load the last checkpoint" in message, out
-    assert "planted: the update failed after writing" in message and "planted copy failure" in message
+    assert (
+        "planted: the update failed after writing" in message and "planted copy failure" in message
+    )
 
 
 def test_tensors_beside_the_device_are_saved_by_value():
@@ -355,20 +402,34 @@ def run_modelled_step_time(undo):
     from megatron_offload_testing import ModelledDevice
 
     bandwidth = 1e6  # bytes per second, both directions
-    params = [torch.nn.Parameter(torch.randn(256, generator=torch.Generator().manual_seed(i))) for i in range(8)]
+    params = [
+        torch.nn.Parameter(torch.randn(256, generator=torch.Generator().manual_seed(i)))
+        for i in range(8)
+    ]
     opt = torch.optim.AdamW(params, lr=0.01)
     distrib = types.SimpleNamespace(optimizer=opt)
     device = ModelledDevice(capacity=1 << 30, d2h_bandwidth=bandwidth, h2d_bandwidth=bandwidth)
-    engine = OffloadEngine(device, lambda: adapter.collect(distrib), streamed=lambda: adapter.in_state(distrib))
+    engine = OffloadEngine(
+        device, lambda: adapter.collect(distrib), streamed=lambda: adapter.in_state(distrib)
+    )
     slot = 2 * 2 * 256 * 4  # two parameters' moments per chunk
-    chunked = ChunkedUpdate(engine, distrib, total_bytes=2 * slot, slots=2, kinds=("optimizer_states",), undo=undo)
+    chunked = ChunkedUpdate(
+        engine, distrib, total_bytes=2 * slot, slots=2, kinds=("optimizer_states",), undo=undo
+    )
     chunked.install()
     # The update kernel of a call: 3x the time its chunk's undo copies take (moments and
     # parameters of two parameters), so that they can hide behind the update before them.
     saved = slot + 2 * 256 * 4 + 2 * 16
+
     def kernel(inner, args, kwargs):
-        device.model.compute(3 * saved / bandwidth * sum(p.numel() for g in inner.param_groups
-                                                         for p in g["params"]) / 512)
+        device.model.compute(
+            3
+            * saved
+            / bandwidth
+            * sum(p.numel() for g in inner.param_groups for p in g["params"])
+            / 512
+        )
+
     opt.register_step_pre_hook(kernel)
     times = []
     for step in range(3):
@@ -424,6 +485,7 @@ def run_preparation_fails():
 
     def failing_wait(*args, **kwargs):
         raise _Planted("planted: the reload failed")
+
     run.engine.wait = failing_wait
     try:
         run.step()
@@ -453,7 +515,7 @@ def test_neighbouring_tensors_of_one_storage_are_saved_with_one_copy():
 
     flat = torch.arange(64, dtype=torch.float32)
     views = [flat[0:5], flat[8:20], flat[20:24]]  # gaps of 12 bytes and none
-    far = flat[24 + MERGE_GAP_BYTES // 4 + 1:60]  # just beyond the gap merged over
+    far = flat[24 + MERGE_GAP_BYTES // 4 + 1 : 60]  # just beyond the gap merged over
     strided = flat[0:64:2]  # not contiguous: saved on its own
     other = torch.ones(7)
     cpu = torch.device("cpu")

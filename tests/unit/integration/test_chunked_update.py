@@ -20,9 +20,23 @@ from tests.unit.adapters import _jobs
 STEPS, SKIP_AT = 5, 3
 
 
-def chunked_job(model, dtype, *, chunk_fraction=None, slots=2, offload=True, micro=1, kind=None,
-                overrides=None, build=None, plant=None, options=None, attach_at=0, drop_grads=None,
-                fail=None):
+def chunked_job(
+    model,
+    dtype,
+    *,
+    chunk_fraction=None,
+    slots=2,
+    offload=True,
+    micro=1,
+    kind=None,
+    overrides=None,
+    build=None,
+    plant=None,
+    options=None,
+    attach_at=0,
+    drop_grads=None,
+    fail=None,
+):
     """Train STEPS steps (one skipped by the grad-norm threshold) and measure the footprint.
 
     chunk_fraction: chunked_update_bytes as a fraction of the whole state's bytes (raised to
@@ -45,14 +59,17 @@ def chunked_job(model, dtype, *, chunk_fraction=None, slots=2, offload=True, mic
 
         def call(self, params, **kw):
             # Bug: every call starts from the step count the previous call left.
-            self._base_steps = {id(g): g.get("step", chunked_module._ABSENT) for g in self.inner.param_groups}
+            self._base_steps = {
+                id(g): g.get("step", chunked_module._ABSENT) for g in self.inner.param_groups
+            }
             return original(self, params, **kw)
 
         chunked_module.ChunkedUpdate._call = call
     context = _jobs.injected(kind) if kind else contextlib.nullcontext()
     with context:
-        chunks, optimizer, config = models.build(model, dtype, optimizer_overrides=dict(overrides or {}),
-                                                 **(build or {}))
+        chunks, optimizer, config = models.build(
+            model, dtype, optimizer_overrides=dict(overrides or {}), **(build or {})
+        )
         distributed = models.distributed_optimizers(optimizer)
         options = dict(options or {})
         devices = []
@@ -63,14 +80,25 @@ def chunked_job(model, dtype, *, chunk_fraction=None, slots=2, offload=True, mic
                 # What one parameter's states need (slots and the optimizer's temporaries),
                 # sized as the chunked update sizes them, and the whole state's bytes.
                 from megatron_offload.adapters import inner_optimizers
+
                 largest, whole = 0, 0
                 for d in distributed:
                     inner = d.optimizer
                     params = [p for g in inner.param_groups for p in g["params"]]
-                    planned = [inner_optimizers.planned_state_bytes(inner, p, moments=True, masters=True)[0]
-                               for p in params]
-                    ratio = max((inner_optimizers.transient_bytes(inner, p) / n
-                                 for p, n in zip(params, planned) if n), default=0.0)
+                    planned = [
+                        inner_optimizers.planned_state_bytes(inner, p, moments=True, masters=True)[
+                            0
+                        ]
+                        for p in params
+                    ]
+                    ratio = max(
+                        (
+                            inner_optimizers.transient_bytes(inner, p) / n
+                            for p, n in zip(params, planned)
+                            if n
+                        ),
+                        default=0.0,
+                    )
                     largest = max(largest, -(-int(max(planned) * (slots + ratio) + 1) // 16) * 16)
                     whole = max(whole, sum(planned))
                 budget = max(int(chunk_fraction * whole), largest)
@@ -84,9 +112,11 @@ def chunked_job(model, dtype, *, chunk_fraction=None, slots=2, offload=True, mic
                 for index, until in drop_grads.items():
                     if current["step"] < until:
                         flat[index].grad = None
+
             distributed[0].optimizer.register_step_pre_hook(drop)
         failures = []
         if fail is not None:
+
             class PlantedFailure(RuntimeError):
                 pass
 
@@ -103,6 +133,7 @@ def chunked_job(model, dtype, *, chunk_fraction=None, slots=2, offload=True, mic
                             real(*args, **kwargs)
                         raise PlantedFailure("planted failure of an update call")
                     return real(*args, **kwargs)
+
                 d.optimizer.step = failing  # the chunked update calls this one
         offloader = None
         peaks = record_peaks(optimizer, devices)
@@ -129,12 +160,23 @@ def chunked_job(model, dtype, *, chunk_fraction=None, slots=2, offload=True, mic
                     distrib.config.grad_norm_skip_threshold = float("inf")
             if offloader:
                 stats = offloader.stats()
-                figures.append({key: stats[key] for key in (
-                    "update_chunks", "update_copies", "offloaded_bytes", "tracked_bytes", "host_bytes",
-                    "h2d_bytes")})
+                figures.append(
+                    {
+                        key: stats[key]
+                        for key in (
+                            "update_chunks",
+                            "update_copies",
+                            "offloaded_bytes",
+                            "tracked_bytes",
+                            "host_bytes",
+                            "h2d_bytes",
+                        )
+                    }
+                )
                 # What is reloaded whole: the masters megatron keeps beside the optimizer.
                 figures[-1]["whole_bytes"] = sum(
-                    g.nbytes for e in offloader.engines for g in e.groups if not g.streamed)
+                    g.nbytes for e in offloader.engines for g in e.groups if not g.streamed
+                )
         whole = whole_state_bytes(optimizer)
         if offloader:
             offloader.reload()
@@ -142,9 +184,18 @@ def chunked_job(model, dtype, *, chunk_fraction=None, slots=2, offload=True, mic
         models.flush_param_gather(chunks)
         snapshot = _jobs.snapshot(chunks, optimizer) if kind else models.snapshot(chunks, optimizer)
         check_devices(devices)
-        return {"results": results, "figures": figures, "snapshot": snapshot, "peaks": peaks,
-                "budget": budget, "whole": whole, "checked": len(devices), "skip_supported": skip_supported,
-                "optimizers": len(distributed), "failures": failures}
+        return {
+            "results": results,
+            "figures": figures,
+            "snapshot": snapshot,
+            "peaks": peaks,
+            "budget": budget,
+            "whole": whole,
+            "checked": len(devices),
+            "skip_supported": skip_supported,
+            "optimizers": len(distributed),
+            "failures": failures,
+        }
 
 
 def _assert_bitwise(reference, chunked):
@@ -163,13 +214,17 @@ def _assert_bounded(reference, chunked, dtype, *, min_chunks=2):
         updated = [r["update_successful"] for r in off["results"]]
         assert not updated[SKIP_AT] or not off["skip_supported"]
         assert off["checked"] == off["optimizers"]
-        attached_peaks = off["peaks"][len(off["peaks"]) - len(off["figures"]):]
+        attached_peaks = off["peaks"][len(off["peaks"]) - len(off["figures"]) :]
         for step, (peak, figures) in enumerate(zip(attached_peaks, off["figures"])):
             assert peak <= budget, (step, peak, budget)
-            assert figures["h2d_bytes"] <= figures["whole_bytes"]  # no optimizer state reloaded whole
+            assert (
+                figures["h2d_bytes"] <= figures["whole_bytes"]
+            )  # no optimizer state reloaded whole
             if dtype == "fp32":
                 assert figures["whole_bytes"] == 0  # fp32 models have no separate masters
-            assert figures["offloaded_bytes"] == figures["tracked_bytes"] == figures["host_bytes"] > 0
+            assert (
+                figures["offloaded_bytes"] == figures["tracked_bytes"] == figures["host_bytes"] > 0
+            )
             if not updated[step]:
                 assert figures["update_chunks"] == figures["update_copies"] == 0  # nothing streamed
             if updated[step] and step > 0 and updated[step - 1]:
@@ -183,22 +238,64 @@ def _assert_bounded(reference, chunked, dtype, *, min_chunks=2):
 
 CASES = {
     # name: (model, dtype, job options, rank-pool options)
-    "fp32-gpt-overlap-dp2": ("gpt", "fp32", dict(chunk_fraction=0.25, micro=2, build=dict(
-        overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=3000)), {}),
-    "bf16-mlp-one-slot-dp2": ("mlp", "bf16", dict(chunk_fraction=0.3, slots=1, build=dict(
-        overlap_grad_reduce=True, bucket_size=1000)), {}),
-    "fp16-mlp-loss-scaler-dp2": ("mlp", "fp16", dict(chunk_fraction=0.2, overrides={
-        "initial_loss_scale": 2.0**24, "hysteresis": 1}, build=dict(num_layers=4)), {}),
-    "bf16-gpt-backward-prefetch-dp2": ("gpt", "bf16", dict(chunk_fraction=0.3, micro=2, options={"prefetch": 0.5}), {}),
-    "bf16-moe-ep2": ("gpt", "bf16", dict(chunk_fraction=0.3, build=dict(transformer_overrides=dict(
-        num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="allgather",
-        expert_model_parallel_size=2))), {"ep": 2}),
+    "fp32-gpt-overlap-dp2": (
+        "gpt",
+        "fp32",
+        dict(
+            chunk_fraction=0.25,
+            micro=2,
+            build=dict(overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=3000),
+        ),
+        {},
+    ),
+    "bf16-mlp-one-slot-dp2": (
+        "mlp",
+        "bf16",
+        dict(chunk_fraction=0.3, slots=1, build=dict(overlap_grad_reduce=True, bucket_size=1000)),
+        {},
+    ),
+    "fp16-mlp-loss-scaler-dp2": (
+        "mlp",
+        "fp16",
+        dict(
+            chunk_fraction=0.2,
+            overrides={"initial_loss_scale": 2.0**24, "hysteresis": 1},
+            build=dict(num_layers=4),
+        ),
+        {},
+    ),
+    "bf16-gpt-backward-prefetch-dp2": (
+        "gpt",
+        "bf16",
+        dict(chunk_fraction=0.3, micro=2, options={"prefetch": 0.5}),
+        {},
+    ),
+    "bf16-moe-ep2": (
+        "gpt",
+        "bf16",
+        dict(
+            chunk_fraction=0.3,
+            build=dict(
+                transformer_overrides=dict(
+                    num_moe_experts=4,
+                    moe_router_topk=2,
+                    moe_token_dispatcher_type="allgather",
+                    expert_model_parallel_size=2,
+                )
+            ),
+        ),
+        {"ep": 2},
+    ),
 }
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=[pytest.mark.floor] if name == "bf16-mlp-one-slot-dp2" else []) for name in CASES
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=[pytest.mark.floor] if name == "bf16-mlp-one-slot-dp2" else [])
+        for name in CASES
+    ],
+)
 def test_chunked_update_is_bitwise_and_bounded(rank_pool, name):
     model, dtype, job, pool = CASES[name]
     reference = rank_pool.run(chunked_job, model, dtype, offload=False, **job, **pool)
@@ -222,17 +319,20 @@ PRECISION_AWARE_FP8 = _jobs.precision_aware(True, "fp8", "fp8", "fp32")
 PRECISION_AWARE_BF16 = _jobs.precision_aware(False, "bf16", "bf16", "fp32")
 
 
-@pytest.mark.parametrize("kind,overrides", [
-    pytest.param("te", PRECISION_AWARE_FP8, id="te-precision-aware-fp8"),
-    # The double's TE lines ("te@LINE", see tests/doubles/te_fused_adam.py): 2.8-2.12 unscale
-    # bf16 moments into fp32 temporaries, 2.13+ update them in place, 2.19+ count empty groups.
-    pytest.param("te@2.12", PRECISION_AWARE_FP8, id="te-2.12-precision-aware-fp8"),
-    pytest.param("te@2.12", PRECISION_AWARE_BF16, id="te-2.12-precision-aware-bf16"),
-    pytest.param("te", PRECISION_AWARE_BF16, id="te-2.17-precision-aware-bf16"),
-    pytest.param("te@2.19", PRECISION_AWARE_FP8, id="te-2.19-precision-aware-fp8"),
-    pytest.param("te", {}, id="te-plain"),
-    pytest.param("apex", {}, id="apex"),
-])
+@pytest.mark.parametrize(
+    "kind,overrides",
+    [
+        pytest.param("te", PRECISION_AWARE_FP8, id="te-precision-aware-fp8"),
+        # The double's TE lines ("te@LINE", see tests/doubles/te_fused_adam.py): 2.8-2.12 unscale
+        # bf16 moments into fp32 temporaries, 2.13+ update them in place, 2.19+ count empty groups.
+        pytest.param("te@2.12", PRECISION_AWARE_FP8, id="te-2.12-precision-aware-fp8"),
+        pytest.param("te@2.12", PRECISION_AWARE_BF16, id="te-2.12-precision-aware-bf16"),
+        pytest.param("te", PRECISION_AWARE_BF16, id="te-2.17-precision-aware-bf16"),
+        pytest.param("te@2.19", PRECISION_AWARE_FP8, id="te-2.19-precision-aware-fp8"),
+        pytest.param("te", {}, id="te-plain"),
+        pytest.param("apex", {}, id="apex"),
+    ],
+)
 def test_chunked_update_with_fused_adam(rank_pool, kind, overrides):
     """Per-group step counters (advanced once per step(), however many calls), FP8 moments
     streamed through their buffers, masters inside the state (precision-aware) streamed."""
@@ -281,10 +381,13 @@ def test_planted_group_step_bug_is_caught(rank_pool):
     assert all(max(f["update_chunks"] for f in rank["figures"]) >= 2 for rank in planted)
 
 
-@pytest.mark.parametrize("kind,overrides,when", [
-    pytest.param(None, {}, "after", id="torch-adamw"),
-    pytest.param("te", PRECISION_AWARE_FP8, "before", id="te-precision-aware-fp8"),
-])
+@pytest.mark.parametrize(
+    "kind,overrides,when",
+    [
+        pytest.param(None, {}, "after", id="torch-adamw"),
+        pytest.param("te", PRECISION_AWARE_FP8, "before", id="te-precision-aware-fp8"),
+    ],
+)
 def test_a_step_failing_part_way_is_undone_and_can_be_run_again(rank_pool, kind, overrides, when):
     """An inner step call fails at step 2 after earlier calls updated their parameters (the
     third call; the first two streamed chunks were copied back): megatron's step raises, the
@@ -293,8 +396,9 @@ def test_a_step_failing_part_way_is_undone_and_can_be_run_again(rank_pool, kind,
     parameters twice)."""
     job = dict(chunk_fraction=0.25, kind=kind, overrides=overrides, build=dict(num_layers=4))
     reference = rank_pool.run(chunked_job, "mlp", "bf16", offload=False, **job)
-    failed = rank_pool.run(chunked_job, "mlp", "bf16", fail=(2, 3, when), options={"chunked_update_undo": True},
-                           **job)
+    failed = rank_pool.run(
+        chunked_job, "mlp", "bf16", fail=(2, 3, when), options={"chunked_update_undo": True}, **job
+    )
     _assert_bitwise(reference, failed)
     for rank in failed:
         assert [f["step"] for f in rank["failures"]] == [2]
@@ -322,7 +426,9 @@ def slot_size_job(kind, budget_per_element, steps):
         inner = models.distributed_optimizers(optimizer)[0].optimizer
         largest = max(p.numel() for g in inner.param_groups for p in g["params"])
         try:
-            megatron_offload.attach(optimizer, chunked_update_bytes=2 * budget_per_element * largest)
+            megatron_offload.attach(
+                optimizer, chunked_update_bytes=2 * budget_per_element * largest
+            )
         except ValueError as error:
             return "attach", str(error), len(inner.state)
         try:

@@ -34,8 +34,12 @@ def _grads(params, step):
 
 def _attached(opt, budget=2 * 2 * 128):  # two slots of the largest parameter's moments
     distrib = types.SimpleNamespace(optimizer=opt)
-    engine = OffloadEngine(CPUDevice(), lambda: adapter.collect(distrib), streamed=lambda: adapter.in_state(distrib))
-    chunked = ChunkedUpdate(engine, distrib, total_bytes=budget, slots=2, kinds=("optimizer_states",))
+    engine = OffloadEngine(
+        CPUDevice(), lambda: adapter.collect(distrib), streamed=lambda: adapter.in_state(distrib)
+    )
+    chunked = ChunkedUpdate(
+        engine, distrib, total_bytes=budget, slots=2, kinds=("optimizer_states",)
+    )
     chunked.install()
     return engine, chunked
 
@@ -74,7 +78,9 @@ def run_paths():
     engine.reload()
     engine.wait()
     out["bitwise"] = all(torch.equal(a, b) for a, b in zip(params, ref_params)) and all(
-        torch.equal(opt.state[a][k], ref.state[b][k]) for a, b in zip(params, ref_params) for k in ("exp_avg", "exp_avg_sq")
+        torch.equal(opt.state[a][k], ref.state[b][k])
+        for a, b in zip(params, ref_params)
+        for k in ("exp_avg", "exp_avg_sq")
     )
     chunked.remove()
     out["step_restored"] = "step" not in vars(opt)
@@ -101,7 +107,9 @@ class _Replacing(torch.optim.AdamW):
             for p in group["params"]:
                 new = self.state[p]["exp_avg"].clone()
                 late = float(self.state[p]["step"]) > 1  # after the states were created
-                self.state[p]["exp_avg"] = new.to(self.cast) if self.cast is not None and late else new
+                self.state[p]["exp_avg"] = (
+                    new.to(self.cast) if self.cast is not None and late else new
+                )
         return result
 
 
@@ -118,7 +126,9 @@ def run_replacing(cls, steps=3):
         try:
             opt.step()
         except OffloadStateError as exc:
-            return str(exc), all(opt.state[p]["exp_avg"].untyped_storage().nbytes() == 0 for p in params)
+            return str(exc), all(
+                opt.state[p]["exp_avg"].untyped_storage().nbytes() == 0 for p in params
+            )
         finally:
             chunked.active = False
         engine.offload()
@@ -159,7 +169,10 @@ def test_a_refusal_half_way_through_attaching_unwraps_every_optimizer():
     engines = [OffloadEngine(CPUDevice(), lambda: []) for _ in range(2)]
     offloader = types.SimpleNamespace(
         engines=engines,
-        _distributed=[types.SimpleNamespace(optimizer=small), types.SimpleNamespace(optimizer=large)],
+        _distributed=[
+            types.SimpleNamespace(optimizer=small),
+            types.SimpleNamespace(optimizer=large),
+        ],
         config=OffloadConfig(chunked_update_bytes=4096),
     )
     with pytest.raises(ValueError, match="give at least 160,000 bytes"):

@@ -12,7 +12,9 @@ def _resident_sizes(offloader, distributed):
     for d in distributed:
         for _, t in adapter.collect(d):
             storage = t.untyped_storage()
-            storages[(storage.data_ptr(), id(t)) if storage.nbytes() == 0 else storage.data_ptr()] = storage.nbytes()
+            storages[
+                (storage.data_ptr(), id(t)) if storage.nbytes() == 0 else storage.data_ptr()
+            ] = storage.nbytes()
     return list(storages.values())
 
 
@@ -37,11 +39,22 @@ def thousand_cycles_job(cycles):
         offloader.reload()
         offloader.wait()
         stats = offloader.stats()
-        figures.add((released, offloaded["offloaded_bytes"], stats["resident_bytes"], stats["host_bytes"],
-                     stats["d2h_copies"], stats["h2d_copies"], sum(_resident_sizes(offloader, distributed)),
-                     offloader.engines[0]._host.buffer.data_ptr() == arena))
+        figures.add(
+            (
+                released,
+                offloaded["offloaded_bytes"],
+                stats["resident_bytes"],
+                stats["host_bytes"],
+                stats["d2h_copies"],
+                stats["h2d_copies"],
+                sum(_resident_sizes(offloader, distributed)),
+                offloader.engines[0]._host.buffer.data_ptr() == arena,
+            )
+        )
     after = models.snapshot(chunks, optimizer)
-    same = all(torch.equal(before[s][k], after[s][k]) for s in ("params", "optimizer") for k in before[s])
+    same = all(
+        torch.equal(before[s][k], after[s][k]) for s in ("params", "optimizer") for k in before[s]
+    )
     return {"same": same, "figures": sorted(figures)}
 
 
@@ -60,7 +73,9 @@ def rl_job(offload, checked=False):
     from tests.harness import models
     from tests.support.checked import check_devices, checked_device_options
 
-    chunks, optimizer, config = models.build("mlp", "bf16", overlap_grad_reduce=True, bucket_size=1000)
+    chunks, optimizer, config = models.build(
+        "mlp", "bf16", overlap_grad_reduce=True, bucket_size=1000
+    )
     options, devices = checked_device_options() if checked else ({}, [])
     offloader = megatron_offload.attach(optimizer, **options) if offload else None
     seen, results = {}, []
@@ -150,10 +165,15 @@ def rl_selection_job(offload, checked=False):
     from tests.harness import models
     from tests.support.checked import check_devices, checked_device_options
 
-    chunks, optimizer, config = models.build("mlp", "bf16", overlap_grad_reduce=True, bucket_size=1000)
+    chunks, optimizer, config = models.build(
+        "mlp", "bf16", overlap_grad_reduce=True, bucket_size=1000
+    )
     options, devices = checked_device_options() if checked else ({}, [])
-    offloader = (megatron_offload.attach(optimizer, offload_primary_weights=False, **options)
-                 if offload else None)
+    offloader = (
+        megatron_offload.attach(optimizer, offload_primary_weights=False, **options)
+        if offload
+        else None
+    )
     seen, results = {}, []
 
     def rollout():
@@ -219,7 +239,9 @@ def test_rl_blocks_free_what_the_caller_names_and_restore_it(rank_pool, checked)
         assert step_places == {states: released, masters: resident}
         # The block frees the masters too, although the moments were offloaded already.
         rollout_places, rollout_bytes = seen["rollout"]
-        assert rollout_places == {states: released, masters: released} and rollout_bytes > step_bytes
+        assert (
+            rollout_places == {states: released, masters: released} and rollout_bytes > step_bytes
+        )
         for name in ("nested-default", "nested-masters", "after-nested"):
             assert seen[name] == seen["rollout"], name
         assert seen["after-block"] == seen["after-step"]  # everything back as it was
@@ -261,7 +283,7 @@ def offload_hooks_job():
     offloader.reload()
     offloader.wait()
     offloader.offload()
-    return {"calls": watched, "after_remove": calls[len(watched):]}
+    return {"calls": watched, "after_remove": calls[len(watched) :]}
 
 
 def test_offload_hooks_run_around_every_release_until_removed(rank_pool):

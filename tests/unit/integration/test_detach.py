@@ -24,18 +24,30 @@ def _readme_world():
     ``generate``, built the way megatron.training builds them."""
     from functools import partial
 
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.module import Float16Module
 
     from tests.harness import models
 
-    spec = models.HarnessSpec(model="mlp", dtype="bf16", seq_length=16, micro_batch_size=2, hidden=64,
-                              vocab_size=128, data_seed=0)
+    spec = models.HarnessSpec(
+        model="mlp",
+        dtype="bf16",
+        seq_length=16,
+        micro_batch_size=2,
+        hidden=64,
+        vocab_size=128,
+        data_seed=0,
+    )
     config = models._transformer_config("mlp", "bf16", 2, 64, 4)
     module = Float16Module(config, models._build_module(spec, config))
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True
+    )
     model_chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)]
     config.finalize_model_grads_func = finalize_model_grads  # as megatron.training sets it
 
@@ -46,9 +58,14 @@ def _readme_world():
         for chunk in model_chunks:
             chunk.zero_grad_buffer()  # Megatron's train_step does this beside zero_grad()
         return get_forward_backward_func()(
-            forward_step_func=partial(models._forward_step, spec), data_iterator=iter([batch]),
-            model=model_chunks, num_microbatches=1, seq_length=spec.seq_length,
-            micro_batch_size=spec.micro_batch_size, forward_only=False)
+            forward_step_func=partial(models._forward_step, spec),
+            data_iterator=iter([batch]),
+            model=model_chunks,
+            num_microbatches=1,
+            seq_length=spec.seq_length,
+            micro_batch_size=spec.micro_batch_size,
+            forward_only=False,
+        )
 
     def generate(chunks):  # stands for a rollout: inference with the current weights
         batch = models._micro_batch(spec, 1000, 0)
@@ -62,9 +79,9 @@ def readme_example_job(offload):
     import contextlib
     import io
 
-    import megatron_offload
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    import megatron_offload
     from tests.harness import models
 
     model_chunks, data_for, forward_backward, generate = _readme_world()
@@ -77,27 +94,27 @@ def readme_example_job(offload):
         model_chunks,
     )
     if offload:
-        offloader = megatron_offload.attach(optimizer)   # attach to what the loop steps
+        offloader = megatron_offload.attach(optimizer)  # attach to what the loop steps
 
     printed = io.StringIO()
     for batch in data:
         optimizer.zero_grad()
-        losses = forward_backward(batch)   # the states are not on the device here
-        optimizer.step()                   # reloads (asynchronously), updates, offloads again
+        losses = forward_backward(batch)  # the states are not on the device here
+        optimizer.step()  # reloads (asynchronously), updates, offloads again
         if offload:
             with contextlib.redirect_stdout(printed):
                 print(offloader.summary())
         losses_seen.append([float(x["lm loss"][0]) for x in losses])
 
     if offload:
-        with offloader.offloaded():        # free them outside the step cycle too (an RL rollout)
+        with offloader.offloaded():  # free them outside the step cycle too (an RL rollout)
             rollouts = generate(model_chunks)
     else:
         rollouts = generate(model_chunks)
 
     if offload:
         offloaded_at_detach = offloader.is_offloaded
-        offloader.detach()                 # optional: a plain optimizer again
+        offloader.detach()  # optional: a plain optimizer again
     # ---- end of the README's snippet ----
 
     distrib = models.distributed_optimizers(optimizer)[0]
@@ -105,8 +122,12 @@ def readme_example_job(offload):
         "state_type": type(distrib.optimizer.state).__name__,
         "step_restored": "step" not in vars(optimizer),
         "offloader_gone": getattr(distrib, "_state_offloader", None) is None,
-        "all_resident": all(t.untyped_storage().nbytes() > 0 for s in distrib.optimizer.state.values()
-                            for t in s.values() if isinstance(t, torch.Tensor)),
+        "all_resident": all(
+            t.untyped_storage().nbytes() > 0
+            for s in distrib.optimizer.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor)
+        ),
     }
     # Training goes on with the plain optimizer.
     for batch in data_for(range(3, 5)):
@@ -114,9 +135,14 @@ def readme_example_job(offload):
         losses = forward_backward(batch)
         optimizer.step()
         losses_seen.append([float(x["lm loss"][0]) for x in losses])
-    return {"losses": losses_seen, "rollouts": rollouts, "printed": printed.getvalue(), "plain": plain,
-            "offloaded_at_detach": offloaded_at_detach if offload else None,
-            "snapshot": models.snapshot(model_chunks, optimizer)}
+    return {
+        "losses": losses_seen,
+        "rollouts": rollouts,
+        "printed": printed.getvalue(),
+        "plain": plain,
+        "offloaded_at_detach": offloaded_at_detach if offload else None,
+        "snapshot": models.snapshot(model_chunks, optimizer),
+    }
 
 
 @pytest.mark.floor
@@ -132,8 +158,16 @@ def test_the_readme_example_runs_as_written_and_detach_leaves_a_plain_optimizer(
         printed = off["printed"].splitlines()
         assert len(printed) == 3 and all(line.startswith("offloaded ") for line in printed)
         assert printed[-1].endswith("| 3 cycles") and "last D2H" in printed[-1]
-        assert off["plain"] == ref["plain"] == {"state_type": "defaultdict", "step_restored": True,
-                                                "offloader_gone": True, "all_resident": True}
+        assert (
+            off["plain"]
+            == ref["plain"]
+            == {
+                "state_type": "defaultdict",
+                "step_restored": True,
+                "offloader_gone": True,
+                "all_resident": True,
+            }
+        )
 
 
 # ------------------------------------------------------------------ detach while offloaded
@@ -170,12 +204,21 @@ def detach_job(offload, where="after-step", checked=False, options=None):
         seen["offloaded_after"] = offloader.is_offloaded
         seen["detached"] = offloader.detached
         seen["stats_after"] = {k: offloader.stats()[k] for k in ("host_bytes", "tracked_bytes")}
-        seen["state_restored"] = (type(distrib.optimizer.state) is collections.defaultdict
-                                  and distrib.optimizer.state is original_state)
-        seen["all_resident"] = all(t.untyped_storage().nbytes() > 0 for s in distrib.optimizer.state.values()
-                                   for t in s.values() if isinstance(t, torch.Tensor))
-        seen["masters_resident"] = all(m.untyped_storage().nbytes() > 0
-                                       for g in distrib.shard_fp32_from_float16_groups for m in g)
+        seen["state_restored"] = (
+            type(distrib.optimizer.state) is collections.defaultdict
+            and distrib.optimizer.state is original_state
+        )
+        seen["all_resident"] = all(
+            t.untyped_storage().nbytes() > 0
+            for s in distrib.optimizer.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor)
+        )
+        seen["masters_resident"] = all(
+            m.untyped_storage().nbytes() > 0
+            for g in distrib.shard_fp32_from_float16_groups
+            for m in g
+        )
     for step in range(2, 5):
         results.append(models.train_step(chunks, optimizer, config, step))
     if offloader:
@@ -184,16 +227,26 @@ def detach_job(offload, where="after-step", checked=False, options=None):
     return {"results": results, "seen": seen, "snapshot": models.snapshot(chunks, optimizer)}
 
 
-@pytest.mark.parametrize("where,checked,options", [
-    ("after-step", True, None),
-    ("inside-block", False, None),
-    ("after-explicit-offload", False, None),
-    ("reloading", True, None),
-    ("after-step", True, {"chunked_update_bytes": 1 << 17}),
-], ids=["after-step-checked", "inside-block", "after-explicit-offload", "reloading-checked",
-        "chunked-update-checked"])
-def test_detach_while_offloaded_brings_states_back_and_training_goes_on_bitwise(rank_pool, where, checked,
-                                                                               options):
+@pytest.mark.parametrize(
+    "where,checked,options",
+    [
+        ("after-step", True, None),
+        ("inside-block", False, None),
+        ("after-explicit-offload", False, None),
+        ("reloading", True, None),
+        ("after-step", True, {"chunked_update_bytes": 1 << 17}),
+    ],
+    ids=[
+        "after-step-checked",
+        "inside-block",
+        "after-explicit-offload",
+        "reloading-checked",
+        "chunked-update-checked",
+    ],
+)
+def test_detach_while_offloaded_brings_states_back_and_training_goes_on_bitwise(
+    rank_pool, where, checked, options
+):
     reference = rank_pool.run(detach_job, False)
     detached = rank_pool.run(detach_job, True, where, checked, options)
     for ref, off in zip(reference, detached):
@@ -202,6 +255,9 @@ def test_detach_while_offloaded_brings_states_back_and_training_goes_on_bitwise(
         seen = off["seen"]
         assert seen["offloaded_before"]  # the step cycle offloaded after each step
         assert seen["detached"] and not seen["offloaded_after"]
-        assert seen["stats_after"] == {"host_bytes": 0, "tracked_bytes": 0}  # host memory given back
+        assert seen["stats_after"] == {
+            "host_bytes": 0,
+            "tracked_bytes": 0,
+        }  # host memory given back
         assert seen["state_restored"] and seen["all_resident"] and seen["masters_resident"]
         assert seen["stays_resident"]  # the plain optimizer's steps offload nothing

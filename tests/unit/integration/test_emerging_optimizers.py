@@ -27,8 +27,11 @@ pytestmark = pytest.mark.skipif(
 OPTIMIZERS = ["lion", "muon", "soap"]
 INNER = {"lion": "Lion", "muon": "TensorParallelMuon", "soap": "SOAP"}
 # Full-size state tensors per matrix parameter, found in the state (not from these names).
-STATE_KEYS = {"lion": {"exp_avg"}, "muon": {"momentum_buffer"},
-              "soap": {"exp_avg", "exp_avg_sq", "L", "R", "Q_L", "Q_R"}}
+STATE_KEYS = {
+    "lion": {"exp_avg"},
+    "muon": {"momentum_buffer"},
+    "soap": {"exp_avg", "exp_avg_sq", "L", "R", "Q_L", "Q_R"},
+}
 
 
 def _leaves(optimizer):
@@ -44,8 +47,16 @@ def _figures(offloader, optimizer):
         from megatron_offload.adapters import megatron_wrappers as adapter
 
         sizes += [t.untyped_storage().nbytes() for _, t in adapter.collect(leaf)]
-    keys = ("tracked_bytes", "offloaded_bytes", "resident_bytes", "host_bytes", "kept_resident_bytes",
-            "d2h_copies", "h2d_copies", "groups")
+    keys = (
+        "tracked_bytes",
+        "offloaded_bytes",
+        "resident_bytes",
+        "host_bytes",
+        "kept_resident_bytes",
+        "d2h_copies",
+        "h2d_copies",
+        "groups",
+    )
     return {**{k: stats[k] for k in keys}, "max_storage": max(sizes, default=0)}
 
 
@@ -55,7 +66,9 @@ def _state_facts(offloader, optimizer):
     facts = {}
     for engine, leaf in zip(offloader.engines, offloader._distributed):
         name = type(leaf.optimizer).__name__
-        entry = facts.setdefault(name, {"keys": set(), "untracked": [], "state_bytes": 0, "numel": 0})
+        entry = facts.setdefault(
+            name, {"keys": set(), "untracked": [], "state_bytes": 0, "numel": 0}
+        )
         for group in leaf.optimizer.param_groups:
             for param in group["params"]:
                 state = dict.get(leaf.optimizer.state, param) or {}
@@ -69,13 +82,16 @@ def _state_facts(offloader, optimizer):
     return facts
 
 
-def emerging_job(name, steps, offload, *, layer_wise=False, options=None, checked=False, skip_at=None, rl_at=None):
+def emerging_job(
+    name, steps, offload, *, layer_wise=False, options=None, checked=False, skip_at=None, rl_at=None
+):
     import megatron_offload
     from tests.harness import models
     from tests.support.checked import check_devices, checked_device_options
 
-    chunks, optimizer, config = models.build("gpt", "bf16", optimizer=name, use_distributed_optimizer=False,
-                                             layer_wise=layer_wise)
+    chunks, optimizer, config = models.build(
+        "gpt", "bf16", optimizer=name, use_distributed_optimizer=False, layer_wise=layer_wise
+    )
     devices = []
     if checked:
         options, devices = checked_device_options(options)
@@ -101,11 +117,19 @@ def emerging_job(name, steps, offload, *, layer_wise=False, options=None, checke
         facts = _state_facts(offloader, optimizer)
     snapshot = models.snapshot(chunks, optimizer)
     check_devices(devices)
-    return {"results": results, "figures": figures, "snapshot": snapshot, "facts": facts,
-            "rl": rl if rl_at is not None else None,
-            "update_chunks": offloader.stats()["update_chunks"] if offloader else 0,
-            "classes": [type(leaf).__name__ + "/" + type(leaf.optimizer).__name__ for leaf in _leaves(optimizer)],
-            "top": type(optimizer).__name__, "checked": len(devices)}
+    return {
+        "results": results,
+        "figures": figures,
+        "snapshot": snapshot,
+        "facts": facts,
+        "rl": rl if rl_at is not None else None,
+        "update_chunks": offloader.stats()["update_chunks"] if offloader else 0,
+        "classes": [
+            type(leaf).__name__ + "/" + type(leaf.optimizer).__name__ for leaf in _leaves(optimizer)
+        ],
+        "top": type(optimizer).__name__,
+        "checked": len(devices),
+    }
 
 
 def _rl_phase(chunks, optimizer, config, offloader):
@@ -119,17 +143,43 @@ def _rl_phase(chunks, optimizer, config, offloader):
     with torch.no_grad():
         if offloader:
             with offloader.offloaded(offload_primary_weights=True):
-                seen["block_offloaded"] = offloader.stats()["offloaded_bytes"] == offloader.stats()["tracked_bytes"]
-                chunks[0](batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
-            seen["back_after_block"] = offloader.is_offloaded  # as before the block: the step cycle's
+                seen["block_offloaded"] = (
+                    offloader.stats()["offloaded_bytes"] == offloader.stats()["tracked_bytes"]
+                )
+                chunks[0](
+                    batch["tokens"],
+                    batch["position_ids"],
+                    batch["attention_mask"],
+                    labels=batch["labels"],
+                )
+            seen["back_after_block"] = (
+                offloader.is_offloaded
+            )  # as before the block: the step cycle's
             optimizer.offload_to_cpu()
-            seen["offload_to_cpu_routed"] = offloader.stats()["offloaded_bytes"] == offloader.stats()["tracked_bytes"]
-            chunks[0](batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+            seen["offload_to_cpu_routed"] = (
+                offloader.stats()["offloaded_bytes"] == offloader.stats()["tracked_bytes"]
+            )
+            chunks[0](
+                batch["tokens"],
+                batch["position_ids"],
+                batch["attention_mask"],
+                labels=batch["labels"],
+            )
             optimizer.restore_from_cpu()
             seen["restored"] = not offloader.is_offloaded
         else:
-            chunks[0](batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
-            chunks[0](batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+            chunks[0](
+                batch["tokens"],
+                batch["position_ids"],
+                batch["attention_mask"],
+                labels=batch["labels"],
+            )
+            chunks[0](
+                batch["tokens"],
+                batch["position_ids"],
+                batch["attention_mask"],
+                labels=batch["labels"],
+            )
     return seen
 
 
@@ -159,11 +209,15 @@ def test_emerging_optimizer_is_bitwise_identical_with_offloading(rank_pool, name
     top = "LayerWiseDistributedOptimizer" if layer_wise else "ChainedOptimizer"
     for rank in offloaded:
         assert rank["top"] == top
-        assert rank["classes"] == [f"Float16OptimizerWithFloat16Params/{INNER[name]}",
-                                   "Float16OptimizerWithFloat16Params/AdamW"]
+        assert rank["classes"] == [
+            f"Float16OptimizerWithFloat16Params/{INNER[name]}",
+            "Float16OptimizerWithFloat16Params/AdamW",
+        ]
     # Every full-size state tensor of the emerging optimizer is tracked (found in the state).
     # Layer-wise, a rank may own no matrix parameter of one kind: look over all ranks.
-    keys = set().union(*(rank["facts"].get(INNER[name], {}).get("keys", set()) for rank in offloaded))
+    keys = set().union(
+        *(rank["facts"].get(INNER[name], {}).get("keys", set()) for rank in offloaded)
+    )
     assert keys == STATE_KEYS[name]
     for rank in offloaded:
         for facts in rank["facts"].values():
@@ -186,7 +240,13 @@ def test_skipped_step_and_checked_device(rank_pool, name):
     reference = rank_pool.run(emerging_job, name, 5, False, skip_at=3)
     offloaded = rank_pool.run(emerging_job, name, 5, True, skip_at=3, checked=True)
     assert_bitwise_equal(reference, offloaded)
-    assert [r["update_successful"] for r in reference[0]["results"]] == [True, True, True, False, True]
+    assert [r["update_successful"] for r in reference[0]["results"]] == [
+        True,
+        True,
+        True,
+        False,
+        True,
+    ]
     for rank in offloaded:
         assert rank["checked"] == 2  # one checked device per engine
         assert rank["figures"][3]["d2h_copies"] == 0
@@ -200,8 +260,12 @@ def test_rl_phases(rank_pool, name):
     offloaded = rank_pool.run(emerging_job, name, 4, True, rl_at=1)
     assert_bitwise_equal(reference, offloaded)
     for rank in offloaded:
-        assert rank["rl"] == {"block_offloaded": True, "back_after_block": True,
-                              "offload_to_cpu_routed": True, "restored": True}
+        assert rank["rl"] == {
+            "block_offloaded": True,
+            "back_after_block": True,
+            "offload_to_cpu_routed": True,
+            "restored": True,
+        }
 
 
 # Slots of twice the largest parameter's states: SOAP's [256, 64] matrix keeps its moments,

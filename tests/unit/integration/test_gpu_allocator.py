@@ -27,7 +27,6 @@ STEPS, WARMUP = 6, 2
 PIECE = 8 << 20  # small against the state, so that it is split into many pieces
 
 
-
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -47,8 +46,9 @@ def allocator_job(port, max_piece_bytes, dry_run=False, hidden=2048, layers=8):
 
         cpu_megatron.install()
     torch.cuda.set_device(0)
-    dist.init_process_group("gloo" if dry_run else "nccl", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo" if dry_run else "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+    )
     try:
         return _train(max_piece_bytes, dry_run, hidden, layers)
     finally:
@@ -62,13 +62,16 @@ def allocator_job(port, max_piece_bytes, dry_run=False, hidden=2048, layers=8):
 
 def _allocator() -> dict:
     stats = torch.cuda.memory_stats()
-    return {"retries": stats.get("num_alloc_retries", 0), "ooms": stats.get("num_ooms", 0),
-            "allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
-            "peak_reserved": torch.cuda.max_memory_reserved()}
+    return {
+        "retries": stats.get("num_alloc_retries", 0),
+        "ooms": stats.get("num_ooms", 0),
+        "allocated": torch.cuda.memory_allocated(),
+        "reserved": torch.cuda.memory_reserved(),
+        "peak_reserved": torch.cuda.max_memory_reserved(),
+    }
 
 
 def _train(max_piece_bytes, dry_run, hidden, layers):
-    from functools import partial
 
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -81,8 +84,16 @@ def _train(max_piece_bytes, dry_run, hidden, layers):
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)
     chunks, optimizer, config = models.build(
-        "mlp", "bf16", overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=1 << 22,
-        num_layers=layers, hidden=hidden, seq_length=16 if dry_run else 512, micro_batch_size=4)
+        "mlp",
+        "bf16",
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+        bucket_size=1 << 22,
+        num_layers=layers,
+        hidden=hidden,
+        seq_length=16 if dry_run else 512,
+        micro_batch_size=4,
+    )
     offloader = megatron_offload.attach(optimizer, max_piece_bytes=max_piece_bytes)
     spec = config.harness_spec
     device = torch.device("cpu") if dry_run else torch.device("cuda", 0)
@@ -103,16 +114,27 @@ def _train(max_piece_bytes, dry_run, hidden, layers):
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
         get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter([models._micro_batch(spec, step, 0)]),
-            model=chunks, num_microbatches=1, seq_length=spec.seq_length,
-            micro_batch_size=spec.micro_batch_size, forward_only=False)
+            forward_step_func=forward_step,
+            data_iterator=iter([models._micro_batch(spec, step, 0)]),
+            model=chunks,
+            num_microbatches=1,
+            seq_length=spec.seq_length,
+            micro_batch_size=spec.micro_batch_size,
+            forward_only=False,
+        )
         ok, _, _ = optimizer.step()
         if not dry_run:
             torch.cuda.synchronize()
         stats = offloader.stats()
-        figures.append({"ok": bool(ok), "pieces": stats["pieces"], "offloaded": stats["offloaded_bytes"],
-                        "tracked": stats["tracked_bytes"],
-                        "allocator": None if dry_run else _allocator()})
+        figures.append(
+            {
+                "ok": bool(ok),
+                "pieces": stats["pieces"],
+                "offloaded": stats["offloaded_bytes"],
+                "tracked": stats["tracked_bytes"],
+                "allocator": None if dry_run else _allocator(),
+            }
+        )
     # Bytes returned: reload, then offload again and see the allocator's count drop.
     offloader.reload()
     offloader.wait()
@@ -154,8 +176,10 @@ def test_no_allocator_retries_in_steady_state_on_a_gpu(max_piece_bytes):
     _assert_pieces(out, max_piece_bytes)
     retries = [f["allocator"]["retries"] for f in out["figures"]]
     ooms = [f["allocator"]["ooms"] for f in out["figures"]]
-    print(f"\nnum_alloc_retries per iteration: {retries}; reserved/allocated per iteration: "
-          f"{[(f['allocator']['reserved'], f['allocator']['allocated']) for f in out['figures']]}")
+    print(
+        f"\nnum_alloc_retries per iteration: {retries}; reserved/allocated per iteration: "
+        f"{[(f['allocator']['reserved'], f['allocator']['allocated']) for f in out['figures']]}"
+    )
     assert retries[-1] == retries[WARMUP - 1], f"allocator retries in steady state: {retries}"
     assert ooms[-1] == 0, ooms
     assert out["returned"] >= out["tracked"], (out["returned"], out["tracked"])

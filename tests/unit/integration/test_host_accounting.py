@@ -59,13 +59,15 @@ def accounting_job(mode):
         before = sum(d.copied for d in devices)
         models.train_step(chunks, optimizer, config, step)
         stats = offloader.stats()
-        per_step.append({
-            "copied": sum(d.copied for d in devices) - before,
-            "outstanding": sum(d.outstanding for d in devices),
-            "host_bytes": stats["host_bytes"],
-            "offloaded_bytes": stats["offloaded_bytes"],
-            "update_chunks": stats["update_chunks"],
-        })
+        per_step.append(
+            {
+                "copied": sum(d.copied for d in devices) - before,
+                "outstanding": sum(d.outstanding for d in devices),
+                "host_bytes": stats["host_bytes"],
+                "offloaded_bytes": stats["offloaded_bytes"],
+                "update_chunks": stats["update_chunks"],
+            }
+        )
     offloader.detach()
     return {"steps": per_step, "after_detach": sum(d.outstanding for d in devices)}
 

@@ -29,7 +29,11 @@ LAYOUTS = {
     "pp2": (4, {"pp": 2}, {}),
     # Interleaved (virtual) pipeline: two model chunks per stage, one DistributedOptimizer
     # over both; 4 micro-batches so the interleaved schedule has work for every chunk.
-    "vpp2": (4, {"pp": 2, "mp_kwargs": {"virtual_pipeline_model_parallel_size": 2}}, {"num_layers": 4}),
+    "vpp2": (
+        4,
+        {"pp": 2, "mp_kwargs": {"virtual_pipeline_model_parallel_size": 2}},
+        {"num_layers": 4},
+    ),
 }
 OVERLAPS = [(False, False, None), (True, False, 1000), (True, True, 1000)]
 STEPS, SKIP_AT = 6, 4
@@ -48,19 +52,30 @@ def _cases():
         if layout == "vpp2":
             micro = 4
         cases.append((layout, dtype, model, ogr, opg, bucket, micro))
-    for dtype, (ogr, opg, bucket) in (("bf16", OVERLAPS[2]), ("fp32", OVERLAPS[1]), ("fp16", OVERLAPS[0])):
+    for dtype, (ogr, opg, bucket) in (
+        ("bf16", OVERLAPS[2]),
+        ("fp32", OVERLAPS[1]),
+        ("fp16", OVERLAPS[0]),
+    ):
         cases.append(("moe", dtype, "gpt", ogr, opg, bucket, 2))
     return cases
 
 
 CASES = _cases()
-MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="allgather",
-           expert_model_parallel_size=2)
+MOE = dict(
+    num_moe_experts=4,
+    moe_router_topk=2,
+    moe_token_dispatcher_type="allgather",
+    expert_model_parallel_size=2,
+)
 
 
 def _build_options(layout, dtype, model, ogr, opg, bucket):
-    options = dict(overlap_grad_reduce=ogr, overlap_param_gather=opg,
-                   bucket_size=bucket if model == "mlp" else (bucket and 3 * bucket))
+    options = dict(
+        overlap_grad_reduce=ogr,
+        overlap_param_gather=opg,
+        bucket_size=bucket if model == "mlp" else (bucket and 3 * bucket),
+    )
     if dtype == "fp16":  # the first steps overflow and are skipped by the loss scaler
         options["optimizer_overrides"] = {"initial_loss_scale": 2.0**24, "hysteresis": 1}
     if layout == "moe":
@@ -69,8 +84,20 @@ def _build_options(layout, dtype, model, ogr, opg, bucket):
     return options
 
 
-def matrix_job(layout, dtype, model, ogr, opg, bucket, micro, *, offload, plant=None, options=None,
-               checked=False):
+def matrix_job(
+    layout,
+    dtype,
+    model,
+    ogr,
+    opg,
+    bucket,
+    micro,
+    *,
+    offload,
+    plant=None,
+    options=None,
+    checked=False,
+):
     import megatron_offload
     from megatron_offload.adapters import megatron_wrappers as adapter
     from tests.harness import models
@@ -82,7 +109,9 @@ def matrix_job(layout, dtype, model, ogr, opg, bucket, micro, *, offload, plant=
         devices = []
         if checked:
             options, devices = checked_device_options(options)
-        chunks, optimizer, config = models.build(model, dtype, **_build_options(layout, dtype, model, ogr, opg, bucket))
+        chunks, optimizer, config = models.build(
+            model, dtype, **_build_options(layout, dtype, model, ogr, opg, bucket)
+        )
         offloader = megatron_offload.attach(optimizer, **(options or {})) if offload else None
         distributed = models.distributed_optimizers(optimizer)
         results, figures = [], []
@@ -97,22 +126,43 @@ def matrix_job(layout, dtype, model, ogr, opg, bucket, micro, *, offload, plant=
                     distrib.config.grad_norm_skip_threshold = float("inf")
             if offloader:
                 stats = offloader.stats()
-                sizes = [t.untyped_storage().nbytes() for index, d in enumerate(distributed)
-                         for kind, t in adapter.collect(d) if kind in offloader.config.kinds(index)]
-                figures.append({"offloaded": stats["offloaded_bytes"], "d2h": stats["d2h_copies"],
-                                "held": sum(sizes), "host": stats["host_bytes"], "tracked": stats["tracked_bytes"],
-                                "pieces": stats["pieces"], "largest_piece": stats["largest_piece_bytes"],
-                                "groups": _groups_per_kind(offloader),
-                                "largest_tensor": max(t.numel() * t.element_size() for e in offloader.engines
-                                                      for g in e.groups for t in g.tensors)})
+                sizes = [
+                    t.untyped_storage().nbytes()
+                    for index, d in enumerate(distributed)
+                    for kind, t in adapter.collect(d)
+                    if kind in offloader.config.kinds(index)
+                ]
+                figures.append(
+                    {
+                        "offloaded": stats["offloaded_bytes"],
+                        "d2h": stats["d2h_copies"],
+                        "held": sum(sizes),
+                        "host": stats["host_bytes"],
+                        "tracked": stats["tracked_bytes"],
+                        "pieces": stats["pieces"],
+                        "largest_piece": stats["largest_piece_bytes"],
+                        "groups": _groups_per_kind(offloader),
+                        "largest_tensor": max(
+                            t.numel() * t.element_size()
+                            for e in offloader.engines
+                            for g in e.groups
+                            for t in g.tensors
+                        ),
+                    }
+                )
         if offloader:
             offloader.reload()
             offloader.wait()
         models.flush_param_gather(chunks)
         snapshot = models.snapshot(chunks, optimizer)
         check_devices(devices)
-        return {"results": results, "figures": figures, "snapshot": snapshot,
-                "optimizers": len(distributed), "checked": len(devices)}
+        return {
+            "results": results,
+            "figures": figures,
+            "snapshot": snapshot,
+            "optimizers": len(distributed),
+            "checked": len(devices),
+        }
     finally:
         if undo is not None:
             undo()
@@ -230,14 +280,18 @@ def test_per_optimizer_selection_in_a_moe_model(rank_pool):
         assert 0 < last["offloaded"] < last["tracked"]  # ... and the expert masters stayed
 
 
-@pytest.mark.parametrize("case", [("dp2", "fp16", "mlp", True, True, 1000, 2), ("moe", "bf16", "gpt", True, False, 1000, 1)])
+@pytest.mark.parametrize(
+    "case",
+    [("dp2", "fp16", "mlp", True, True, 1000, 2), ("moe", "bf16", "gpt", True, False, 1000, 1)],
+)
 def test_matrix_cases_under_the_checked_stream_model(rank_pool, case):
     """Skipped steps (loss scaler and grad-norm), overlaps, accumulation and a chained MoE
     optimizer with side streams deferred and fresh memory poisoned: any missing wait
     raises in the ranks or corrupts the comparison."""
     extra = {"ep": 2} if case[0] == "moe" else {}
     reference = rank_pool.run(matrix_job, *case, offload=False, **extra)
-    checked = rank_pool.run(matrix_job, *case, offload=True, checked=True,
-                            options={"max_piece_bytes": PIECE}, **extra)
+    checked = rank_pool.run(
+        matrix_job, *case, offload=True, checked=True, options={"max_piece_bytes": PIECE}, **extra
+    )
     assert _compare(reference, checked) == []
     assert all(rank["checked"] == rank["optimizers"] for rank in checked)

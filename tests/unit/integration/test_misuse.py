@@ -20,10 +20,18 @@ def misuse_job():
 
     chunks, optimizer, config = models.build("mlp", "bf16")
     found = {}
-    found["not_distributed"] = _error(lambda: megatron_offload.attach(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])))
-    found["unknown_option"] = _error(lambda: megatron_offload.attach(optimizer, offload_moments=True))
-    found["bad_option_type"] = _error(lambda: megatron_offload.attach(optimizer, offload_primary_weights="yes"))
-    distrib = optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers") else optimizer
+    found["not_distributed"] = _error(
+        lambda: megatron_offload.attach(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))]))
+    )
+    found["unknown_option"] = _error(
+        lambda: megatron_offload.attach(optimizer, offload_moments=True)
+    )
+    found["bad_option_type"] = _error(
+        lambda: megatron_offload.attach(optimizer, offload_primary_weights="yes")
+    )
+    distrib = (
+        optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers") else optimizer
+    )
     distrib.config.optimizer_cpu_offload = True
     found["cpu_offload"] = _error(lambda: megatron_offload.attach(optimizer))
     found["untouched_after_refusal"] = getattr(distrib, "_state_offloader", None) is None
@@ -35,8 +43,12 @@ def misuse_job():
     found["second_attach_inner"] = _error(lambda: megatron_offload.OptimizerStateOffloader(distrib))
     # RL frameworks call their "to the device" phase before anything was offloaded.
     copies = offloader.stats()["h2d_copies"]
-    found["reload_before_offload"] = (_error(offloader.reload), _error(offloader.wait),
-                                      offloader.is_offloaded, offloader.stats()["h2d_copies"] - copies)
+    found["reload_before_offload"] = (
+        _error(offloader.reload),
+        _error(offloader.wait),
+        offloader.is_offloaded,
+        offloader.stats()["h2d_copies"] - copies,
+    )
     found["found_by_framework"] = megatron_offload.find_offloader(optimizer) is offloader
     models.train_step(chunks, optimizer, config, 0)  # the step offloads
     found["offloaded_after_step"] = offloader.is_offloaded
@@ -48,7 +60,9 @@ def misuse_job():
     # After detach the optimizer is a plain optimizer again: a step leaves states resident.
     models.train_step(chunks, optimizer, config, 1)
     found["resident_after_detached_step"] = all(
-        t.untyped_storage().nbytes() > 0 for s in distrib.optimizer.state.values() for t in s.values()
+        t.untyped_storage().nbytes() > 0
+        for s in distrib.optimizer.state.values()
+        for t in s.values()
     )
     # And a new offloader can be attached.
     again = megatron_offload.attach(optimizer)
@@ -67,9 +81,15 @@ def more_misuse_job():
     distrib = optimizer.chained_optimizers[0]
     found = {}
     mixed = copy.copy(optimizer)
-    mixed.chained_optimizers = [distrib, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)]
+    mixed.chained_optimizers = [
+        distrib,
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1),
+    ]
     found["chained_with_other"] = _error(lambda: megatron_offload.attach(mixed))
-    for flag, obj in (("optimizer_cuda_graph", distrib.config), ("use_megatron_fsdp", distrib.ddp_config)):
+    for flag, obj in (
+        ("optimizer_cuda_graph", distrib.config),
+        ("use_megatron_fsdp", distrib.ddp_config),
+    ):
         setattr(obj, flag, True)
         found[flag] = _error(lambda: megatron_offload.attach(optimizer))
         setattr(obj, flag, False)
@@ -90,7 +110,9 @@ def more_misuse_job():
             getattr(offloader, name)()
         except AttributeError as error:
             found[f"{name}_refused"] = str(error)
-    found["moments_only"] = offloader.stats()["offloaded_bytes"] * 3 == offloader.stats()["tracked_bytes"] * 2
+    found["moments_only"] = (
+        offloader.stats()["offloaded_bytes"] * 3 == offloader.stats()["tracked_bytes"] * 2
+    )
     offloader.offload()
     offloader.mark_optimizer_states_initialized()
     offloader.reload()
@@ -100,7 +122,10 @@ def more_misuse_job():
     offloader.detach()  # while offloaded: the states come back first
     found["detached_while_offloaded"] = offloader.detached and not offloader.is_offloaded
     offloader.detach()  # twice is harmless
-    found["restored"] = vars(optimizer).get("step") is outer_step and vars(optimizer).get("state_dict") is outer_state_dict
+    found["restored"] = (
+        vars(optimizer).get("step") is outer_step
+        and vars(optimizer).get("state_dict") is outer_state_dict
+    )
     found["repr"] = repr(offloader)
 
     attached = megatron_offload.attach(optimizer)
@@ -118,9 +143,13 @@ def more_misuse_job():
     # A refused prefetch option leaves the optimizer untouched (no half-attached state).
     models_of = distrib.model_chunks
     distrib.model_chunks = []
-    found["prefetch_without_model"] = _error(lambda: megatron_offload.attach(optimizer, prefetch=0.5))
+    found["prefetch_without_model"] = _error(
+        lambda: megatron_offload.attach(optimizer, prefetch=0.5)
+    )
     distrib.model_chunks = models_of
-    found["attach_after_refusal"] = _error(lambda: megatron_offload.attach(optimizer, prefetch=0.5).detach())
+    found["attach_after_refusal"] = _error(
+        lambda: megatron_offload.attach(optimizer, prefetch=0.5).detach()
+    )
     return found
 
 
@@ -147,9 +176,16 @@ def test_misuse_is_refused_with_clear_messages(rank_pool):
     found = rank_pool.run(misuse_job)[0]
     kind, message = found["not_distributed"]
     assert kind == "TypeError" and "AdamW" in message and "get_megatron_optimizer" in message
-    assert all(name in message for name in ("DistributedOptimizer", "Float16OptimizerWithFloat16Params", "FP32Optimizer"))
+    assert all(
+        name in message
+        for name in ("DistributedOptimizer", "Float16OptimizerWithFloat16Params", "FP32Optimizer")
+    )
     kind, message = found["unknown_option"]
-    assert kind == "TypeError" and "offload_moments" in message and "offload_optimizer_states" in message
+    assert (
+        kind == "TypeError"
+        and "offload_moments" in message
+        and "offload_optimizer_states" in message
+    )
     kind, message = found["bad_option_type"]
     assert kind == "TypeError" and "offload_primary_weights" in message
     kind, message = found["cpu_offload"]
@@ -158,7 +194,11 @@ def test_misuse_is_refused_with_clear_messages(rank_pool):
     assert found["reachable_as_state_offloader"]
     for case in ("second_attach", "second_attach_inner"):
         kind, message = found[case]
-        assert kind == "OffloadStateError" and "already has a state offloader" in message and "detach()" in message
+        assert (
+            kind == "OffloadStateError"
+            and "already has a state offloader" in message
+            and "detach()" in message
+        )
     # reload() with nothing offloaded does nothing: no error, nothing copied.
     assert found["reload_before_offload"] == (None, None, False, 0)
     assert found["found_by_framework"]
@@ -186,9 +226,13 @@ def test_config_refuses_bad_values_naming_the_option():
         OffloadConfig(per_optimizer={1: True})
     with pytest.raises(TypeError, match="unknown option 'offload_fraction'"):
         OffloadConfig(per_optimizer={1: {"offload_fraction": 0.5}})
-    with pytest.raises(TypeError, match=r"\[1\]\['offload_primary_weights'\] must be True or False"):
+    with pytest.raises(
+        TypeError, match=r"\[1\]\['offload_primary_weights'\] must be True or False"
+    ):
         OffloadConfig(per_optimizer={1: {"offload_primary_weights": "no"}})
-    assert OffloadConfig(per_optimizer={1: {"offload_primary_weights": False}}).kinds(1) == ("optimizer_states",)
+    assert OffloadConfig(per_optimizer={1: {"offload_primary_weights": False}}).kinds(1) == (
+        "optimizer_states",
+    )
     for bad in ("finalize", 0, 1.0, True):
         with pytest.raises(ValueError, match='prefetch must be "step" or a fraction'):
             OffloadConfig(prefetch=bad)
@@ -202,7 +246,10 @@ def test_config_refuses_bad_values_naming_the_option():
         OffloadConfig(chunked_update_bytes=1 << 20, offload_fraction=0.5)
     with pytest.raises(ValueError, match="too small for 4 slot"):
         OffloadConfig(chunked_update_bytes=32, chunked_update_slots=4)
-    assert OffloadConfig(chunked_update_bytes=1 << 20, chunked_update_slots=1).chunked_update_slots == 1
+    assert (
+        OffloadConfig(chunked_update_bytes=1 << 20, chunked_update_slots=1).chunked_update_slots
+        == 1
+    )
     for bad in (0, 1, "yes", None):
         with pytest.raises(ValueError, match="chunked_update_undo must be True or False"):
             OffloadConfig(chunked_update_bytes=1 << 20, chunked_update_undo=bad)
@@ -222,8 +269,11 @@ def graphs_job():
     chunks, optimizer, config = models.build("mlp", "bf16")
     distrib = models.distributed_optimizers(optimizer)[0]
     chunks[0].config.cuda_graph_impl = "local"  # what --cuda-graph-impl local sets
-    found = {"refused": _error(lambda: megatron_offload.attach(optimizer, prefetch=0.5)),
-             "untouched": getattr(distrib, "_state_offloader", None) is None and "step" not in vars(optimizer)}
+    found = {
+        "refused": _error(lambda: megatron_offload.attach(optimizer, prefetch=0.5)),
+        "untouched": getattr(distrib, "_state_offloader", None) is None
+        and "step" not in vars(optimizer),
+    }
     offloader = megatron_offload.attach(optimizer)  # prefetch="step" works with graphs
     found["step_prefetch_attaches"] = offloader.config.prefetch == "step"
     offloader.detach()
@@ -237,5 +287,11 @@ def graphs_job():
 def test_backward_prefetch_is_refused_with_cuda_graphed_layers(rank_pool):
     found = rank_pool.run(graphs_job)[0]
     kind, message = found["refused"]
-    assert kind == "OffloadArgumentError" and 'prefetch="step"' in message and "cuda_graph_impl='local'" in message
-    assert found["untouched"] and found["step_prefetch_attaches"] and found["fraction_without_graphs"]
+    assert (
+        kind == "OffloadArgumentError"
+        and 'prefetch="step"' in message
+        and "cuda_graph_impl='local'" in message
+    )
+    assert (
+        found["untouched"] and found["step_prefetch_attaches"] and found["fraction_without_graphs"]
+    )

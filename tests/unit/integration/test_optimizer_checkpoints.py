@@ -13,7 +13,12 @@ import pytest
 import torch
 
 # Resident snapshots and a directory every rank sees, as the DistributedOptimizer checkpoint tests take them.
-from tests.unit.integration.test_checkpoint import DeviceWatch, _all_released, _final_snapshot, _shared_directory
+from tests.unit.integration.test_checkpoint import (
+    DeviceWatch,
+    _all_released,
+    _final_snapshot,
+    _shared_directory,
+)
 
 STEPS, SAVE_AFTER = 5, 3
 HAVE_EMERGING = importlib.util.find_spec("emerging_optimizers") is not None
@@ -52,7 +57,11 @@ def _load(chunks, optimizer, directory, fmt, saved):
         from megatron.core import dist_checkpointing
 
         state = dist_checkpointing.load(_sharded(chunks, optimizer, is_loading=True), directory)
-        loaded = {k.replace("module.", ""): v for k, v in state["model"].items() if not k.endswith("_extra_state")}
+        loaded = {
+            k.replace("module.", ""): v
+            for k, v in state["model"].items()
+            if not k.endswith("_extra_state")
+        }
         for name, param in chunks[0].named_parameters():
             param.copy_(loaded[name.replace("module.", "")])
         optimizer.load_state_dict(state["optimizer"])
@@ -71,7 +80,10 @@ def checkpoint_job(offload, fmt, directory, build_kw):
 
     # No dropout: its random state is not part of these checkpoints, and a resumed run
     # must be the uninterrupted one bit for bit.
-    build_kw = {**build_kw, "transformer_overrides": {"hidden_dropout": 0.0, "attention_dropout": 0.0}}
+    build_kw = {
+        **build_kw,
+        "transformer_overrides": {"hidden_dropout": 0.0, "attention_dropout": 0.0},
+    }
     directory = _shared_directory(directory)
     out = {}
     chunks, optimizer, config = models.build("gpt", "bf16", **build_kw)
@@ -99,7 +111,9 @@ def checkpoint_job(offload, fmt, directory, build_kw):
     if offloader:
         # The states the load creates (this optimizer had none) are put on the host at once.
         out["load"] = {**watch.figures(), "released_after": _all_released(offloader)}
-    out["resumed"] = [models.train_step(chunks, optimizer, config, s) for s in range(SAVE_AFTER, STEPS)]
+    out["resumed"] = [
+        models.train_step(chunks, optimizer, config, s) for s in range(SAVE_AFTER, STEPS)
+    ]
     out["resumed_snapshot"] = _final_snapshot(chunks, optimizer, offloader)
     if offloader:
         stats = offloader.stats()
@@ -139,15 +153,22 @@ def test_checkpoint_while_offloaded_then_resume_is_bitwise(rank_pool, tmp_path, 
     for ref, off in zip(reference, offloaded):
         assert off["offloaded_at_save"] and off["offloaded_before_load"] and off["all_offloaded"]
         assert off["save"]["peak_state_bytes"] == 0 and off["save"]["allocations"] == 0, off["save"]
-        assert off["save"]["released_after"] and off["load"]["released_after"], (off["save"], off["load"])
+        assert off["save"]["released_after"] and off["load"]["released_after"], (
+            off["save"],
+            off["load"],
+        )
         assert off["load"]["peak_state_bytes"] == 0, off["load"]
         for phase in ("uninterrupted", "resumed"):
             assert off[phase] == ref[phase], phase
             for section in ("params", "optimizer"):
-                assert _equal(ref[phase + "_snapshot"][section], off[phase + "_snapshot"][section]), phase
+                assert _equal(
+                    ref[phase + "_snapshot"][section], off[phase + "_snapshot"][section]
+                ), phase
         assert off["resumed"] == off["uninterrupted"][SAVE_AFTER:]
         for section in ("params", "optimizer"):
-            assert _equal(off["uninterrupted_snapshot"][section], off["resumed_snapshot"][section]), section
+            assert _equal(
+                off["uninterrupted_snapshot"][section], off["resumed_snapshot"][section]
+            ), section
 
 
 @NEEDS_EMERGING

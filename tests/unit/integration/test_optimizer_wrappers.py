@@ -34,9 +34,15 @@ CASES = [
 
 
 @pytest.mark.parametrize("model,dtype,wrapper,masters", CASES)
-def test_adam_without_distributed_optimizer_is_bitwise_identical(rank_pool, model, dtype, wrapper, masters):
+def test_adam_without_distributed_optimizer_is_bitwise_identical(
+    rank_pool, model, dtype, wrapper, masters
+):
     build = dict(use_distributed_optimizer=False)
-    assert rank_pool.run(classes_job, model, dtype, **build)[0] == ["ChainedOptimizer", wrapper, "AdamW"]
+    assert rank_pool.run(classes_job, model, dtype, **build)[0] == [
+        "ChainedOptimizer",
+        wrapper,
+        "AdamW",
+    ]
     reference = rank_pool.run(train_job, model, dtype, 5, False, **build)
     offloaded = rank_pool.run(train_job, model, dtype, 5, True, **build)
     assert_bitwise_equal(reference, offloaded)
@@ -50,8 +56,10 @@ def test_adam_without_distributed_optimizer_is_bitwise_identical(rank_pool, mode
 def test_fp16_skipped_steps_without_distributed_optimizer(rank_pool):
     """fp16 with the dynamic loss scaler: the first steps overflow and are skipped, before
     and after the states exist; the host copies stay valid and nothing is copied then."""
-    build = dict(use_distributed_optimizer=False,
-                 optimizer_overrides={"initial_loss_scale": 2.0**24, "hysteresis": 1})
+    build = dict(
+        use_distributed_optimizer=False,
+        optimizer_overrides={"initial_loss_scale": 2.0**24, "hysteresis": 1},
+    )
     reference = rank_pool.run(train_job, "mlp", "fp16", 6, False, **build)
     offloaded = rank_pool.run(train_job, "mlp", "fp16", 6, True, **build)
     assert_bitwise_equal(reference, offloaded)
@@ -68,8 +76,12 @@ def test_moe_chain_of_float16_optimizers(rank_pool):
     Float16OptimizerWithFloat16Params (dense and expert parameters), one engine each."""
     build = dict(
         use_distributed_optimizer=False,
-        transformer_overrides=dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="allgather",
-                                   expert_model_parallel_size=2),
+        transformer_overrides=dict(
+            num_moe_experts=4,
+            moe_router_topk=2,
+            moe_token_dispatcher_type="allgather",
+            expert_model_parallel_size=2,
+        ),
     )
     classes = rank_pool.run(classes_job, "gpt", "bf16", ep=2, **build)[0]
     assert classes == ["ChainedOptimizer"] + ["Float16OptimizerWithFloat16Params", "AdamW"] * 2
@@ -98,7 +110,10 @@ def test_sgd_momentum_buffer_without_distributed_optimizer(rank_pool):
     that refusal stand)."""
     build = dict(use_distributed_optimizer=False, optimizer="sgd")
     assert rank_pool.run(classes_job, "mlp", "bf16", **build)[0] == [
-        "ChainedOptimizer", "Float16OptimizerWithFloat16Params", "SGD"]
+        "ChainedOptimizer",
+        "Float16OptimizerWithFloat16Params",
+        "SGD",
+    ]
     reference = rank_pool.run(train_job, "mlp", "bf16", 4, False, **build)
     offloaded = rank_pool.run(train_job, "mlp", "bf16", 4, True, **build)
     assert_bitwise_equal(reference, offloaded)
@@ -115,27 +130,49 @@ ADAM_CHUNK_BYTES = 2 * 140_000  # two slots of the largest matrix's moments ([25
 
 
 def test_adam_without_distributed_optimizer_skipped_step_rl_phase_checked_device(rank_pool):
-    from tests.unit.integration.test_emerging_optimizers import _assert_offloaded_between_steps, emerging_job
+    from tests.unit.integration.test_emerging_optimizers import (
+        _assert_offloaded_between_steps,
+        emerging_job,
+    )
 
     reference = rank_pool.run(emerging_job, "adam", 5, False, skip_at=3, rl_at=1)
     offloaded = rank_pool.run(emerging_job, "adam", 5, True, skip_at=3, rl_at=1, checked=True)
     assert_bitwise_equal(reference, offloaded)
-    assert [r["update_successful"] for r in reference[0]["results"]] == [True, True, True, False, True]
+    assert [r["update_successful"] for r in reference[0]["results"]] == [
+        True,
+        True,
+        True,
+        False,
+        True,
+    ]
     _assert_offloaded_between_steps(offloaded)
     for rank in offloaded:
         assert rank["classes"] == ["Float16OptimizerWithFloat16Params/AdamW"]
         assert rank["checked"] == 1  # one checked device, for its one engine
         assert rank["figures"][3]["d2h_copies"] == 0  # the skipped step copied nothing
-        assert rank["rl"] == {"block_offloaded": True, "back_after_block": True,
-                              "offload_to_cpu_routed": True, "restored": True}
+        assert rank["rl"] == {
+            "block_offloaded": True,
+            "back_after_block": True,
+            "offload_to_cpu_routed": True,
+            "restored": True,
+        }
 
 
 def test_adam_without_distributed_optimizer_chunked_update(rank_pool):
-    from tests.unit.integration.test_emerging_optimizers import _assert_offloaded_between_steps, emerging_job
+    from tests.unit.integration.test_emerging_optimizers import (
+        _assert_offloaded_between_steps,
+        emerging_job,
+    )
 
     reference = rank_pool.run(emerging_job, "adam", 4, False)
-    offloaded = rank_pool.run(emerging_job, "adam", 4, True, options={"chunked_update_bytes": ADAM_CHUNK_BYTES},
-                              checked=True)
+    offloaded = rank_pool.run(
+        emerging_job,
+        "adam",
+        4,
+        True,
+        options={"chunked_update_bytes": ADAM_CHUNK_BYTES},
+        checked=True,
+    )
     assert_bitwise_equal(reference, offloaded)
     _assert_offloaded_between_steps(offloaded, chunked=True)
     for rank in offloaded:

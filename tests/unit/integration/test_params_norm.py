@@ -22,9 +22,15 @@ import contextlib
 import pytest
 import torch
 
-OFFLOAD_ARGS = dict(offload_optimizer_states=True, offload_moments=True,
-                    offload_master_weights=True, offload_release_master_grads=True,
-                    offload_prefetch=True, log_offload_stats=True, log_interval=2)
+OFFLOAD_ARGS = dict(
+    offload_optimizer_states=True,
+    offload_moments=True,
+    offload_master_weights=True,
+    offload_release_master_grads=True,
+    offload_prefetch=True,
+    log_offload_stats=True,
+    log_interval=2,
+)
 
 
 def _count_copies(offloader):
@@ -39,7 +45,7 @@ def _count_copies(offloader):
             for engine in offloader.engines:
                 for group in engine.groups:
                     if group.flat is not None and (group.flat is src or group.flat is dst):
-                        key = ('d2h' if group.flat is src else 'h2d', group.kind)
+                        key = ("d2h" if group.flat is src else "h2d", group.kind)
                         tally[key] = tally.get(key, 0) + src.numel() * src.element_size()
             return copy(dst, src)
 
@@ -63,15 +69,15 @@ def norm_job(offload: bool, precision_aware: bool = False, steps: int = 3):
     from tests.harness import models
     from tests.unit.adapters import _jobs
 
-    injected = _jobs.injected('te') if precision_aware else contextlib.nullcontext()
-    overrides = _jobs.precision_aware(True, 'fp32') if precision_aware else {}
+    injected = _jobs.injected("te") if precision_aware else contextlib.nullcontext()
+    overrides = _jobs.precision_aware(True, "fp32") if precision_aware else {}
     original_get_args = common_utils.get_args
     common_utils.get_args = lambda: argparse.Namespace(bf16=True, use_megatron_fsdp=False)
     report = {}
     try:
         with injected:
-            chunks, optimizer, config = models.build('mlp', 'bf16', optimizer_overrides=overrides)
-            args = argparse.Namespace(**{**OFFLOAD_ARGS, 'offload_optimizer_states': offload})
+            chunks, optimizer, config = models.build("mlp", "bf16", optimizer_overrides=overrides)
+            args = argparse.Namespace(**{**OFFLOAD_ARGS, "offload_optimizer_states": offload})
             offloader = hooks.attach_for_training(optimizer, args)
             results = [models.train_step(chunks, optimizer, config, step) for step in range(steps)]
             inside = []
@@ -84,31 +90,31 @@ def norm_job(offload: bool, precision_aware: bool = False, steps: int = 3):
             # What patch_megatron() installs as training.calc_params_l2_norm.
             patched = hooks._wrap_params_norm(calc_params_l2_norm)
             if offloader is None:
-                report['norm'] = patched(chunks)
+                report["norm"] = patched(chunks)
             else:
-                report['before'] = _places(offloader)
+                report["before"] = _places(offloader)
                 tally = _count_copies(offloader)
-                report['norm'] = patched(chunks)
-                report['tally'], report['inside'] = dict(tally), inside[0]
-                report['after'] = _places(offloader)
+                report["norm"] = patched(chunks)
+                report["tally"], report["inside"] = dict(tally), inside[0]
+                report["after"] = _places(offloader)
                 sizes = {}
                 for engine in offloader.engines:
                     for group in engine.groups:
                         sizes[group.kind] = sizes.get(group.kind, 0) + group.nbytes
-                report['masters_bytes'] = sizes.get(PRIMARY_WEIGHTS, 0)
-                report['moments_bytes'] = sizes.get(OPTIMIZER_STATES, 0)
+                report["masters_bytes"] = sizes.get(PRIMARY_WEIGHTS, 0)
+                report["moments_bytes"] = sizes.get(OPTIMIZER_STATES, 0)
                 # Negative control: everything back around the same norm (the old behaviour).
                 tally.clear()
                 with offloader.resident(read_only=True):
-                    report['control_norm'] = common_utils.calc_params_l2_norm(chunks)
-                report['control_tally'] = dict(tally)
+                    report["control_norm"] = common_utils.calc_params_l2_norm(chunks)
+                report["control_tally"] = dict(tally)
             results.append(models.train_step(chunks, optimizer, config, steps))
-            report['results'] = results
+            report["results"] = results
             if offloader is not None:
                 offloader.reload()
                 offloader.wait()
             models.flush_param_gather(chunks)
-            report['snapshot'] = models.snapshot(chunks, optimizer)
+            report["snapshot"] = models.snapshot(chunks, optimizer)
             if offloader is not None:
                 offloader.detach()
     finally:
@@ -118,13 +124,16 @@ def norm_job(offload: bool, precision_aware: bool = False, steps: int = 3):
 
 def _assert_bitwise(reference, offloaded):
     for ref, off in zip(reference, offloaded):
-        assert ref['norm'] == off['norm'] == off['control_norm']
-        assert ref['results'] == off['results']  # loss and grad norm, including the step after
-        for section in ('params', 'optimizer'):
-            assert ref['snapshot'][section].keys() == off['snapshot'][section].keys()
-            different = [k for k in ref['snapshot'][section]
-                         if not torch.equal(ref['snapshot'][section][k], off['snapshot'][section][k])]
-            assert not different, f'{section} differ: {different[:5]}'
+        assert ref["norm"] == off["norm"] == off["control_norm"]
+        assert ref["results"] == off["results"]  # loss and grad norm, including the step after
+        for section in ("params", "optimizer"):
+            assert ref["snapshot"][section].keys() == off["snapshot"][section].keys()
+            different = [
+                k
+                for k in ref["snapshot"][section]
+                if not torch.equal(ref["snapshot"][section][k], off["snapshot"][section][k])
+            ]
+            assert not different, f"{section} differ: {different[:5]}"
 
 
 def test_params_norm_reloads_only_the_master_weights(rank_pool):
@@ -132,20 +141,25 @@ def test_params_norm_reloads_only_the_master_weights(rank_pool):
     offloaded = rank_pool.run(norm_job, True)
     _assert_bitwise(reference, offloaded)
     for rank in offloaded:
-        assert rank['norm'] > 0  # megatron's norm really read the masters
-        masters, moments = rank['masters_bytes'], rank['moments_bytes']
+        assert rank["norm"] > 0  # megatron's norm really read the masters
+        masters, moments = rank["masters_bytes"], rank["moments_bytes"]
         assert masters > 0 and moments == 2 * masters  # fp32 masters, two fp32 moments
         # Exactly the masters' bytes came back, no moment byte, and nothing was copied out
         # again afterwards (read-only: the host copy stayed valid).
-        assert rank['tally'] == {('h2d', 'primary_weights'): masters}
-        assert rank['before'] == rank['after'] == {'primary_weights': {'RELEASED'},
-                                                   'optimizer_states': {'RELEASED'}}
+        assert rank["tally"] == {("h2d", "primary_weights"): masters}
+        assert (
+            rank["before"]
+            == rank["after"]
+            == {"primary_weights": {"RELEASED"}, "optimizer_states": {"RELEASED"}}
+        )
         # While the norm ran: the masters on the device, the moments still on the host.
-        assert rank['inside'] == {'primary_weights': {'RESIDENT'}, 'optimizer_states': {'RELEASED'}}
+        assert rank["inside"] == {"primary_weights": {"RESIDENT"}, "optimizer_states": {"RELEASED"}}
         # Negative control: bringing everything back moves the moments too, and the counter
         # sees them.
-        assert rank['control_tally'] == {('h2d', 'primary_weights'): masters,
-                                         ('h2d', 'optimizer_states'): moments}
+        assert rank["control_tally"] == {
+            ("h2d", "primary_weights"): masters,
+            ("h2d", "optimizer_states"): moments,
+        }
 
 
 def test_params_norm_reloads_nothing_on_the_precision_aware_path(rank_pool):
@@ -156,12 +170,18 @@ def test_params_norm_reloads_nothing_on_the_precision_aware_path(rank_pool):
     offloaded = rank_pool.run(norm_job, True, True)
     _assert_bitwise(reference, offloaded)
     for rank in offloaded:
-        assert rank['masters_bytes'] > 0 and rank['moments_bytes'] > 0
-        assert rank['tally'] == {}
-        assert rank['inside'] == rank['before'] == rank['after'] == {
-            'primary_weights': {'RELEASED'}, 'optimizer_states': {'RELEASED'}}
-        assert rank['control_tally'] == {('h2d', 'primary_weights'): rank['masters_bytes'],
-                                         ('h2d', 'optimizer_states'): rank['moments_bytes']}
+        assert rank["masters_bytes"] > 0 and rank["moments_bytes"] > 0
+        assert rank["tally"] == {}
+        assert (
+            rank["inside"]
+            == rank["before"]
+            == rank["after"]
+            == {"primary_weights": {"RELEASED"}, "optimizer_states": {"RELEASED"}}
+        )
+        assert rank["control_tally"] == {
+            ("h2d", "primary_weights"): rank["masters_bytes"],
+            ("h2d", "optimizer_states"): rank["moments_bytes"],
+        }
 
 
 def test_resident_kinds_are_checked():
@@ -170,10 +190,10 @@ def test_resident_kinds_are_checked():
     offloader = OptimizerStateOffloader.__new__(OptimizerStateOffloader)
     offloader._engines = [object(), object()]
     select = offloader._resident_selection
-    assert select(None) == [('optimizer_states', 'primary_weights')] * 2
-    assert select('primary_weights') == [('primary_weights',)] * 2
-    assert select([('primary_weights',), ()]) == [('primary_weights',), ()]
+    assert select(None) == [("optimizer_states", "primary_weights")] * 2
+    assert select("primary_weights") == [("primary_weights",)] * 2
+    assert select([("primary_weights",), ()]) == [("primary_weights",), ()]
     with pytest.raises(ValueError, match="unknown kind"):
-        select(('moments',))
+        select(("moments",))
     with pytest.raises(ValueError, match="3 selections for 2 optimizers"):
         select([(), (), ()])

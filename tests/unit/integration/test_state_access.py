@@ -36,14 +36,25 @@ def _calls(chunks, optimizer, directory):
         ("count_zeros", lambda: optimizer.count_zeros()),
         ("state_dict", save_state_dict),
         ("inner.state_dict", lambda: distrib.optimizer.state_dict()),
-        ("sharded_state_dict", lambda: optimizer.sharded_state_dict(
-            chunks[0].sharded_state_dict(), metadata={"distrib_optim_sharding_type": "dp_reshardable"})),
+        (
+            "sharded_state_dict",
+            lambda: optimizer.sharded_state_dict(
+                chunks[0].sharded_state_dict(),
+                metadata={"distrib_optim_sharding_type": "dp_reshardable"},
+            ),
+        ),
         ("save_parameter_state", lambda: distrib.save_parameter_state(param_state_file)),
         ("get_parameter_state_dp_zero", lambda: distrib.get_parameter_state_dp_zero()),
         ("load_state_dict", lambda: optimizer.load_state_dict(saved["chained"])),
         # megatron-core's loads must run under no_grad (its checkpointing code does so).
-        ("load_parameter_state", torch.no_grad()(lambda: distrib.load_parameter_state(param_state_file))),
-        ("inner.load_state_dict", lambda: distrib.optimizer.load_state_dict(distrib.optimizer.state_dict())),
+        (
+            "load_parameter_state",
+            torch.no_grad()(lambda: distrib.load_parameter_state(param_state_file)),
+        ),
+        (
+            "inner.load_state_dict",
+            lambda: distrib.optimizer.load_state_dict(distrib.optimizer.state_dict()),
+        ),
         ("reload_model_params", lambda: optimizer.reload_model_params()),
         ("offload_to_cpu", lambda: optimizer.offload_to_cpu()),
         ("restore_from_cpu", lambda: optimizer.restore_from_cpu()),
@@ -83,9 +94,19 @@ def walk_job(offload, dtype, fix_shared_step=True):
     if offloader:
         offloader.reload()
         offloader.wait()
-    steps = sorted({float(s["step"]) for s in models.distributed_optimizers(optimizer)[0].optimizer.state.values()})
-    return {"results": results, "called": called, "still_offloaded": still_offloaded,
-            "snapshot": models.snapshot(chunks, optimizer), "steps": steps}
+    steps = sorted(
+        {
+            float(s["step"])
+            for s in models.distributed_optimizers(optimizer)[0].optimizer.state.values()
+        }
+    )
+    return {
+        "results": results,
+        "called": called,
+        "still_offloaded": still_offloaded,
+        "snapshot": models.snapshot(chunks, optimizer),
+        "steps": steps,
+    }
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -108,9 +129,19 @@ def test_every_state_method_works_while_offloaded(rank_pool, dtype):
         # the host copy (host_view.py) and leave them offloaded too; the inner torch
         # optimizer's own state_dict/load_state_dict (references to the live tensors) and
         # megatron's RL restore bring them back.
-        for name in ("zero_grad", "get_grad_norm", "count_zeros", "get_parameters", "offload_to_cpu",
-                     "state_dict", "sharded_state_dict", "save_parameter_state", "get_parameter_state_dp_zero",
-                     "load_state_dict", "reload_model_params"):
+        for name in (
+            "zero_grad",
+            "get_grad_norm",
+            "count_zeros",
+            "get_parameters",
+            "offload_to_cpu",
+            "state_dict",
+            "sharded_state_dict",
+            "save_parameter_state",
+            "get_parameter_state_dp_zero",
+            "load_state_dict",
+            "reload_model_params",
+        ):
             assert off["still_offloaded"][name], name
         for name in ("inner.state_dict", "inner.load_state_dict", "restore_from_cpu"):
             assert not off["still_offloaded"][name], name

@@ -30,7 +30,9 @@ def test_every_method_that_touches_states_or_masters_is_served_routed_or_safe():
     assert unclassified == {}, f"megatron-core {megatron.core.__version__}: {unclassified}"
     # The scan sees what it must: served, routed and safe methods of each kind.
     found = touching_methods(optimizer_classes()[0])
-    assert {"state_dict", "load_state_dict", "sharded_state_dict", "offload_to_cpu", "step"} <= set(found)
+    assert {"state_dict", "load_state_dict", "sharded_state_dict", "offload_to_cpu", "step"} <= set(
+        found
+    )
 
 
 @pytest.mark.floor
@@ -63,8 +65,9 @@ def mxfp8_staging_job(offload):
     import megatron_offload
     from tests.harness import models
 
-    chunks, optimizer, config = models.build("mlp", "bf16", overlap_grad_reduce=True, overlap_param_gather=True,
-                                             bucket_size=1000)
+    chunks, optimizer, config = models.build(
+        "mlp", "bf16", overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=1000
+    )
     offloader = megatron_offload.attach(optimizer) if offload else None
     for step in range(2):
         models.train_step(chunks, optimizer, config, step)
@@ -74,16 +77,31 @@ def mxfp8_staging_job(offload):
         # What megatron.training sets for the MXFP8 recipe with overlapped param gather.
         owner.config.reuse_grad_buf_for_mxfp8_param_ag = True
         owner.config.overlap_param_gather = True
-    before = [bucket.param_data.clone() for chunk in chunks for buffer in chunk.buffers for bucket in buffer.buckets]
+    before = [
+        bucket.param_data.clone()
+        for chunk in chunks
+        for buffer in chunk.buffers
+        for bucket in buffer.buckets
+    ]
     for chunk in chunks:
         for buffer in chunk.buffers:
             for bucket in buffer.buckets:
                 bucket.param_data.zero_()  # so that the staging must write every shard
     optimizer.prepare_model_params_for_param_sync()
-    buffers = [bucket.param_data.clone() for chunk in chunks for buffer in chunk.buffers for bucket in buffer.buckets]
+    buffers = [
+        bucket.param_data.clone()
+        for chunk in chunks
+        for buffer in chunk.buffers
+        for bucket in buffer.buckets
+    ]
     staged = [b.ne(0).any().item() for b in buffers]
-    return {"offloaded_before": offloaded, "offloaded_after": offloader.is_offloaded if offload else None,
-            "buffers": buffers, "before": before, "staged": staged}
+    return {
+        "offloaded_before": offloaded,
+        "offloaded_after": offloader.is_offloaded if offload else None,
+        "buffers": buffers,
+        "before": before,
+        "staged": staged,
+    }
 
 
 def test_mxfp8_param_staging_reads_the_host_copy_of_the_masters(rank_pool):

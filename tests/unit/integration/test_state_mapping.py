@@ -6,13 +6,11 @@ runs here in rank processes (a regression kills the rank and fails the test with
 code), on and off, and training after the reads must be bitwise identical.
 """
 
-import collections
 import statistics
 import time
 
 import pytest
 import torch
-
 
 # Reads that touch no tensor (tensors hash by identity): they leave the states offloaded.
 TOUCH_NO_TENSOR = ("len", "in")
@@ -85,8 +83,16 @@ def reads_job(offload, dtype, checked=False, options=None):
     chunks_per_step = [offloader.stats()["update_chunks"]] if offloader else []
     param = inner.param_groups[0]["params"][0]
     values, seen, on_device = {}, {}, {}
-    tracked = {kind: [t for e in offloader.engines for g in e.groups if g.kind == kind for t in g.tensors]
-               for kind in ("optimizer_states", "primary_weights")} if offloader else {}
+    tracked = (
+        {
+            kind: [
+                t for e in offloader.engines for g in e.groups if g.kind == kind for t in g.tensors
+            ]
+            for kind in ("optimizer_states", "primary_weights")
+        }
+        if offloader
+        else {}
+    )
     for name, read in _reads(optimizer, distrib, param):
         if offloader and not offloader.is_offloaded:
             offloader.offload()  # every read starts from offloaded states
@@ -94,8 +100,10 @@ def reads_job(offload, dtype, checked=False, options=None):
         values[name] = read()
         seen[name] = (before, offloader.is_offloaded if offloader else None)
         # What the read brought to the device: the bytes of the tracked tensors' own storages.
-        on_device[name] = {kind: sum(t.untyped_storage().nbytes() for t in tensors)
-                           for kind, tensors in tracked.items()}
+        on_device[name] = {
+            kind: sum(t.untyped_storage().nbytes() for t in tensors)
+            for kind, tensors in tracked.items()
+        }
         if offloader:
             offloader.offload()  # ends the read (the next step would)
     raw = {}
@@ -106,8 +114,12 @@ def reads_job(offload, dtype, checked=False, options=None):
         offloader.mark_optimizer_states_initialized()
         offloader.offload()  # walks every state again
         offloader.stats()
-        raw = {"bring_backs": len(bring_backs) - count, "offloaded": offloader.is_offloaded,
-               "armed": inner.state._armed is not None, "type": type(inner.state).__name__}
+        raw = {
+            "bring_backs": len(bring_backs) - count,
+            "offloaded": offloader.is_offloaded,
+            "armed": inner.state._armed is not None,
+            "type": type(inner.state).__name__,
+        }
     # The research-code pattern: a read after every step; each next step offloads again.
     pattern = []
     for step in range(2, 5):
@@ -115,26 +127,47 @@ def reads_job(offload, dtype, checked=False, options=None):
         after_step = offloader.is_offloaded if offloader else None
         if offloader:
             chunks_per_step.append(offloader.stats()["update_chunks"])
-        value = float(inner.state[param]["exp_avg"].sum()) + float(inner.state[param]["exp_avg_sq"].sum())
-        pattern.append((after_step, value, offloader.is_offloaded if offloader else None,
-                        type(inner.state).__name__))
+        value = float(inner.state[param]["exp_avg"].sum()) + float(
+            inner.state[param]["exp_avg_sq"].sum()
+        )
+        pattern.append(
+            (
+                after_step,
+                value,
+                offloader.is_offloaded if offloader else None,
+                type(inner.state).__name__,
+            )
+        )
     plain_type = type(inner.state)
     if offloader:
         offloader.detach()
     check_devices(devices)
-    return {"results": results, "values": values, "seen": seen, "on_device": on_device, "raw": raw,
-            "pattern": pattern,
-            "plain_is_guarded_state": plain_type is GuardedState, "chunks_per_step": chunks_per_step,
-            "after_detach": type(inner.state).__name__, "snapshot": models.snapshot(chunks, optimizer)}
+    return {
+        "results": results,
+        "values": values,
+        "seen": seen,
+        "on_device": on_device,
+        "raw": raw,
+        "pattern": pattern,
+        "plain_is_guarded_state": plain_type is GuardedState,
+        "chunks_per_step": chunks_per_step,
+        "after_detach": type(inner.state).__name__,
+        "snapshot": models.snapshot(chunks, optimizer),
+    }
 
 
-@pytest.mark.parametrize("dtype,checked,options", [
-    ("bf16", True, None),
-    pytest.param("fp32", False, None, marks=pytest.mark.floor),
-    ("bf16", True, {"chunked_update_bytes": 1 << 17}),
-], ids=["bf16-checked", "fp32", "bf16-chunked-checked"])
-def test_reads_through_the_state_mapping_are_safe_and_training_stays_bitwise(rank_pool, dtype, checked,
-                                                                            options):
+@pytest.mark.parametrize(
+    "dtype,checked,options",
+    [
+        ("bf16", True, None),
+        pytest.param("fp32", False, None, marks=pytest.mark.floor),
+        ("bf16", True, {"chunked_update_bytes": 1 << 17}),
+    ],
+    ids=["bf16-checked", "fp32", "bf16-chunked-checked"],
+)
+def test_reads_through_the_state_mapping_are_safe_and_training_stays_bitwise(
+    rank_pool, dtype, checked, options
+):
     reference = rank_pool.run(reads_job, False, dtype)
     guarded = rank_pool.run(reads_job, True, dtype, checked, options)
     for ref, off in zip(reference, guarded):
@@ -146,7 +179,13 @@ def test_reads_through_the_state_mapping_are_safe_and_training_stays_bitwise(ran
             assert torch.equal(value, off["snapshot"]["params"][key]), key
         for key, value in ref["snapshot"]["optimizer"].items():
             assert torch.equal(value, off["snapshot"]["optimizer"][key]), key
-        assert set(off["seen"]) >= set(TOUCH_NO_TENSOR) | {"index", "get", "values", "items", "keys"}
+        assert set(off["seen"]) >= set(TOUCH_NO_TENSOR) | {
+            "index",
+            "get",
+            "values",
+            "items",
+            "keys",
+        }
         masters = dtype != "fp32"  # an fp32 model's parameters are the keys: never offloaded
         for name, (before, after) in off["seen"].items():
             assert before, name  # the read met released states...
@@ -159,8 +198,16 @@ def test_reads_through_the_state_mapping_are_safe_and_training_stays_bitwise(ran
                 assert brought["optimizer_states"] > 0, name
             else:
                 assert brought["optimizer_states"] == 0, name
-                assert (brought["primary_weights"] > 0) == (masters and name in HAND_OUT_KEYS), (name, brought)
-        assert off["raw"] == {"bring_backs": 0, "offloaded": True, "armed": True, "type": "GuardedState"}
+                assert (brought["primary_weights"] > 0) == (masters and name in HAND_OUT_KEYS), (
+                    name,
+                    brought,
+                )
+        assert off["raw"] == {
+            "bring_backs": 0,
+            "offloaded": True,
+            "armed": True,
+            "type": "GuardedState",
+        }
         for after_step, value, after_read, state_type in off["pattern"]:
             # Served from the host copy: still offloaded after the read.
             assert after_step and after_read and state_type == "GuardedState"
@@ -207,8 +254,12 @@ def measure_guard_cost(count=300, numel=64, steps=40):
         guarded._armed = guard
         guarded._armed = None
     switch = (time.perf_counter() - start) / switches
-    return {"plain": statistics.median(times["plain"]), "guarded": statistics.median(times["guarded"]),
-            "arm_and_disarm": switch, "lookups": count}
+    return {
+        "plain": statistics.median(times["plain"]),
+        "guarded": statistics.median(times["guarded"]),
+        "arm_and_disarm": switch,
+        "lookups": count,
+    }
 
 
 def test_the_guard_adds_little_to_a_step_and_never_switches_the_class(isolated):
@@ -222,13 +273,17 @@ def test_the_guard_adds_little_to_a_step_and_never_switches_the_class(isolated):
 
     assert not hasattr(guard, "_ArmedState")
     package = Path(megatron_offload.__file__).parent
-    assigning = [str(p.relative_to(package)) for p in package.rglob("*.py") if "__class__ =" in p.read_text()]
+    assigning = [
+        str(p.relative_to(package)) for p in package.rglob("*.py") if "__class__ =" in p.read_text()
+    ]
     assert assigning == []  # no class is assigned at run time anywhere in the package
     figures = isolated.run(measure_guard_cost)
     per_lookup = (figures["guarded"] - figures["plain"]) / figures["lookups"]
-    print(f"\nAdamW step, 300 params x 64: plain {figures['plain'] * 1e3:.3f} ms, "
-          f"guarded {figures['guarded'] * 1e3:.3f} ms ({per_lookup * 1e9:.0f} ns per parameter); "
-          f"arm+disarm {figures['arm_and_disarm'] * 1e9:.0f} ns")
+    print(
+        f"\nAdamW step, 300 params x 64: plain {figures['plain'] * 1e3:.3f} ms, "
+        f"guarded {figures['guarded'] * 1e3:.3f} ms ({per_lookup * 1e9:.0f} ns per parameter); "
+        f"arm+disarm {figures['arm_and_disarm'] * 1e9:.0f} ns"
+    )
     # Generous bounds (a 2-core machine shared with other work).
     assert figures["guarded"] <= 1.25 * figures["plain"]
     assert figures["arm_and_disarm"] < 20e-6

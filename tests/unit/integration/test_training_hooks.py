@@ -15,9 +15,15 @@ import pytest
 from megatron_offload.integration import training as hooks
 from megatron_offload.integration.arguments import OffloadArgumentError
 
-OFFLOAD_ARGS = dict(offload_optimizer_states=True, offload_moments=True,
-                    offload_master_weights=True, offload_release_master_grads=True,
-                    offload_prefetch=True, log_offload_stats=True, log_interval=2)
+OFFLOAD_ARGS = dict(
+    offload_optimizer_states=True,
+    offload_moments=True,
+    offload_master_weights=True,
+    offload_release_master_grads=True,
+    offload_prefetch=True,
+    log_offload_stats=True,
+    log_interval=2,
+)
 
 
 # ------------------------------------------------------------------------------ stand-ins
@@ -34,7 +40,7 @@ class FakeOffloader:
         return self._offloaded
 
     def reload(self):
-        self.events.append('reload')
+        self.events.append("reload")
         self._offloaded = False
 
     def prefetch(self):  # as the offloader's: nothing to do when nothing is offloaded
@@ -43,15 +49,23 @@ class FakeOffloader:
 
     @contextlib.contextmanager
     def resident(self, *, read_only=False):
-        self.events.append(('resident', read_only))
+        self.events.append(("resident", read_only))
         yield self
-        self.events.append(('offloaded again', read_only))
+        self.events.append(("offloaded again", read_only))
 
     def stats(self):
-        return {'offloaded_bytes': 3 << 29, 'host_bytes': 3 << 29,
-                'offload_seconds': 0.0005, 'reload_seconds': 0.00025,
-                'd2h_ms': 12.5, 'h2d_ms': 3.1, 'd2h_gbps': 128.85, 'h2d_gbps': 519.53,
-                'exposed_ms': 0.4, 'host_view_wait_ms': 2.5}
+        return {
+            "offloaded_bytes": 3 << 29,
+            "host_bytes": 3 << 29,
+            "offload_seconds": 0.0005,
+            "reload_seconds": 0.00025,
+            "d2h_ms": 12.5,
+            "h2d_ms": 3.1,
+            "d2h_gbps": 128.85,
+            "h2d_gbps": 519.53,
+            "exposed_ms": 0.4,
+            "host_view_wait_ms": 2.5,
+        }
 
 
 class FakeOptimizer:
@@ -67,14 +81,14 @@ class FakeOptimizer:
 @pytest.fixture
 def megatron_args(monkeypatch):
     args = argparse.Namespace(**OFFLOAD_ARGS)
-    monkeypatch.setattr(hooks, '_get_args', lambda: args)
+    monkeypatch.setattr(hooks, "_get_args", lambda: args)
     return args
 
 
 # ------------------------------------------------------------------- patching and no-ops
 @pytest.fixture
 def megatron_training():
-    arguments = pytest.importorskip('megatron.training.arguments')
+    arguments = pytest.importorskip("megatron.training.arguments")
     import megatron.training.training as training
 
     assert not hooks.is_patched()
@@ -84,10 +98,16 @@ def megatron_training():
 
 def test_patch_is_idempotent_and_reversible(megatron_training):
     arguments, training = megatron_training
-    names = [(arguments, 'add_megatron_arguments'), (arguments, 'validate_args'),
-             (training, 'setup_model_and_optimizer'), (training, 'train'),
-             (training, 'save_checkpoint'), (training, 'load_checkpoint'),
-             (training, 'calc_params_l2_norm'), (training, 'training_log')]
+    names = [
+        (arguments, "add_megatron_arguments"),
+        (arguments, "validate_args"),
+        (training, "setup_model_and_optimizer"),
+        (training, "train"),
+        (training, "save_checkpoint"),
+        (training, "load_checkpoint"),
+        (training, "calc_params_l2_norm"),
+        (training, "training_log"),
+    ]
     originals = [getattr(module, name) for module, name in names]
     hooks.patch_megatron()
     wrapped = [getattr(module, name) for module, name in names]
@@ -108,15 +128,19 @@ def test_patch_reaches_the_validation_initialize_runs(megatron_training, monkeyp
     arguments, _ = megatron_training
     import megatron.training.initialize as initialize
 
-    monkeypatch.setattr(initialize, 'validate_args', arguments.validate_args, raising=False)
+    monkeypatch.setattr(initialize, "validate_args", arguments.validate_args, raising=False)
     original = initialize.validate_args
     hooks.patch_megatron()
     assert initialize.validate_args is not original
     assert initialize.validate_args.__wrapped__ is original
-    with pytest.raises(OffloadArgumentError, match='--optimizer-cpu-offload'):
-        initialize.validate_args(argparse.Namespace(
-            offload_optimizer_states=True, use_distributed_optimizer=True,
-            optimizer_cpu_offload=True))
+    with pytest.raises(OffloadArgumentError, match="--optimizer-cpu-offload"):
+        initialize.validate_args(
+            argparse.Namespace(
+                offload_optimizer_states=True,
+                use_distributed_optimizer=True,
+                optimizer_cpu_offload=True,
+            )
+        )
     hooks.unpatch_megatron()
     assert initialize.validate_args is original
 
@@ -125,7 +149,7 @@ def test_patched_parser_has_the_flags(megatron_training):
     arguments, _ = megatron_training
     hooks.patch_megatron()
     parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
-    args = parser.parse_args(['--offload-optimizer-states', '--use-distributed-optimizer'])
+    args = parser.parse_args(["--offload-optimizer-states", "--use-distributed-optimizer"])
     assert args.offload_optimizer_states and args.offload_prefetch
 
 
@@ -133,31 +157,48 @@ def test_validate_wrapper_checks_before_and_after_megatron():
     calls = []
 
     def megatron_validate(args, defaults={}):
-        calls.append('megatron')
+        calls.append("megatron")
         # A refusal only the validated namespace shows (Megatron derives flags from others).
         args.freeze_all_layers = True
         return args
 
     validate = hooks._wrap_validate_args(megatron_validate)
-    with pytest.raises(OffloadArgumentError, match='--optimizer-cpu-offload'):
-        validate(argparse.Namespace(offload_optimizer_states=True, optimizer_cpu_offload=True,
-                                    use_distributed_optimizer=True))
+    with pytest.raises(OffloadArgumentError, match="--optimizer-cpu-offload"):
+        validate(
+            argparse.Namespace(
+                offload_optimizer_states=True,
+                optimizer_cpu_offload=True,
+                use_distributed_optimizer=True,
+            )
+        )
     assert calls == []  # refused before Megatron's own checks ran
-    with pytest.raises(OffloadArgumentError, match='--freeze-all-layers'):
+    with pytest.raises(OffloadArgumentError, match="--freeze-all-layers"):
         validate(argparse.Namespace(offload_optimizer_states=True, use_distributed_optimizer=True))
-    assert calls == ['megatron']
+    assert calls == ["megatron"]
     plain = argparse.Namespace(use_distributed_optimizer=True)
     assert validate(plain) is plain  # without the flag: Megatron's result, untouched
 
 
-def _train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator,
-           valid_data_iterator, process_non_loss_data_func, config, checkpointing_context,
-           non_loss_data_func, inference_model=None, p2p_communicator=None, pg_collection=None):
+def _train(
+    forward_step_func,
+    model,
+    optimizer,
+    opt_param_scheduler,
+    train_data_iterator,
+    valid_data_iterator,
+    process_non_loss_data_func,
+    config,
+    checkpointing_context,
+    non_loss_data_func,
+    inference_model=None,
+    p2p_communicator=None,
+    pg_collection=None,
+):
     """The signature of megatron.training.training.train; runs two 'iterations'."""
     config.seen = config.finalize_model_grads_func
     for _ in range(2):
         config.finalize_model_grads_func()
-    return 'trained'
+    return "trained"
 
 
 def _call_train(train, optimizer, config):
@@ -167,41 +208,52 @@ def _call_train(train, optimizer, config):
 def test_train_without_offloader_is_untouched(megatron_args):
     seen = []
 
-    def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator,
-              valid_data_iterator, process_non_loss_data_func, config, checkpointing_context,
-              non_loss_data_func, inference_model=None, p2p_communicator=None,
-              pg_collection=None):
+    def train(
+        forward_step_func,
+        model,
+        optimizer,
+        opt_param_scheduler,
+        train_data_iterator,
+        valid_data_iterator,
+        process_non_loss_data_func,
+        config,
+        checkpointing_context,
+        non_loss_data_func,
+        inference_model=None,
+        p2p_communicator=None,
+        pg_collection=None,
+    ):
         seen.append(config.finalize_model_grads_func)
-        return 'trained'
+        return "trained"
 
     module = argparse.Namespace(finalize_model_grads=lambda: None)
     config = argparse.Namespace(finalize_model_grads_func=None)
-    assert _call_train(hooks._wrap_train(train, module), FakeOptimizer(), config) == 'trained'
+    assert _call_train(hooks._wrap_train(train, module), FakeOptimizer(), config) == "trained"
     assert seen == [None] and config.finalize_model_grads_func is None
 
 
-@pytest.mark.parametrize('builder_hook', [False, True])
+@pytest.mark.parametrize("builder_hook", [False, True])
 def test_prefetch_wraps_finalize_and_restores_it(megatron_args, builder_hook):
     events = []
     offloader = FakeOffloader(events)
     optimizer = FakeOptimizer(offloader)
 
     def finalize_model_grads(*args, **kwargs):
-        events.append('default finalize')
+        events.append("default finalize")
 
     def builder_finalize(*args, **kwargs):
-        events.append('builder finalize')
+        events.append("builder finalize")
 
     module = argparse.Namespace(finalize_model_grads=finalize_model_grads)
     config = argparse.Namespace(
         finalize_model_grads_func=builder_finalize if builder_hook else None
     )
     before = config.finalize_model_grads_func
-    assert _call_train(hooks._wrap_train(_train, module), optimizer, config) == 'trained'
-    name = 'builder finalize' if builder_hook else 'default finalize'
+    assert _call_train(hooks._wrap_train(_train, module), optimizer, config) == "trained"
+    name = "builder finalize" if builder_hook else "default finalize"
     # The reload starts first, then the (kept) gradient finalization runs; once reloaded,
     # the next finalization does not reload again.
-    assert events == ['reload', name, name]
+    assert events == ["reload", name, name]
     assert config.seen.__wrapped__ is (builder_finalize if builder_hook else finalize_model_grads)
     assert config.finalize_model_grads_func is before  # restored after train()
 
@@ -213,22 +265,33 @@ def test_prefetch_survives_a_train_that_assigns_the_default(megatron_args):
     optimizer = FakeOptimizer(FakeOffloader(events))
 
     def finalize_model_grads(*args, **kwargs):
-        events.append('default finalize')
+        events.append("default finalize")
 
     module = argparse.Namespace(finalize_model_grads=finalize_model_grads)
 
-    def train_018(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator,
-                  valid_data_iterator, process_non_loss_data_func, config, checkpointing_context,
-                  non_loss_data_func, inference_model=None, p2p_communicator=None,
-                  pg_collection=None):
+    def train_018(
+        forward_step_func,
+        model,
+        optimizer,
+        opt_param_scheduler,
+        train_data_iterator,
+        valid_data_iterator,
+        process_non_loss_data_func,
+        config,
+        checkpointing_context,
+        non_loss_data_func,
+        inference_model=None,
+        p2p_communicator=None,
+        pg_collection=None,
+    ):
         config.finalize_model_grads_func = module.finalize_model_grads  # unconditionally
         for _ in range(2):
             config.finalize_model_grads_func()
-        return 'trained'
+        return "trained"
 
     config = argparse.Namespace(finalize_model_grads_func=None)
-    assert _call_train(hooks._wrap_train(train_018, module), optimizer, config) == 'trained'
-    assert events == ['reload', 'default finalize', 'default finalize']
+    assert _call_train(hooks._wrap_train(train_018, module), optimizer, config) == "trained"
+    assert events == ["reload", "default finalize", "default finalize"]
     assert module.finalize_model_grads is finalize_model_grads
     assert config.finalize_model_grads_func is None
 
@@ -236,7 +299,7 @@ def test_prefetch_survives_a_train_that_assigns_the_default(megatron_args):
 def test_no_prefetch_flag_and_idempotent_install(megatron_args):
     events = []
     optimizer = FakeOptimizer(FakeOffloader(events))
-    config = argparse.Namespace(finalize_model_grads_func=lambda: events.append('finalize'))
+    config = argparse.Namespace(finalize_model_grads_func=lambda: events.append("finalize"))
     megatron_args.offload_prefetch = False
     assert not hooks.install_prefetch(config, optimizer, megatron_args)
     megatron_args.offload_prefetch = True
@@ -246,88 +309,125 @@ def test_no_prefetch_flag_and_idempotent_install(megatron_args):
     assert config.finalize_model_grads_func is once  # not wrapped twice
     assert not hooks.install_prefetch(config, FakeOptimizer(), megatron_args)  # no offloader
     config.finalize_model_grads_func()
-    assert events == ['reload', 'finalize']
+    assert events == ["reload", "finalize"]
 
 
 def test_prefetch_skips_a_detached_offloader():
     events = []
     offloader = FakeOffloader(events)
     optimizer = FakeOptimizer(offloader)
-    finalize = hooks.prefetching_finalize(lambda: events.append('finalize'), offloader)
+    finalize = hooks.prefetching_finalize(lambda: events.append("finalize"), offloader)
     del optimizer.chained_optimizers[0]._state_offloader  # what detach() does
     offloader.detached = True
     finalize()
-    assert events == ['finalize']
+    assert events == ["finalize"]
 
 
 def test_checkpoints_are_served_from_the_host_copy(megatron_args, monkeypatch):
     """Where the offloader can serve checkpoints from its host copy, the checkpoint wrappers
     bring nothing back: the optimizer's own checkpoint methods read the host copy."""
     events = []
-    monkeypatch.setattr(hooks, 'servable', lambda offloader: True)
+    monkeypatch.setattr(hooks, "servable", lambda offloader: True)
     optimizer = FakeOptimizer(FakeOffloader(events))
-    save = hooks._wrap_checkpoint(lambda iteration, model, optimizer: events.append('save'), read_only=True)
-    load = hooks._wrap_checkpoint(lambda model, optimizer: events.append('load'), read_only=False)
+    save = hooks._wrap_checkpoint(
+        lambda iteration, model, optimizer: events.append("save"), read_only=True
+    )
+    load = hooks._wrap_checkpoint(lambda model, optimizer: events.append("load"), read_only=False)
     save(3, [], optimizer)
     load([], optimizer)
-    assert events == ['save', 'load']
+    assert events == ["save", "load"]
 
 
 def test_checkpoints_run_with_resident_states(megatron_args, monkeypatch):
     """Where it cannot (Transformer Engine's fp16 or FP8 moments), the states are resident
     for the checkpoint and offloaded again right after it."""
     events = []
-    monkeypatch.setattr(hooks, 'servable', lambda offloader: False)
+    monkeypatch.setattr(hooks, "servable", lambda offloader: False)
     optimizer = FakeOptimizer(FakeOffloader(events))
 
     def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, *rest, **kwargs):
-        events.append('save')
+        events.append("save")
 
     def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, *rest, **kwargs):
-        events.append('load')
+        events.append("load")
         return 7, 0
 
     hooks._wrap_checkpoint(save_checkpoint, read_only=True)(3, [], optimizer, None)
-    hooks._wrap_checkpoint(save_checkpoint, read_only=True)(3, [], optimizer=optimizer,
-                                                            opt_param_scheduler=None)
+    hooks._wrap_checkpoint(save_checkpoint, read_only=True)(
+        3, [], optimizer=optimizer, opt_param_scheduler=None
+    )
     assert hooks._wrap_checkpoint(load_checkpoint, read_only=False)([], optimizer, None) == (7, 0)
     hooks._wrap_checkpoint(save_checkpoint, read_only=True)(3, [], None, None)  # no optimizer
     assert events == [
-        ('resident', True), 'save', ('offloaded again', True),
-        ('resident', True), 'save', ('offloaded again', True),
-        ('resident', False), 'load', ('offloaded again', False),
-        'save',
+        ("resident", True),
+        "save",
+        ("offloaded again", True),
+        ("resident", True),
+        "save",
+        ("offloaded again", True),
+        ("resident", False),
+        "load",
+        ("offloaded again", False),
+        "save",
     ]
 
 
 def test_asynchronous_saves_that_keep_references_are_left_to_the_guard(megatron_args, monkeypatch):
     events = []
-    monkeypatch.setattr(hooks, 'servable', lambda offloader: False)  # as above
+    monkeypatch.setattr(hooks, "servable", lambda offloader: False)  # as above
     optimizer = FakeOptimizer(FakeOffloader(events))
-    save = hooks._wrap_checkpoint(lambda iteration, model, optimizer: events.append('save'),
-                                  read_only=True)
-    megatron_args.async_save, megatron_args.async_strategy = True, 'mcore'
+    save = hooks._wrap_checkpoint(
+        lambda iteration, model, optimizer: events.append("save"), read_only=True
+    )
+    megatron_args.async_save, megatron_args.async_strategy = True, "mcore"
     save(1, [], optimizer)  # megatron-core's own async save stages the tensors before returning
-    megatron_args.async_strategy = 'nvrx'
+    megatron_args.async_strategy = "nvrx"
     save(2, [], optimizer)  # may hold references: not offloaded again behind its back
-    assert events == [('resident', True), 'save', ('offloaded again', True), 'save']
+    assert events == [("resident", True), "save", ("offloaded again", True), "save"]
     assert hooks.save_is_staged_on_return(argparse.Namespace())
 
 
 def test_training_log_logs_at_each_log_interval(megatron_args, monkeypatch):
     logged = []
-    monkeypatch.setattr(hooks, 'log_for_megatron', logged.append)
+    monkeypatch.setattr(hooks, "log_for_megatron", logged.append)
 
-    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
-                     report_memory_flag, skipped_iter, grad_norm, params_norm,
-                     num_zeros_in_grad, max_attention_logit, pg_collection=None,
-                     is_first_iteration=False, **kwargs):
+    def training_log(
+        loss_dict,
+        total_loss_dict,
+        learning_rate,
+        iteration,
+        loss_scale,
+        report_memory_flag,
+        skipped_iter,
+        grad_norm,
+        params_norm,
+        num_zeros_in_grad,
+        max_attention_logit,
+        pg_collection=None,
+        is_first_iteration=False,
+        **kwargs,
+    ):
         return report_memory_flag
 
     wrapped = hooks._wrap_training_log(training_log)
     for iteration in range(1, 6):
-        assert wrapped({}, {}, 1e-3, iteration, 1.0, 'flag', 0, 1.0, None, None, 0,
-                       is_first_iteration=iteration == 1) == 'flag'
+        assert (
+            wrapped(
+                {},
+                {},
+                1e-3,
+                iteration,
+                1.0,
+                "flag",
+                0,
+                1.0,
+                None,
+                None,
+                0,
+                is_first_iteration=iteration == 1,
+            )
+            == "flag"
+        )
     assert logged == [1, 2, 4]
 
 
@@ -347,51 +447,77 @@ def test_log_line_and_scalars():
             self.logged.append((values, iteration))
 
     writer, wandb, printed = Writer(), Wandb(), []
-    figures = hooks.log_offload_stats(10, FakeOffloader([]), writer=writer, wandb_writer=wandb,
-                                      printer=printed.append)
-    assert figures == {'offloaded_gib': 1.5, 'host_gib': 1.5, 'd2h_ms': 12.5, 'd2h_gbps': 128.85,
-                       'h2d_ms': 3.1, 'h2d_gbps': 519.53, 'exposed_ms': 0.4,
-                       'issue_ms': pytest.approx(0.75), 'checkpoint_wait_ms': 2.5}
-    assert printed == [' [optimizer-state offload] iteration       10 | offloaded: 1.500 GiB'
-                       ' | host: 1.500 GiB | D2H: 12.500 ms (128.85 GB/s)'
-                       ' | H2D: 3.100 ms (519.53 GB/s) | exposed: 0.400 ms | issue: 0.750 ms |'
-                       ' checkpoint wait: 2.500 ms |']
+    figures = hooks.log_offload_stats(
+        10, FakeOffloader([]), writer=writer, wandb_writer=wandb, printer=printed.append
+    )
+    assert figures == {
+        "offloaded_gib": 1.5,
+        "host_gib": 1.5,
+        "d2h_ms": 12.5,
+        "d2h_gbps": 128.85,
+        "h2d_ms": 3.1,
+        "h2d_gbps": 519.53,
+        "exposed_ms": 0.4,
+        "issue_ms": pytest.approx(0.75),
+        "checkpoint_wait_ms": 2.5,
+    }
+    assert printed == [
+        " [optimizer-state offload] iteration       10 | offloaded: 1.500 GiB"
+        " | host: 1.500 GiB | D2H: 12.500 ms (128.85 GB/s)"
+        " | H2D: 3.100 ms (519.53 GB/s) | exposed: 0.400 ms | issue: 0.750 ms |"
+        " checkpoint wait: 2.500 ms |"
+    ]
     assert [(name, iteration) for name, _, iteration in writer.scalars] == [
-        ('optimizer-offload/offloaded-GiB', 10), ('optimizer-offload/host-GiB', 10),
-        ('optimizer-offload/d2h-ms', 10), ('optimizer-offload/d2h-GBps', 10),
-        ('optimizer-offload/h2d-ms', 10), ('optimizer-offload/h2d-GBps', 10),
-        ('optimizer-offload/exposed-ms', 10), ('optimizer-offload/issue-ms', 10),
-        ('optimizer-offload/checkpoint-wait-ms', 10)]
+        ("optimizer-offload/offloaded-GiB", 10),
+        ("optimizer-offload/host-GiB", 10),
+        ("optimizer-offload/d2h-ms", 10),
+        ("optimizer-offload/d2h-GBps", 10),
+        ("optimizer-offload/h2d-ms", 10),
+        ("optimizer-offload/h2d-GBps", 10),
+        ("optimizer-offload/exposed-ms", 10),
+        ("optimizer-offload/issue-ms", 10),
+        ("optimizer-offload/checkpoint-wait-ms", 10),
+    ]
     assert wandb.logged == [({name: value for name, value, _ in writer.scalars}, 10)]
 
 
 def test_rates_are_the_minimum_over_ranks_and_times_the_maximum(monkeypatch):
     from megatron_offload.integration import stats_log
 
-    other_rank = {'offloaded_bytes': 1 << 30, 'host_bytes': 1 << 30, 'offload_seconds': 0.002,
-                  'reload_seconds': 0.001, 'd2h_ms': 20.0, 'h2d_ms': 1.0, 'd2h_gbps': 50.0,
-                  'h2d_gbps': 900.0, 'exposed_ms': 0.1}
+    other_rank = {
+        "offloaded_bytes": 1 << 30,
+        "host_bytes": 1 << 30,
+        "offload_seconds": 0.002,
+        "reload_seconds": 0.001,
+        "d2h_ms": 20.0,
+        "h2d_ms": 1.0,
+        "d2h_gbps": 50.0,
+        "h2d_gbps": 900.0,
+        "exposed_ms": 0.1,
+    }
     theirs = list(stats_log.offload_figures(other_rank).items())
 
     def two_ranks(values):  # what a MAX all-reduce with the other rank returns
         signs = [-1.0 if k in stats_log.MIN_OVER_RANKS else 1.0 for k, _ in theirs]
         return [max(v, s * t) for v, s, (_, t) in zip(values, signs, theirs)], 2
 
-    monkeypatch.setattr(stats_log, '_max_over_ranks', two_ranks)
+    monkeypatch.setattr(stats_log, "_max_over_ranks", two_ranks)
     printed = []
     figures = stats_log.log_offload_stats(4, FakeOffloader([]), printer=printed.append)
-    assert figures['d2h_gbps'] == 50.0 and figures['h2d_gbps'] == 519.53  # the slower rank
-    assert figures['d2h_ms'] == 20.0 and figures['h2d_ms'] == 3.1  # the longer one
-    assert figures['issue_ms'] == pytest.approx(3.0) and figures['exposed_ms'] == 0.4
-    assert printed[0].endswith('| (max over 2 ranks; GB/s: min)')
+    assert figures["d2h_gbps"] == 50.0 and figures["h2d_gbps"] == 519.53  # the slower rank
+    assert figures["d2h_ms"] == 20.0 and figures["h2d_ms"] == 3.1  # the longer one
+    assert figures["issue_ms"] == pytest.approx(3.0) and figures["exposed_ms"] == 0.4
+    assert printed[0].endswith("| (max over 2 ranks; GB/s: min)")
 
 
 def test_attach_for_training_needs_the_flag():
     assert hooks.attach_for_training(object(), argparse.Namespace()) is None
     assert hooks.attach_for_training(None, argparse.Namespace(**OFFLOAD_ARGS)) is None
     existing = FakeOffloader([])
-    assert hooks.attach_for_training(FakeOptimizer(existing),
-                                     argparse.Namespace(**OFFLOAD_ARGS)) is existing
+    assert (
+        hooks.attach_for_training(FakeOptimizer(existing), argparse.Namespace(**OFFLOAD_ARGS))
+        is existing
+    )
 
 
 # ---------------------------------------------------------------- a real optimizer (rank pool)
@@ -402,8 +528,8 @@ def hooks_job(offload: bool, steps: int = 3):
     from megatron_offload.integration import training as hooks
     from tests.harness import models
 
-    chunks, optimizer, config = models.build('gpt', 'bf16')
-    args = argparse.Namespace(**{**OFFLOAD_ARGS, 'offload_optimizer_states': offload})
+    chunks, optimizer, config = models.build("gpt", "bf16")
+    args = argparse.Namespace(**{**OFFLOAD_ARGS, "offload_optimizer_states": offload})
     offloader = hooks.attach_for_training(optimizer, args)
     trace = []
     if offloader is not None:
@@ -424,39 +550,56 @@ def hooks_job(offload: bool, steps: int = 3):
 
         def traced_prefetch():  # the prefetches that have something to reload
             if offloader.is_offloaded:
-                trace.append('in finalize' if inside else 'elsewhere')
+                trace.append("in finalize" if inside else "elsewhere")
             return prefetch()
 
         offloader.prefetch = traced_prefetch
     results = [models.train_step(chunks, optimizer, config, step) for step in range(steps)]
-    report = {'results': results, 'trace': list(trace)}
+    report = {"results": results, "trace": list(trace)}
     if offloader is not None:
         copies = []
         for engine in offloader.engines:  # every copy the offloader makes goes through its device
-            engine.device.copy = lambda dst, src, _copy=engine.device.copy: (copies.append(1), _copy(dst, src))
+            engine.device.copy = lambda dst, src, _copy=engine.device.copy: (
+                copies.append(1),
+                _copy(dst, src),
+            )
         with hooks.checkpoint_residency(optimizer, read_only=True):
-            report['served_inside'] = offloader.is_offloaded  # served from the host copy
-            optimizer.sharded_state_dict(chunks[0].sharded_state_dict(),
-                                         metadata={'distrib_optim_sharding_type': 'dp_reshardable'})
+            report["served_inside"] = offloader.is_offloaded  # served from the host copy
+            optimizer.sharded_state_dict(
+                chunks[0].sharded_state_dict(),
+                metadata={"distrib_optim_sharding_type": "dp_reshardable"},
+            )
         for engine in offloader.engines:
             del engine.device.copy
-        report['copies_for_save'] = len(copies)
-        report['offloaded_after'] = offloader.is_offloaded
+        report["copies_for_save"] = len(copies)
+        report["offloaded_after"] = offloader.is_offloaded
         with hooks.master_weights_residency():
             # The params norm reads the fp32 masters only: they are back, the moments are not.
-            dopts = list(getattr(optimizer, 'chained_optimizers', None) or [optimizer])
-            masters = [m for d in dopts for g in d.shard_fp32_from_float16_groups for m in g
-                       if m is not None]
-            moments = [v for d in dopts for state in dict.values(d.optimizer.state)
-                       for k, v in state.items() if k in ('exp_avg', 'exp_avg_sq')]
-            report['masters_inside'] = bool(masters) and all(
-                m.untyped_storage().size() > 0 for m in masters)
-            report['moments_released_inside'] = bool(moments) and all(
-                v.untyped_storage().size() == 0 for v in moments)
+            dopts = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+            masters = [
+                m
+                for d in dopts
+                for g in d.shard_fp32_from_float16_groups
+                for m in g
+                if m is not None
+            ]
+            moments = [
+                v
+                for d in dopts
+                for state in dict.values(d.optimizer.state)
+                for k, v in state.items()
+                if k in ("exp_avg", "exp_avg_sq")
+            ]
+            report["masters_inside"] = bool(masters) and all(
+                m.untyped_storage().size() > 0 for m in masters
+            )
+            report["moments_released_inside"] = bool(moments) and all(
+                v.untyped_storage().size() == 0 for v in moments
+            )
         printed = []
-        report['figures'] = hooks.log_offload_stats(steps, offloader, printer=printed.append)
-        report['printed'] = printed
-        report['own_offloaded_bytes'] = offloader.stats()['offloaded_bytes']
+        report["figures"] = hooks.log_offload_stats(steps, offloader, printer=printed.append)
+        report["printed"] = printed
+        report["own_offloaded_bytes"] = offloader.stats()["offloaded_bytes"]
         offloader.reload()
         offloader.wait()
         offloader.detach()
@@ -467,16 +610,16 @@ def test_hooks_on_a_real_distributed_optimizer(rank_pool):
     reference = rank_pool.run(hooks_job, False)
     offloaded = rank_pool.run(hooks_job, True)
     for ref, off in zip(reference, offloaded):
-        assert ref['results'] == off['results']  # bitwise: loss and grad norm per step
+        assert ref["results"] == off["results"]  # bitwise: loss and grad norm per step
         # The first step has nothing to reload; every later one reloads inside finalize.
-        assert off['trace'] == ['in finalize', 'in finalize']
-        assert off['served_inside'] and off['offloaded_after'] and off['masters_inside']
-        assert off['moments_released_inside']
-        assert off['copies_for_save'] == 0  # read from the host copy: nothing copied either way
-        assert len(off['printed']) == 1 and '(max over 2 ranks; GB/s: min)' in off['printed'][0]
-    most = max(rank['own_offloaded_bytes'] for rank in offloaded)
-    assert all(rank['figures']['offloaded_gib'] == most / (1 << 30) for rank in offloaded)
-    assert offloaded[0]['printed'] == offloaded[1]['printed']
+        assert off["trace"] == ["in finalize", "in finalize"]
+        assert off["served_inside"] and off["offloaded_after"] and off["masters_inside"]
+        assert off["moments_released_inside"]
+        assert off["copies_for_save"] == 0  # read from the host copy: nothing copied either way
+        assert len(off["printed"]) == 1 and "(max over 2 ranks; GB/s: min)" in off["printed"][0]
+    most = max(rank["own_offloaded_bytes"] for rank in offloaded)
+    assert all(rank["figures"]["offloaded_gib"] == most / (1 << 30) for rank in offloaded)
+    assert offloaded[0]["printed"] == offloaded[1]["printed"]
 
 
 # ----------------------------------------------------------------------------- the launcher
@@ -487,47 +630,49 @@ def test_launcher_usage_and_errors(capsys):
         launch.main([])
     assert exit_info.value.code == 2
     with pytest.raises(SystemExit) as exit_info:
-        launch.main(['--help'])
+        launch.main(["--help"])
     assert exit_info.value.code == 0
-    assert 'megatron_offload.launch SCRIPT.py' in capsys.readouterr().out
+    assert "megatron_offload.launch SCRIPT.py" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_info:
-        launch.main(['/no/such/script.py'])
+        launch.main(["/no/such/script.py"])
     assert exit_info.value.code == 2
-    assert 'no such script' in capsys.readouterr().err
+    assert "no such script" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
-        launch.main(['-m'])  # a module name is missing
+        launch.main(["-m"])  # a module name is missing
     assert exit_info.value.code == 2
-    assert 'megatron_offload.launch SCRIPT.py' in capsys.readouterr().err
+    assert "megatron_offload.launch SCRIPT.py" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize('as_module', [False, True])
-def test_launcher_patches_then_runs_the_script_as_main(megatron_training, tmp_path, monkeypatch,
-                                                         as_module):
+@pytest.mark.parametrize("as_module", [False, True])
+def test_launcher_patches_then_runs_the_script_as_main(
+    megatron_training, tmp_path, monkeypatch, as_module
+):
     import json
     import sys
 
     from megatron_offload import launch
 
-    script = tmp_path / 'my_pretrain.py'
-    out = tmp_path / 'out.json'
+    script = tmp_path / "my_pretrain.py"
+    out = tmp_path / "out.json"
     script.write_text(
-        'import json, sys\n'
-        'from megatron_offload.integration import training\n'
+        "import json, sys\n"
+        "from megatron_offload.integration import training\n"
         'if __name__ == "__main__":\n'
         '    record = {"argv": sys.argv[1:], "patched": training.is_patched()}\n'
         f'    json.dump(record, open({str(out)!r}, "w"))\n'
     )
-    monkeypatch.setattr(sys, 'argv', list(sys.argv))
-    monkeypatch.setattr(sys, 'path', list(sys.path))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
     if as_module:
         monkeypatch.syspath_prepend(str(tmp_path))
-        launch.main(['-m', 'my_pretrain', '--offload-optimizer-states', '--lr', '1e-4'])
+        launch.main(["-m", "my_pretrain", "--offload-optimizer-states", "--lr", "1e-4"])
     else:
-        launch.main([str(script), '--offload-optimizer-states', '--lr', '1e-4'])
+        launch.main([str(script), "--offload-optimizer-states", "--lr", "1e-4"])
     assert json.loads(out.read_text()) == {
-        'argv': ['--offload-optimizer-states', '--lr', '1e-4'], 'patched': True,
+        "argv": ["--offload-optimizer-states", "--lr", "1e-4"],
+        "patched": True,
     }
-    sys.modules.pop('my_pretrain', None)
+    sys.modules.pop("my_pretrain", None)
 
 
 # ------------------------------------------------------------------- the remaining paths
@@ -548,15 +693,31 @@ def test_train_without_prefetch_keeps_the_finalize_hook(megatron_args):
 
     def train_that_sets_its_own(*args, config=None, **kwargs):  # as megatron's train() does
         if config.finalize_model_grads_func is None:
-            config.finalize_model_grads_func = lambda: events.append('finalize')
+            config.finalize_model_grads_func = lambda: events.append("finalize")
         return _train(*args, config=config, **kwargs)
 
     import functools
+
     train_that_sets_its_own = functools.wraps(_train)(train_that_sets_its_own)
-    train = hooks._wrap_train(train_that_sets_its_own, argparse.Namespace(finalize_model_grads=None))
-    assert train(None, [], optimizer, None, None, None, None, config=config, checkpointing_context={},
-                 non_loss_data_func=None) == 'trained'
-    assert events == ['finalize', 'finalize']  # train()'s own hook, no reload wrapped around it
+    train = hooks._wrap_train(
+        train_that_sets_its_own, argparse.Namespace(finalize_model_grads=None)
+    )
+    assert (
+        train(
+            None,
+            [],
+            optimizer,
+            None,
+            None,
+            None,
+            None,
+            config=config,
+            checkpointing_context={},
+            non_loss_data_func=None,
+        )
+        == "trained"
+    )
+    assert events == ["finalize", "finalize"]  # train()'s own hook, no reload wrapped around it
 
 
 def test_detached_offloaders_are_forgotten_and_the_norm_runs_without_them(monkeypatch):
@@ -564,16 +725,16 @@ def test_detached_offloaders_are_forgotten_and_the_norm_runs_without_them(monkey
 
     offloader = FakeOffloader([])
     offloader.detached = True
-    monkeypatch.setattr(hooks, '_ATTACHED', [weakref.ref(offloader)])
+    monkeypatch.setattr(hooks, "_ATTACHED", [weakref.ref(offloader)])
     assert hooks._active_offloaders() == [] and hooks._ATTACHED == []
     assert hooks._wrap_params_norm(lambda: 7.0)() == 7.0
 
 
 def test_log_for_megatron_does_nothing_without_the_flag_or_an_offloader(monkeypatch):
-    global_vars = pytest.importorskip('megatron.training.global_vars')
+    global_vars = pytest.importorskip("megatron.training.global_vars")
     args = argparse.Namespace(**OFFLOAD_ARGS)
-    monkeypatch.setattr(global_vars, 'get_args', lambda: args)
-    monkeypatch.setattr(hooks, '_ATTACHED', [])
+    monkeypatch.setattr(global_vars, "get_args", lambda: args)
+    monkeypatch.setattr(hooks, "_ATTACHED", [])
     args.log_offload_stats = False
     assert hooks.log_for_megatron(2) is None
     args.log_offload_stats = True
@@ -583,9 +744,9 @@ def test_log_for_megatron_does_nothing_without_the_flag_or_an_offloader(monkeypa
 def test_without_megatron_training_messages_go_to_stdout(monkeypatch, capsys):
     import sys
 
-    monkeypatch.setitem(sys.modules, 'megatron.training.utils', None)
-    monkeypatch.setitem(sys.modules, 'megatron.training.global_vars', None)
-    hooks._print_rank_0('first')
-    hooks._print_rank_last('last')
-    assert capsys.readouterr().out == 'first\nlast\n'
+    monkeypatch.setitem(sys.modules, "megatron.training.utils", None)
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", None)
+    hooks._print_rank_0("first")
+    hooks._print_rank_last("last")
+    assert capsys.readouterr().out == "first\nlast\n"
     assert hooks._megatron_args_or_none() is None

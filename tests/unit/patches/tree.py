@@ -17,7 +17,7 @@ import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
-PATCHES = REPO / 'patches'
+PATCHES = REPO / "patches"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,15 +36,15 @@ class PatchSet:
 def patch_sets() -> list[PatchSet]:
     sets = []
     for directory in sorted(p for p in PATCHES.iterdir() if p.is_dir()):
-        match = re.fullmatch(r'megatron-core-(\d+\.\d+)', directory.name)
+        match = re.fullmatch(r"megatron-core-(\d+\.\d+)", directory.name)
         if not match:
             continue
         patches = []
-        for path in sorted(directory.glob('*.patch')):
+        for path in sorted(directory.glob("*.patch")):
             targets = tuple(
-                line[len('+++ b/'):].split('\t')[0].strip()
+                line[len("+++ b/") :].split("\t")[0].strip()
                 for line in path.read_text().splitlines()
-                if line.startswith('+++ b/')
+                if line.startswith("+++ b/")
             )
             patches.append(PatchFile(path, targets))
         sets.append(PatchSet(directory.name, match.group(1), tuple(patches)))
@@ -53,20 +53,20 @@ def patch_sets() -> list[PatchSet]:
 
 def installed_megatron() -> Path:
     """The directory holding the installed ``megatron`` package (site-packages)."""
-    spec = importlib.util.find_spec('megatron.core')
+    spec = importlib.util.find_spec("megatron.core")
     return Path(spec.origin).resolve().parents[2]
 
 
 def installed_version() -> str:
     """megatron-core's version, read from its package_info without importing it."""
-    text = (installed_megatron() / 'megatron' / 'core' / 'package_info.py').read_text()
+    text = (installed_megatron() / "megatron" / "core" / "package_info.py").read_text()
     values = {k: v for k, v in re.findall(r"^(MAJOR|MINOR|PATCH)\s*=\s*(\d+)", text, re.M)}
     return f"{values['MAJOR']}.{values['MINOR']}.{values['PATCH']}"
 
 
 def targets_version(patch_set: PatchSet, version: str) -> bool:
     """Whether ``patch_set`` is the one for megatron-core ``version`` ('0.18' for 0.18.2)."""
-    return version == patch_set.version or version.startswith(patch_set.version + '.')
+    return version == patch_set.version or version.startswith(patch_set.version + ".")
 
 
 def installed_version_or_none() -> str | None:
@@ -97,9 +97,9 @@ def if_installed_line_has_a_set(mark):
 
 def apply(patch: Path, root: Path, *, check: bool) -> subprocess.CompletedProcess:
     """``patch -p1`` without fuzz (``--dry-run`` when ``check``) in ``root``."""
-    command = ['patch', '-p1', '--fuzz=0', '--forward', '--batch', '-i', str(patch)]
+    command = ["patch", "-p1", "--fuzz=0", "--forward", "--batch", "-i", str(patch)]
     if check:
-        command.insert(1, '--dry-run')
+        command.insert(1, "--dry-run")
     return subprocess.run(command, cwd=root, capture_output=True, text=True)
 
 
@@ -108,11 +108,11 @@ def patched_tree(tmp: Path) -> Path:
     the directory to put first on PYTHONPATH."""
     patch_set = matching_set()
     if patch_set is None:
-        raise RuntimeError(f'no patch set in patches/ for megatron-core {installed_version()}')
-    root = Path(tmp) / 'megatron-tree'
-    shutil.copytree(installed_megatron() / 'megatron', root / 'megatron')
+        raise RuntimeError(f"no patch set in patches/ for megatron-core {installed_version()}")
+    root = Path(tmp) / "megatron-tree"
+    shutil.copytree(installed_megatron() / "megatron", root / "megatron")
     for patch in patch_set.patches:
         result = apply(patch.path, root, check=False)
         if result.returncode != 0:
-            raise RuntimeError(f'{patch.path.name} does not apply:\n{result.stdout}{result.stderr}')
+            raise RuntimeError(f"{patch.path.name} does not apply:\n{result.stdout}{result.stderr}")
     return root

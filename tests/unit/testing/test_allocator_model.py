@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_offload_testing.allocator_model import (
-    MiB,
     AllocatorModel,
+    MiB,
     ModelledOutOfMemory,
     round_size,
     segment_size,

@@ -564,7 +564,9 @@ def test_compute_stream_copies_racing_queued_side_copies_are_classified():
     with device.use_stream(side):
         device.copy(other, host)  # a queued H2D writes other
     device.copy(dev, other)  # the compute stream reads it without waiting
-    device.copy(device.empty(0, torch.float32), device.empty(0, torch.float32))  # no bytes: no access
+    device.copy(
+        device.empty(0, torch.float32), device.empty(0, torch.float32)
+    )  # no bytes: no access
     kinds = [(v.rule, v.kind) for v in device.violations]
     assert (2, "overwrite-while-read") in kinds and (4, "use-before-copy") in kinds
 

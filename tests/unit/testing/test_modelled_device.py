@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_offload.engine import OffloadEngine
-from megatron_offload_testing.allocator_model import MiB, AllocatorModel
+from megatron_offload_testing.allocator_model import AllocatorModel, MiB
 from megatron_offload_testing.modelled_device import REUSE_BEFORE_COPY, ModelledDevice
 
 STATES, MASTERS = "optimizer_states", "primary_weights"
@@ -91,7 +91,10 @@ def _offload_cycles(steps: int):
         )
         model.compute(end - model.now + STEP)  # the next forward and backward
         freed = [(t, n) for t, n in model.reuse_timeline() if t >= t0]
-        cycle["freed_last"], cycle["freed_bytes"] = max(t for t, _ in freed), sum(n for _, n in freed)
+        cycle["freed_last"], cycle["freed_bytes"] = (
+            max(t for t, _ in freed),
+            sum(n for _, n in freed),
+        )
         cycles.append(cycle)
     reserved, start = model.reserved_bytes, model.now
     engine.reload()
@@ -121,7 +124,9 @@ def test_released_memory_becomes_reusable_when_the_d2h_ends_and_reload_reuses_it
     for cycle in cycles[1:]:
         # reload() allocates again, and the H2D takes its bytes over the H2D bandwidth.
         assert cycle["allocated_after"] >= cycle["offloaded"]
-        assert cycle["reload_end"] - cycle["reload_start"] == pytest.approx(cycle["h2d_bytes"] / H2D)
+        assert cycle["reload_end"] - cycle["reload_start"] == pytest.approx(
+            cycle["h2d_bytes"] / H2D
+        )
     # Steady state: the regrown memory is the released memory, no new segment.
     assert cycles[-1]["reserved_after"] == cycles[-1]["reserved_before"]
     assert final["new_segments"] == 0
@@ -138,7 +143,11 @@ def _allocate_during_the_d2h(skip: tuple[str, ...]):
     net.step(0)
     model.compute(STEP)
     engine.offload()
-    allocated, cached, reserved = model.allocated_bytes, model.reusable_bytes(), model.reserved_bytes
+    allocated, cached, reserved = (
+        model.allocated_bytes,
+        model.reusable_bytes(),
+        model.reserved_bytes,
+    )
     engine.release()
     released, at_release = allocated - model.allocated_bytes, model.reusable_bytes() - cached
     probe = device.empty(NUMEL, torch.float32)  # something allocates before the D2H ended
@@ -232,7 +241,9 @@ def test_copies_are_timed_by_direction_and_ordered_by_waits():
 
 
 @pytest.mark.parametrize("backend", ["native", "cudaMallocAsync"])
-def test_a_free_under_record_stream_waits_on_the_compute_stream_only_with_cuda_malloc_async(backend):
+def test_a_free_under_record_stream_waits_on_the_compute_stream_only_with_cuda_malloc_async(
+    backend,
+):
     model = AllocatorModel(capacity=1 << 30, d2h_bandwidth=D2H, h2d_bandwidth=H2D, backend=backend)
     side = model.new_stream("d2h")
     block = model.malloc(8 * MiB)
