@@ -243,11 +243,35 @@ def _teardown_job() -> None:
             dist.destroy_process_group(group)
         except ValueError:
             pass  # already destroyed by the job itself
+
     _JOB_INFO.clear()
     # Free the job's models first (DDP and optimizers are full of reference cycles and hold
     # group references), so that `groups` holds the last references.
     gc.collect()
+    _free_stranded(gc)
     _release_groups(groups)
+
+
+def _free_stranded(gc) -> None:
+    """Empty the job's DDP models and Megatron optimizers that outlived it.
+
+    A model whose gradient hooks close over the DDP wrapper can be kept alive by autograd's
+    own nodes (C++ references the collector cannot see: an fp32 model's optimizer holds views
+    of its parameters, whose gradient nodes hold the hooks). Such a model keeps its process
+    groups, and each gloo group three transport threads: a few hundred jobs left the rank
+    processes with a thousand threads each. Whatever is still alive after the collection is
+    garbage of the finished job; emptying it releases what it holds.
+    """
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer.optimizer import MegatronOptimizer
+
+    stranded = [
+        o for o in gc.get_objects() if isinstance(o, (DistributedDataParallel, MegatronOptimizer))
+    ]
+    for obj in stranded:
+        vars(obj).clear()
+    del stranded
+    gc.collect()
 
 
 def _rank_main(rank, world_size, port, conn, log_path, env, pg_timeout_s):

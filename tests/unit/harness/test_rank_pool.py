@@ -259,3 +259,35 @@ def test_four_ranks_with_tensor_parallelism(rank_pool4):
     ]
     trained = rank_pool4.run(train_job, "mlp", "bf16", 2, tp=2, micro_batches=2)
     assert all(r["update_successful"] for rank in trained for r in rank["results"])
+
+
+def threads_job():
+    import os
+
+    import torch.distributed as dist
+
+    names = [
+        open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")
+    ]
+    return len(dist.distributed_c10d._world.pg_map), names.count("gloo_tcp_loop"), len(names)
+
+
+def fp32_training_job():
+    from tests.harness import models
+
+    chunks, optimizer, config = models.build("mlp", "fp32")
+    for step in range(2):
+        models.train_step(chunks, optimizer, config, step)
+
+
+def test_jobs_leave_no_process_groups_or_threads_behind(rank_pool):
+    """An fp32 model with the distributed optimizer outlives its job (autograd's nodes keep
+    its hooks, and so the DDP wrapper, alive) and held its process groups, three gloo threads
+    each: a few hundred jobs left each rank with a thousand threads. The pool empties such
+    leftovers at every teardown; the groups and threads stay what one job needs."""
+    rank_pool.run(fp32_training_job)
+    before = rank_pool.run(threads_job)
+    for _ in range(3):
+        rank_pool.run(fp32_training_job)
+    after = rank_pool.run(threads_job)
+    assert after == before, (before, after)
