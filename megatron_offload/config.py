@@ -27,9 +27,12 @@ class OffloadConfig:
     whole tensors, largest first (0 keeps everything on the device, 1 offloads all). For
     users with some device memory to spare who want less traffic."""
 
-    host_memory_budget: int | None = None
-    """Most host bytes the offloader may hold (None: no limit). Checked before any host
-    memory is allocated; exceeding it raises ``HostMemoryBudgetError`` naming the need."""
+    host_memory_budget: int | str | None = None
+    """Most host bytes the offloader may hold (None: no limit; ``"auto"``: this rank's part of
+    what its node and container can give, in proportion to its need). Checked at attach,
+    before any host memory is allocated; exceeding it raises ``HostMemoryBudgetError`` naming
+    the need. Whatever the budget, attach also refuses a node whose ranks need more host
+    memory together than it can give (``integration/node_memory.py``)."""
 
     prefetch: str | float = "step"
     """When ``attach``'s cycle starts copying the states back. ``"step"``: when
@@ -121,11 +124,14 @@ class OffloadConfig:
                 f"OffloadConfig.offload_fraction must be a number from 0 to 1, got {fraction!r}."
             )
         budget = self.host_memory_budget
-        if budget is not None and (
-            isinstance(budget, bool) or not isinstance(budget, int) or budget < 0
+        if (
+            budget is not None
+            and budget != "auto"
+            and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0)
         ):
             raise ValueError(
-                f"OffloadConfig.host_memory_budget must be a number of bytes (int >= 0) or None, got {budget!r}."
+                "OffloadConfig.host_memory_budget must be a number of bytes (int >= 0), "
+                f'"auto" or None, got {budget!r}.'
             )
         prefetch = self.prefetch
         if prefetch != "step" and (

@@ -94,6 +94,16 @@ class LayoutMixin:
         """
         if expected is None or self._closed or self._host.buffer is not None:
             return 0
+        need = self.host_need(expected)
+        return need if self._host.reserve(need, self.name) else 0
+
+    def host_need(
+        self, expected: Iterable[tuple[str, torch.Tensor, bool, torch.device]] | None
+    ) -> int:
+        """The bytes of the host arena ``reserve_host(expected)`` would allocate (0 for None),
+        allocating nothing: what a node-wide check adds up before any rank allocates."""
+        if expected is None:
+            return 0
         pairs, flags = [], {}
         for kind, tensor, in_state, where in expected:
             if tensor.device.type == "meta":
@@ -105,8 +115,7 @@ class LayoutMixin:
                 flags[id(tensor)] = bool(in_state) and self._streamed is not None
         chosen, _ = self._chosen(pairs)
         pieces = self._pieces(chosen, {key for key, flag in flags.items() if flag})
-        need = sum(FlatGroup(kind, dtype, tensors).nbytes for kind, dtype, _, _, tensors in pieces)
-        return need if self._host.reserve(need, self.name) else 0
+        return sum(FlatGroup(kind, dtype, tensors).nbytes for kind, dtype, _, _, tensors in pieces)
 
     def adopt(self, items: Iterable[tuple]) -> None:
         """Take over tensors whose only copy the caller put on the host.

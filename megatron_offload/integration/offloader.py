@@ -43,7 +43,7 @@ from ..config import OffloadConfig
 from ..device import device_for, numa
 from ..engine import HostBudget, OffloadEngine, OffloadStateError, Place
 from ..engine.figures import gbps
-from . import stats_log
+from . import node_memory, stats_log
 from .acceptance import distributed_optimizers, is_stub, megatron_optimizers, refuse_unsupported  # noqa: F401 - re-exported
 from .guard import StateAccessGuard
 from .host_view import HostView
@@ -111,7 +111,7 @@ class OptimizerStateOffloader:
     def _make_engines(self, undo: contextlib.ExitStack) -> None:
         """One engine per served optimizer, each with its host arena allocated (and pinned)
         now, not inside the first offload (the step's path), within the budget."""
-        budget = HostBudget(self.config.host_memory_budget)
+        budget = HostBudget(None)  # its limit is set once the node agreed, below
         factory = self.config.device_factory or functools.partial(
             device_for, stream_priority=self.config.stream_priority
         )
@@ -129,8 +129,15 @@ class OptimizerStateOffloader:
             )
             undo.callback(engine.close)
             self._engines.append(engine)
-        for engine, distrib_optimizer in zip(self._engines, self._distributed):
-            engine.reserve_host(wrappers.expected(distrib_optimizer))
+        expected = [wrappers.expected(distrib_optimizer) for distrib_optimizer in self._distributed]
+        # Every rank of the node together, before any rank allocates (node_memory.py).
+        budget.limit = node_memory.agree(
+            sum(engine.host_need(wanted) for engine, wanted in zip(self._engines, expected)),
+            pins=any(_pins(engine.device) for engine in self._engines),
+            budget=self.config.host_memory_budget,
+        )
+        for engine, wanted in zip(self._engines, expected):
+            engine.reserve_host(wanted)
 
     def _mark(self, distrib_optimizer) -> None:
         """Make this offloader reachable as ``_state_offloader`` (the name of Megatron-LM's
@@ -597,6 +604,11 @@ def _collector(distrib_optimizer):
         return wrappers.collect(distrib_optimizer)
 
     return collect
+
+
+def _pins(device) -> bool:
+    """True where host buffers are pinned (counted against ``ulimit -l``)."""
+    return bool(device.is_accelerator) and not getattr(device, "pageable_fallback", False)
 
 
 def _all_released(engine: OffloadEngine, kind: str) -> bool:

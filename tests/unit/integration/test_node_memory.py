@@ -1,0 +1,100 @@
+"""The node-wide host-memory check at attach, with fake limits on 2 ranks of one node: an
+over-commit is refused on every rank with the figures before anything is allocated, a node
+that has room attaches, ``host_memory_budget="auto"`` takes each rank's part, and a rank that
+would pin more than its ``ulimit -l`` is refused."""
+
+import pytest
+
+
+def _with_limits(available, memlock=None):
+    from megatron_offload.engine import host_limits
+
+    fake = host_limits.HostLimits(available, None, None, memlock)
+    original = host_limits.read
+    host_limits.read = lambda root="/": fake
+    return lambda: setattr(host_limits, "read", original)
+
+
+def node_job():
+    import torch
+
+    import megatron_offload
+    from megatron_offload.integration import node_memory
+    from tests.harness import models
+
+    chunks, optimizer, config = models.build("mlp", "bf16")
+    models.train_step(chunks, optimizer, config, 0)
+    offloader = megatron_offload.attach(optimizer)
+    need = offloader.stats()["host_bytes"]  # this rank's arena, reserved at attach
+    offloader.detach()
+    needs = [None, None]
+    torch.distributed.all_gather_object(needs, need)
+    total = sum(needs)
+    found = {"need": need, "total": total}
+
+    restore = _with_limits(total - 1)  # one byte short for the node, enough for either rank
+    try:
+        megatron_offload.attach(optimizer)
+    except megatron_offload.HostMemoryBudgetError as error:
+        found["refused"] = (type(error).__name__, str(error))
+    finally:
+        restore()
+    distrib = models.distributed_optimizers(optimizer)[0]
+    found["untouched"] = "_state_offloader" not in vars(distrib) and "step" not in vars(optimizer)
+
+    restore = _with_limits(total)
+    try:
+        attached = megatron_offload.attach(optimizer)
+        found["fits"] = attached.stats()["host_bytes"] == need
+        attached.detach()
+        attached = megatron_offload.attach(optimizer, host_memory_budget="auto")
+        found["auto_budget"] = attached.engines[0]._host.budget.limit
+        models.train_step(chunks, optimizer, config, 1)
+        found["auto_trains"] = attached.is_offloaded
+        attached.detach()
+    finally:
+        restore()
+
+    restore = _with_limits(None, memlock=need - 1)
+    try:
+        node_memory.agree(need, pins=True, budget=None)
+    except megatron_offload.HostMemoryBudgetError as error:
+        found["memlock"] = str(error)
+    finally:
+        restore()
+    restore = _with_limits(None)
+    try:
+        found["auto_unlimited"] = node_memory.agree(need, pins=True, budget="auto")
+    finally:
+        restore()
+    return found
+
+
+def test_the_ranks_of_a_node_agree_on_their_host_memory_before_allocating(rank_pool):
+    results = rank_pool.run(node_job)
+    messages = {found["refused"][1] for found in results}
+    assert len(messages) == 1  # every rank refuses, with the same figures
+    (message,) = messages
+    for found in results:
+        kind, text = found["refused"]
+        assert kind == "NodeMemoryError" and found["untouched"]
+        assert f"need {found['total']:,} bytes of host memory together" in text
+        assert f"can give {found['total'] - 1:,}" in text and "Nothing was allocated" in text
+        assert "fewer ranks per node" in text and "offload_fraction" in text
+        assert found["fits"] and found["auto_trains"]
+        assert (
+            found["auto_budget"]
+            == found["total"] * found["need"] // found["total"]
+            == found["need"]
+        )
+        assert "would pin" in found["memlock"] and "ulimit -l" in found["memlock"]
+        assert found["auto_unlimited"] is None
+
+
+@pytest.mark.parametrize("budget", ["auto", None, 1 << 20])
+def test_the_budget_option_takes_auto(budget):
+    from megatron_offload import OffloadConfig
+
+    assert OffloadConfig(host_memory_budget=budget).host_memory_budget == budget
+    with pytest.raises(ValueError, match='"auto" or None'):
+        OffloadConfig(host_memory_budget="half")
