@@ -55,6 +55,9 @@ class OptimizerStateOffloadCallback:
         self.offloader = None
         self._model_config = None
         self._own_finalize = None
+        # Bridge's GlobalState, kept from train start: later events may come with a context
+        # that carries less (an open Bridge change gives checkpoint events no optimizer).
+        self._state = None
 
     # ------------------------------------------------------------------ events
     def on_train_start(self, context) -> None:
@@ -64,6 +67,7 @@ class OptimizerStateOffloadCallback:
                 "pretrain() call a callback of its own."
             )
         self.offloader = attach(context.optimizer, self.config)
+        self._state = getattr(context, "state", None)
         # The model's config is what Bridge's schedule reads finalize_model_grads_func from.
         model_config = _model_config(context.model)
         if (
@@ -80,9 +84,7 @@ class OptimizerStateOffloadCallback:
         offloader = self.offloader
         if offloader is None or offloader.detached or not _resident_bytes(offloader):
             return
-        checkpoint = getattr(
-            getattr(getattr(context, "state", None), "cfg", None), "checkpoint", None
-        )
+        checkpoint = getattr(getattr(self._state_of(context), "cfg", None), "checkpoint", None)
         if checkpoint is not None and not save_is_staged_on_return(checkpoint):
             # An asynchronous writer other than megatron-core's own may still read the device
             # tensors: they stay until the next step's offload.
@@ -92,7 +94,9 @@ class OptimizerStateOffloadCallback:
     def on_train_step_end(self, context) -> None:
         if not self.log or self.offloader is None or self.offloader.detached:
             return
-        state = context.state
+        state = self._state_of(context)
+        if state is None:
+            return
         interval = getattr(getattr(state.cfg, "logger", None), "log_interval", None)
         step = state.train_state.step
         if interval and step % interval == 0:
@@ -102,6 +106,11 @@ class OptimizerStateOffloadCallback:
                 writer=_writer(state, "tensorboard_logger"),
                 wandb_writer=_writer(state, "wandb_logger"),
             )
+
+    def _state_of(self, context):
+        """The event's GlobalState, else the one train start had (the callback needs nothing
+        else from an event's context: the optimizer is the offloader's own)."""
+        return getattr(context, "state", None) or self._state
 
     def on_train_end(self, context) -> None:
         if self._model_config is not None:

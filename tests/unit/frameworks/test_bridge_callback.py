@@ -81,6 +81,29 @@ def refusal_job():
         found[f"offloaded_after_{strategy}_save"] = (
             stats["offloaded_bytes"] == stats["tracked_bytes"]
         )
+    # Events whose context carries no optimizer and no state (a Bridge change moves the
+    # checkpoint events there): the state kept from train start decides.
+    kept = OptimizerStateOffloadCallback()
+    callback.on_train_end(context)
+    checkpoint = types.SimpleNamespace(async_save=True, async_strategy="nvrx")
+    start = types.SimpleNamespace(
+        model=chunks,
+        optimizer=optimizer,
+        state=types.SimpleNamespace(cfg=types.SimpleNamespace(checkpoint=checkpoint)),
+    )
+    kept.on_train_start(start)
+    models.train_step(chunks, optimizer, config, 1)
+    kept.offloader.reload()
+    kept.offloader.wait()
+    kept.on_checkpoint_save(types.SimpleNamespace())
+    found["bare_context_nvrx_kept"] = kept.offloader.stats()["offloaded_bytes"] == 0
+    checkpoint.async_strategy = "mcore"
+    kept.on_checkpoint_save(types.SimpleNamespace())
+    stats = kept.offloader.stats()
+    found["bare_context_mcore_offloaded"] = stats["offloaded_bytes"] == stats["tracked_bytes"] > 0
+    kept.on_train_end(types.SimpleNamespace())
+    callback = OptimizerStateOffloadCallback()
+    callback.on_train_start(context)
     # Bridge's writers get the figures at its log interval only.
     recorder = _Recorder()
     state = types.SimpleNamespace(
@@ -108,3 +131,4 @@ def test_refusals_then_the_events_of_an_accepted_run(rank_pool):
         assert found["offloaded_after_step"] and found["offloaded_after_mcore_save"]
         assert not found["offloaded_after_nvrx_save"]
         assert found["logged"] == [2]
+        assert found["bare_context_nvrx_kept"] and found["bare_context_mcore_offloaded"]
