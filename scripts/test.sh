@@ -8,8 +8,10 @@
 #     patches) on megatron-core 0.18.2 and 0.17.1 (Python 3.12, the main environment's torch);
 #  4. the tests marked `bridge` (Megatron-Bridge 0.6.2's own optimizer setup, train step and
 #     checkpointing with the offload callback) in the Bridge environment, built on the main one;
+#  5. the tests marked `verl` (verl 0.9.1's own optimizer moves through the adapter) in the
+#     verl environment, built on the main one the same way;
 # and, before all of them, `ruff check` and `ruff format --check` (pyproject.toml).
-# 2, 3 and 4 (each environment built just before its run) go one after the other beside 1,
+# 2 to 5 (each environment built just before its run) go one after the other beside 1,
 # which waits only for its own environment (the main suite leaves a core idle about a third of
 # the time: process starts, waits for rank processes); their output is printed after the main
 # suite's. Extra arguments go to the main pytest run.
@@ -64,6 +66,13 @@ no_tests() {  # pytest's "no tests ran" (exit 5) is a failure too
     rc=$?; no_tests $rc "Megatron-Bridge"; [ $rc -eq 0 ] || status=1
   else
     echo "== Megatron-Bridge: its environment could not be built (above)" >&2; status=1
+  fi
+  if verl_env=$(scripts/venv.sh verl); then
+    banner "verl $("$verl_env/bin/python" -c 'from importlib.metadata import version; print(version("verl"))')" "$verl_env/bin/python"
+    "$verl_env/bin/python" -m pytest -p no:cacheprovider tests -q -m verl
+    rc=$?; no_tests $rc "verl"; [ $rc -eq 0 ] || status=1
+  else
+    echo "== verl: its environment could not be built (above)" >&2; status=1
   fi
   echo "$status" > "$work/lines-status"
 ) > "$work/lines.log" 2>&1 &

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Usage: scripts/venv.sh py312|py311-floor|mcore-0.17|mcore-0.18|bridge|lint
+# Usage: scripts/venv.sh py312|py311-floor|mcore-0.17|mcore-0.18|bridge|verl|lint
 # Prints the path of a virtual environment with requirements/<name>.txt installed, creating
 # it on first use. Environments are cached under ${MEGATRON_OFFLOAD_CACHE:-~/.cache/megatron-offload}
 # and keyed by the requirements file's hash, so a fresh clone reuses them and a changed
@@ -14,6 +14,7 @@
 # a .pth file): requirements/bridge-no-deps.txt without the dependencies it declares (most
 # are GPU-only or for model conversion), then requirements/bridge.txt, what its training
 # modules import on a CPU, with their own dependencies (megatron_offload_testing/bridge_imports.py).
+# verl is verl the same way: requirements/verl-no-deps.txt, then requirements/verl.txt.
 set -euo pipefail
 name=$1
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -24,7 +25,7 @@ case "$name" in
   py311-floor) want=3.11 ;;
   lint) want=3.12 ;;
   mcore-*) want=3.12; base=py312 ;;
-  bridge) want=3.12; base=py312 ;;
+  bridge|verl) want=3.12; base=py312 ;;
   *) echo "unknown environment $name" >&2; exit 2 ;;
 esac
 
@@ -62,7 +63,7 @@ if [ ! -f "$venv/.complete" ]; then
       if [ -z "$link" ] || [ ! -e "$link" ]; then rm -rf "$old"; fi
     done
   fi
-  if [ "$name" = bridge ]; then
+  if [ "$name" = bridge ] || [ "$name" = verl ]; then
     python=$(readlink -f "$base_venv/bin/python")
     "$python" -m venv "$venv" >&2
     site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")

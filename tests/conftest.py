@@ -48,18 +48,27 @@ def rank_pool4():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``bridge`` need Megatron-Bridge: elsewhere they are skipped, and say so."""
+    """Tests marked ``bridge`` need Megatron-Bridge, tests marked ``verl`` need verl: elsewhere
+    they are skipped, and say so."""
     import importlib.util
 
-    if importlib.util.find_spec("megatron.bridge") is not None:
-        return
-    skip = pytest.mark.skip(
-        reason="megatron-bridge is not in this environment: the `bridge` tests run in "
-        "scripts/venv.sh bridge (the README's test command runs them there)"
-    )
-    for item in items:
-        if "bridge" in item.keywords:
-            item.add_marker(skip)
+    for marker, module, environment in (
+        ("bridge", "megatron.bridge", "bridge"),
+        ("verl", "verl", "verl"),
+    ):
+        try:
+            present = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # a parent package is missing
+            present = False
+        if present:
+            continue
+        skip = pytest.mark.skip(
+            reason=f"{module} is not in this environment: the `{marker}` tests run in "
+            f"scripts/venv.sh {environment} (the README's test command runs them there)"
+        )
+        for item in items:
+            if item.get_closest_marker(marker) is not None:  # the marker, not a test id
+                item.add_marker(skip)
 
 
 def pytest_terminal_summary(terminalreporter):

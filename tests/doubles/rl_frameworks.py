@@ -6,11 +6,14 @@ adapters replace is reproduced here from reading their sources (NeMo-RL main,
 ``nemo_rl/models/policy/workers/megatron_policy_worker.py``; verl main,
 ``verl/utils/megatron_utils.py``), with the same names and call shapes, and nothing else:
 
-* ``MegatronPolicyWorker.move_optimizer(device)``: every tensor value of each parameter's
-  entry in ``optimizer.state`` (a ChainedOptimizer's proxy mapping, else ``_get_state()``) is
-  replaced by ``.to(device)`` where it is not there yet; "cpu" or "cuda", anything else a
-  ``ValueError``. Its phases call it as NeMo-RL does: "cpu" before log-prob inference and
-  before refit, "cuda" before training (always) and before a checkpoint save.
+* ``MegatronPolicyWorker.move_optimizer(device)`` (NeMo-RL main at 7ea279a, 2026-08-22):
+  every tensor value of each parameter's entry in ``optimizer.state`` (a ChainedOptimizer's
+  proxy mapping, else ``_get_state()``) is replaced by ``.to(device)`` where it is not there
+  yet; "cpu" or "cuda", anything else a ``ValueError``. Its phases call it as NeMo-RL does:
+  "cpu" before log-prob inference (unless ``keep_train_buffers``, and only with
+  ``offload_optimizer_for_logprob``) and before refit (with ``offload_optimizer_for_refit``,
+  NeMo-RL's default), "cuda" before training (always) and before a checkpoint save. None of
+  them when ``optimizer_cpu_offload`` is set.
 * ``offload_megatron_optimizer(optimizers)`` / ``load_megatron_optimizer(optimizers)``: per
   optimizer of a chain, the fp32 masters (``shard_fp32_from_float16_groups``) moved with
   ``p.data = p.data.to(...)``, then ``exp_avg`` and ``exp_avg_sq`` of each state entry with
@@ -34,6 +37,8 @@ class MegatronPolicyWorker:
     def __init__(self, model_chunks, optimizer, config, train_step) -> None:
         self.model, self.optimizer, self.config = model_chunks, optimizer, config
         self.optimizer_cpu_offload = False
+        self.offload_optimizer_for_logprob = True  # policy.offload_optimizer_for_logprob
+        self.offload_optimizer_for_refit = True  # policy.offload_optimizer_for_refit (default)
         self._train_step = train_step
         self._steps = 0
 
@@ -60,11 +65,17 @@ class MegatronPolicyWorker:
                         f"Invalid device: {device}. Only strings 'cpu' and 'cuda' are supported."
                     )
 
-    def prepare_for_lp_inference(self) -> None:
-        self.move_optimizer("cpu")
+    def prepare_for_lp_inference(self, keep_train_buffers: bool = False) -> None:
+        if (
+            not keep_train_buffers
+            and not self.optimizer_cpu_offload
+            and self.offload_optimizer_for_logprob
+        ):
+            self.move_optimizer("cpu")
 
     def prepare_for_training(self) -> None:
-        self.move_optimizer("cuda")
+        if not self.optimizer_cpu_offload:
+            self.move_optimizer("cuda")
 
     def train(self, steps: int) -> list:
         results = []
@@ -74,13 +85,15 @@ class MegatronPolicyWorker:
         return results
 
     def offload_before_refit(self) -> None:
-        self.move_optimizer("cpu")
+        if not self.optimizer_cpu_offload and self.offload_optimizer_for_refit:
+            self.move_optimizer("cpu")
 
     def offload_after_refit(self) -> None:
         pass  # moves the model's buffers; the optimizer was moved before the refit
 
     def save_checkpoint(self, save) -> None:
-        self.move_optimizer("cuda")
+        if not self.optimizer_cpu_offload:
+            self.move_optimizer("cuda")
         save(self.model, self.optimizer)
 
 

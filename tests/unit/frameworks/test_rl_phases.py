@@ -83,17 +83,23 @@ def nemo_rl_job(mode: str, directory: str):
         nemo_rl.uninstall(MegatronPolicyWorker)
 
 
-def verl_job(mode: str, directory: str):
+def verl_job(mode: str, directory: str, real: bool = False):
     """verl's order: the engine is built and its optimizer offloaded; per round, generation,
     train mode in (load), training, train mode out (offload); a checkpoint saved while
-    offloaded and loaded back (load_checkpoint), then more training."""
+    offloaded and loaded back (load_checkpoint), then more training. ``real``: verl's own
+    ``verl.utils.megatron_utils`` (the ``verl`` environment), else the stand-in."""
     import megatron_offload
     from megatron_offload.frameworks import verl
     from tests.doubles.rl_frameworks import verl_modules
     from tests.harness import models
     from tests.unit.integration.test_checkpoint_formats import _load
 
-    utils, engine = verl_modules()
+    if real:
+        import importlib
+
+        utils = engine = importlib.import_module("verl.utils.megatron_utils")
+    else:
+        utils, engine = verl_modules()
     chunks, optimizer, config = models.build("gpt", "bf16", **BUILD)
     offloader = megatron_offload.attach(optimizer) if mode != "reference" else None
     if mode == "adapted":

@@ -1,0 +1,36 @@
+"""The real verl (0.9.1, in ``scripts/venv.sh verl``): its own ``offload_megatron_optimizer``
+and ``load_megatron_optimizer`` in verl's phase order on real megatron-core (2 gloo ranks),
+through the adapter: every tracked byte offloaded at every phase, training bitwise equal to
+verl's phases without offloading; without the adapter, verl's offload at engine init leaves
+the offloader's states on the device (negative control).
+
+verl's ``MegatronEngine`` itself is not built here: it needs a Hugging Face model
+configuration and weights for its model (``mbridge``), which a CPU machine without network
+cannot load; its train-mode switches call the two functions by name, as the job does.
+"""
+
+import pytest
+
+from tests.unit.frameworks.test_rl_phases import _all_offloaded, _same, verl_job
+
+pytestmark = pytest.mark.verl
+
+
+@pytest.fixture(scope="module")
+def shared_dir(rank_pool, tmp_path_factory):
+    return str(tmp_path_factory.mktemp("verl-real"))
+
+
+def test_verl_own_moves_delegate_and_train_bitwise(rank_pool, shared_dir):
+    import verl
+
+    assert verl.__version__ == "0.9.1"
+    reference = rank_pool.run(verl_job, "reference", f"{shared_dir}/reference", True)
+    adapted = rank_pool.run(verl_job, "adapted", f"{shared_dir}/adapted", True)
+    _same(reference, adapted)
+    for rank in adapted:
+        assert _all_offloaded(rank) == [], rank["phases"]
+    unadapted = rank_pool.run(verl_job, "unadapted", f"{shared_dir}/unadapted", True)
+    for rank in unadapted:
+        name, init = rank["phases"][0]
+        assert name == "engine init (offload)" and init["offloaded"] == 0, rank["phases"]
