@@ -13,6 +13,7 @@ adapters that make NeMo-RL's and verl's own optimizer moves delegate to the offl
 from .config import OffloadConfig
 from .errors import (
     HostMemoryBudgetError,
+    NodeMemoryError,
     OffloadArgumentError,
     OffloadError,
     OffloadStateError,
@@ -27,6 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "HostMemoryBudgetError",
+    "NodeMemoryError",
     "OffloadArgumentError",
     "OffloadConfig",
     "OffloadError",

@@ -37,6 +37,14 @@ class HostMemoryBudgetError(OffloadError, MemoryError):
     anything is allocated."""
 
 
+class NodeMemoryError(HostMemoryBudgetError):
+    """The ranks of a node need more host memory together than the node (or its container,
+    or ``ulimit -l`` for pinned memory) can give; every rank raises it, before anything is
+    allocated (``integration/node_memory.py``)."""
+
+    same_on_every_rank = True
+
+
 class OffloadStateError(OffloadError, RuntimeError):
     """An offload operation was called in a state where it cannot be honoured (for example
     after ``detach()``)."""

@@ -71,6 +71,10 @@ def _refuse_chain_member(optimizer) -> None:
     """Attaching to one optimizer of a ChainedOptimizer while the loop steps the chain would
     offload nothing: the chain's step calls its members' ``step_with_ready_grads``, never
     their ``step``. Refused, naming the object to attach to."""
+    from megatron.core.optimizer import ChainedOptimizer
+
+    if isinstance(optimizer, ChainedOptimizer):
+        return  # what get_megatron_optimizer returns (0.17+): no scan needed
     chain = _chain_holding(optimizer)
     if chain is None:
         return

@@ -19,13 +19,7 @@ from __future__ import annotations
 import socket
 
 from ..engine import host_limits
-from ..errors import HostMemoryBudgetError
-
-
-class NodeMemoryError(HostMemoryBudgetError):
-    """The ranks of a node need more host memory together than the node can give."""
-
-    same_on_every_rank = True
+from ..errors import NodeMemoryError
 
 
 def agree(need: int, *, pins: bool, budget: int | str | None) -> int | None:

@@ -30,6 +30,7 @@ def test_exception_classes_are_defined_in_errors_only():
     [
         "OffloadArgumentError",
         "HostMemoryBudgetError",
+        "NodeMemoryError",
         "OffloadStateError",
         "SlotSizeError",
         "PinError",
