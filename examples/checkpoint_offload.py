@@ -35,16 +35,14 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the model of train_gpt_offload.py
 
 import torch  # noqa: E402
-from train_gpt_offload import batch, build, forward_step  # noqa: E402  (CPU redirects first)
+from train_gpt_offload import build, train_step  # noqa: E402  (CPU redirects first)
 
 # isort: split
 from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
-from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.utils import unwrap_model  # noqa: E402
 
 import megatron_offload  # noqa: E402
 
-SEQ, MICRO_BATCH = 32, 4
 SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
@@ -79,25 +77,8 @@ def load_checkpoint(model, optimizer, directory):
 
 
 def train_steps(model, optimizer, steps):
-    """The loop of train_gpt_offload.py; returns each step's loss (mean over data-parallel ranks)."""
-    losses = []
-    for step in steps:
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        out = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter([batch(step)]),
-            model=[model],
-            num_microbatches=1,
-            seq_length=SEQ,
-            micro_batch_size=MICRO_BATCH,
-            forward_only=False,
-        )
-        optimizer.step()
-        loss = out[0]["lm loss"].clone()
-        torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
-        losses.append(loss.item() / parallel_state.get_data_parallel_world_size())
-    return losses
+    """The loop of train_gpt_offload.py; returns each step's loss."""
+    return [train_step(model, optimizer, step) for step in steps]
 
 
 def state_bytes_on_device(optimizer) -> int:

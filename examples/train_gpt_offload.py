@@ -137,26 +137,31 @@ def forward_step(data_iterator, model):
     return losses, loss_func
 
 
+def train_step(model, optimizer, step):
+    """One step of the loop; returns its loss (the mean over data-parallel ranks)."""
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter([batch(step)]),
+        model=[model],
+        num_microbatches=1,
+        seq_length=SEQ,
+        micro_batch_size=MICRO_BATCH,
+        forward_only=False,
+    )
+    optimizer.step()  # reloads the states, updates, offloads them again
+    loss = losses[0]["lm loss"].clone()
+    torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+    return loss.item() / parallel_state.get_data_parallel_world_size()
+
+
 def train(args, offload: bool):
     model, optimizer = build(args)
     offloader = megatron_offload.attach(optimizer) if offload else None  # the one line
     rows = []
     for step in range(args.steps):
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        losses = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter([batch(step)]),
-            model=[model],
-            num_microbatches=1,
-            seq_length=SEQ,
-            micro_batch_size=MICRO_BATCH,
-            forward_only=False,
-        )
-        optimizer.step()  # reloads the states, updates, offloads them again
-        loss = losses[0]["lm loss"].clone()
-        torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
-        loss = loss.item() / parallel_state.get_data_parallel_world_size()
+        loss = train_step(model, optimizer, step)
         offloaded = offloader.stats()["offloaded_bytes"] if offloader else 0
         rows.append((loss, offloaded))
     return rows, offloader.stats() if offloader else None
