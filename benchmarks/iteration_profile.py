@@ -90,7 +90,7 @@ def profile_job(chunked: bool) -> dict:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     import megatron_offload
-    from megatron_offload.integration.attach import prefetching_finalize
+    from megatron_offload.offloader.cycle import prefetching_finalize
     from megatron_offload_testing import cpu_megatron
     from tests.harness import models
 

@@ -128,7 +128,7 @@ def offload_job(cfg: dict) -> dict:
     import megatron_offload
     from megatron_offload.adapters import collect as adapter_collect
     from megatron_offload.device import device_for
-    from megatron_offload.integration import distributed_optimizers
+    from megatron_offload.offloader.acceptance import distributed_optimizers
     from tests.harness import models
 
     if cfg["device"] == "cuda":
@@ -376,7 +376,7 @@ def scaling_job(cfg: dict) -> list[dict]:
     """
     import megatron_offload
     from megatron_offload.device import device_for
-    from megatron_offload.integration import distributed_optimizers
+    from megatron_offload.offloader.acceptance import distributed_optimizers
     from tests.harness import models
 
     device = (

@@ -20,9 +20,9 @@ from .errors import (
     PinError,
     SlotSizeError,
 )
-from .integration import OptimizerStateOffloader, attach
-from .integration.arguments import add_arguments, validate_args
-from .integration.training import find_offloader, patch_megatron, unpatch_megatron
+from .megatron.arguments import add_arguments, validate_args
+from .megatron.training import find_offloader, patch_megatron, unpatch_megatron
+from .offloader import OptimizerStateOffloader, attach
 
 __version__ = "0.1.0"
 

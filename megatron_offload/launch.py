@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
         print(USAGE)
         raise SystemExit(0 if argv else 2)
 
-    from .integration.training import patch_megatron
+    from .megatron.training import patch_megatron
 
     if argv[0] == "-m":
         if len(argv) < 2:

@@ -34,9 +34,9 @@ methods.
 from __future__ import annotations
 
 from ..config import OffloadConfig
-from ..integration.attach import attach, prefetching_finalize
-from ..integration.stats_log import log_offload_stats
-from ..integration.training import save_is_staged_on_return
+from ..megatron.training import save_is_staged_on_return
+from ..offloader.cycle import attach, prefetching_finalize
+from ..report import log_offload_stats
 
 
 class OptimizerStateOffloadCallback:

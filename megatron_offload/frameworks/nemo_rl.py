@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import importlib
 
-from ..integration.training import find_offloader
+from ..megatron.training import find_offloader
 from .phases import to_device, to_host
 
 MODULE = "nemo_rl.models.policy.workers.megatron_policy_worker"

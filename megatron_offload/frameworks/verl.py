@@ -22,7 +22,7 @@ import functools
 import importlib
 import sys
 
-from ..integration.training import find_offloader
+from ..megatron.training import find_offloader
 from .phases import to_device, to_host
 
 MODULE = "verl.utils.megatron_utils"

@@ -147,7 +147,7 @@ class Run:
 
     def offload_lines(self) -> list[dict]:
         """The offloader's log lines (``stats_log.parse_log_lines``)."""
-        from megatron_offload.integration.stats_log import parse_log_lines
+        from megatron_offload.report import parse_log_lines
 
         return parse_log_lines(self.log)
 

@@ -67,7 +67,7 @@ def per_cycle_job(cfg: dict) -> list[dict]:
     import torch
 
     import megatron_offload
-    from megatron_offload.integration import distributed_optimizers
+    from megatron_offload.offloader.acceptance import distributed_optimizers
     from tests.harness import models
 
     class Counting(torch.overrides.TorchFunctionMode):

@@ -38,7 +38,7 @@ def modelled():
 
 
 def _offload_line(it, stats, ranks):
-    from megatron_offload.integration.stats_log import human_bytes
+    from megatron_offload.report import human_bytes
 
     scope = f" (max over {ranks} ranks)" if ranks > 1 else ""
     return (

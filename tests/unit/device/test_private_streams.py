@@ -198,7 +198,7 @@ def test_stream_priority_is_validated(bad):
 # ------------------------------------------------------- attach keyword (real optimizer, gloo)
 def priority_job(priority):
     import megatron_offload
-    from megatron_offload.integration import offloader as offloader_module
+    from megatron_offload.offloader import offloader as offloader_module
     from tests.harness import models
 
     chunks, optimizer, config = models.build("mlp", "bf16")

@@ -134,7 +134,7 @@ def _modelled_job(
     if empty_cache_level is not None:
         # Megatron's route: attach_for_training with the run's arguments.
         from megatron_offload.config import OffloadConfig
-        from megatron_offload.integration import training as hooks
+        from megatron_offload.megatron import training as hooks
 
         args = argparse.Namespace(
             offload_optimizer_states=True, empty_unused_memory_level=empty_cache_level

@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 
 from megatron_offload.config import OffloadConfig
-from megatron_offload.integration.arguments import (
+from megatron_offload.megatron.arguments import (
     CHUNKED_FLAG,
     OFFLOAD_FLAG,
     PIECE_FLAG,
@@ -162,7 +162,7 @@ def test_supported_optimizers_are_exactly_what_megatron_core_builds():
     adaptive_muon, whose first step fails (TensorParallelAdaptiveMuon has no scale_mode)."""
     from importlib.metadata import version
 
-    from megatron_offload.integration.arguments import supported_optimizers
+    from megatron_offload.megatron.arguments import supported_optimizers
 
     if not version("megatron-core").startswith("0.19."):
         pytest.skip(

@@ -26,14 +26,14 @@ def _primitives():
     """(owner, attribute name) of every call through which attach changes something."""
     import importlib
 
+    from megatron_offload.access.guard import StateAccessGuard
+    from megatron_offload.chunked.update import ChunkedUpdate
     from megatron_offload.engine import OffloadEngine
-    from megatron_offload.integration import allocator_warnings
-    from megatron_offload.integration.chunked import ChunkedUpdate
-    from megatron_offload.integration.guard import StateAccessGuard
-    from megatron_offload.integration.offloader import OptimizerStateOffloader
+    from megatron_offload.offloader import allocator_warnings
+    from megatron_offload.offloader.offloader import OptimizerStateOffloader
 
-    # (``megatron_offload.integration.attach`` the attribute is the function, not the module.)
-    attach_module = importlib.import_module("megatron_offload.integration.attach")
+    # (``megatron_offload.offloader.cycle`` the attribute is the function, not the module.)
+    attach_module = importlib.import_module("megatron_offload.offloader.cycle")
     return [
         (attach_module, "_refuse_chain_member"),
         (attach_module, "_refuse_backward_prefetch_under_cuda_graphs"),
@@ -283,7 +283,7 @@ def test_attaching_to_a_chain_member_is_refused_and_an_empty_selection_warns(ran
     )
     assert found["default_warnings"] == []
     assert found["chain_offloads"]
-    from megatron_offload.integration.stats_log import human_bytes
+    from megatron_offload.report import human_bytes
 
     stats = found["stats"]
     assert found["summary"].startswith(f"offloaded {human_bytes(stats['offloaded_bytes'])} | host ")

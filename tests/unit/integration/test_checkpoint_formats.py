@@ -70,7 +70,7 @@ def _load(chunks, optimizer, directory, sharding):
     ):
         # The per-parameter `step` tensors megatron-core's load leaves shared and stale with
         # torch AdamW: the offloader repairs them; the reference gets the same fix by hand.
-        from megatron_offload.integration.guard import restore_step_tensors
+        from megatron_offload.access.guard import restore_step_tensors
 
         for distrib in models.distributed_optimizers(optimizer):
             restore_step_tensors(
@@ -94,7 +94,7 @@ def formats_job(
     from megatron.core import dist_checkpointing
 
     import megatron_offload
-    from megatron_offload.integration import guard
+    from megatron_offload.access import guard
     from tests.harness import models
     from tests.support.checked import check_devices, checked_device_options
 
@@ -110,7 +110,7 @@ def formats_job(
                 prefetch_first=prefetch_first,
             )
         finally:
-            from megatron_offload.integration.host_view import servable
+            from megatron_offload.access.host_view import servable
 
             guard.servable = servable
 

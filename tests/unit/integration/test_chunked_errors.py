@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from megatron_offload.adapters import megatron_wrappers as adapter
+from megatron_offload.chunked.update import ChunkedUpdate
 from megatron_offload.engine import OffloadEngine
-from megatron_offload.integration.chunked import ChunkedUpdate
 from megatron_offload_testing import CheckedDevice, ProtocolViolation
 
 STATES = "optimizer_states"

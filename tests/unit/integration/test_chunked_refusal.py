@@ -101,8 +101,8 @@ class _Run:
 
     def __init__(self, opt, budget, kinds, device=None, undo=True):
         from megatron_offload.adapters import megatron_wrappers as adapter
+        from megatron_offload.chunked.update import ChunkedUpdate
         from megatron_offload.engine import OffloadEngine
-        from megatron_offload.integration.chunked import ChunkedUpdate
         from megatron_offload_testing import CheckedDevice
 
         self.distrib = types.SimpleNamespace(optimizer=opt)
@@ -140,7 +140,7 @@ class _Run:
         # The parameters and the small tensors their states keep on the device (step counts,
         # scales) are not the update's memory; the undo's copies of them make the device know
         # them. (Taken before the step: during it, the param groups are narrowed to each call's.)
-        from megatron_offload.integration.step_undo import written_tensors
+        from megatron_offload.engine.undo import written_tensors
 
         opt = self.distrib.optimizer
         self._param_storages = {

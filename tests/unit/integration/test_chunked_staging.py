@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from megatron_offload.adapters import megatron_wrappers as adapter
+from megatron_offload.chunked.update import ChunkedUpdate, _Staging
 from megatron_offload.engine import OffloadEngine
-from megatron_offload.integration.chunked import ChunkedUpdate, _Staging
 from megatron_offload_testing import CheckedDevice
 
 STATES = "optimizer_states"

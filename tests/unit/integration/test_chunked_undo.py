@@ -296,8 +296,8 @@ def test_the_undo_buffer_counts_in_the_host_memory_budget():
     import torch
 
     from megatron_offload.adapters import megatron_wrappers as adapter
+    from megatron_offload.chunked.update import ChunkedUpdate
     from megatron_offload.engine import HostBudget, HostMemoryBudgetError, OffloadEngine
-    from megatron_offload.integration.chunked import ChunkedUpdate
     from megatron_offload_testing import CheckedDevice
 
     def attach(limit, undo):
@@ -368,7 +368,7 @@ def test_tensors_beside_the_device_are_saved_by_value():
 
     from megatron_offload.device.cpu import CPUDevice
     from megatron_offload.engine import OffloadEngine
-    from megatron_offload.integration.step_undo import StepUndo
+    from megatron_offload.engine.undo import StepUndo
 
     class ElsewhereDevice(CPUDevice):
         def __init__(self):
@@ -397,8 +397,8 @@ def run_modelled_step_time(undo):
     import torch
 
     from megatron_offload.adapters import megatron_wrappers as adapter
+    from megatron_offload.chunked.update import ChunkedUpdate
     from megatron_offload.engine import OffloadEngine
-    from megatron_offload.integration.chunked import ChunkedUpdate
     from megatron_offload_testing import ModelledDevice
 
     bandwidth = 1e6  # bytes per second, both directions
@@ -510,7 +510,7 @@ def test_neighbouring_tensors_of_one_storage_are_saved_with_one_copy():
     import torch
 
     from megatron_offload.engine import OffloadEngine
-    from megatron_offload.integration.step_undo import MERGE_GAP_BYTES, StepUndo, _coalesced
+    from megatron_offload.engine.undo import MERGE_GAP_BYTES, StepUndo, _coalesced
     from megatron_offload_testing import CheckedDevice
 
     flat = torch.arange(64, dtype=torch.float32)

@@ -49,7 +49,7 @@ def chunked_job(
         after its update; the training loop then runs the same iteration again.
     """
     import megatron_offload
-    from megatron_offload.integration import chunked as chunked_module
+    from megatron_offload.chunked import update as chunked_module
     from tests.harness import models
     from tests.support.checked import check_devices, checked_device_options
     from tests.support.footprint import record_peaks, whole_state_bytes

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from megatron_offload.adapters import megatron_wrappers as adapter
+from megatron_offload.chunked.update import ChunkedUpdate
 from megatron_offload.config import OffloadConfig
 from megatron_offload.device.cpu import CPUDevice
 from megatron_offload.engine import OffloadEngine, OffloadStateError
-from megatron_offload.integration.attach import _AutomaticCycle
-from megatron_offload.integration.chunked import ChunkedUpdate
+from megatron_offload.offloader.cycle import _AutomaticCycle
 
 
 def _optimizer(cls=torch.optim.AdamW, sizes=(30, 20, 10), seed=0):

@@ -16,9 +16,9 @@ import warnings
 
 import pytest
 
-from megatron_offload.integration import coexistence
-from megatron_offload.integration import training as hooks
-from megatron_offload.integration.arguments import (
+from megatron_offload.megatron import coexistence
+from megatron_offload.megatron import training as hooks
+from megatron_offload.megatron.arguments import (
     CHUNKED_FLAG,
     OFFLOAD_FLAG,
     PIECE_FLAG,
@@ -407,7 +407,7 @@ def test_setup_says_when_megatrons_offloader_is_the_active_one(monkeypatch, prin
 def test_direct_attach_refuses_an_optimizer_megatrons_offloader_manages(how):
     """attach() / OptimizerStateOffloader(...) without the pretrain flags: the same refusal,
     before anything is touched."""
-    from megatron_offload.integration.offloader import refuse_unsupported
+    from megatron_offload.offloader.offloader import refuse_unsupported
 
     if how == "offloader object":
         managed = argparse.Namespace(_optimizer_state_offloader=object(), config=None)

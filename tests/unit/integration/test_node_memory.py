@@ -19,7 +19,7 @@ def node_job():
     import torch
 
     import megatron_offload
-    from megatron_offload.integration import node_memory
+    from megatron_offload.offloader import node_memory
     from tests.harness import models
 
     chunks, optimizer, config = models.build("mlp", "bf16")

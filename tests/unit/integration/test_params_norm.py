@@ -65,7 +65,7 @@ def norm_job(offload: bool, precision_aware: bool = False, steps: int = 3):
     from megatron.training.utils import common_utils
 
     from megatron_offload.adapters import OPTIMIZER_STATES, PRIMARY_WEIGHTS
-    from megatron_offload.integration import training as hooks
+    from megatron_offload.megatron import training as hooks
     from tests.harness import models
     from tests.unit.adapters import _jobs
 
@@ -185,7 +185,7 @@ def test_params_norm_reloads_nothing_on_the_precision_aware_path(rank_pool):
 
 
 def test_resident_kinds_are_checked():
-    from megatron_offload.integration.offloader import OptimizerStateOffloader
+    from megatron_offload.offloader.offloader import OptimizerStateOffloader
 
     offloader = OptimizerStateOffloader.__new__(OptimizerStateOffloader)
     offloader._engines = [object(), object()]

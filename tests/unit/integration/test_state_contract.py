@@ -11,7 +11,7 @@ the main suite: 0.19.2).
 import pytest
 import torch
 
-from megatron_offload.integration import guard
+from megatron_offload.access import guard
 from tests.support.state_contract import optimizer_classes, touching_methods
 
 CLASSIFIED = set(guard.STATE_METHODS) | set(guard.ROUTED_METHODS) | set(guard.SAFE_METHODS)

@@ -60,7 +60,7 @@ def _reads(optimizer, distrib, param):
 
 def reads_job(offload, dtype, checked=False, options=None):
     import megatron_offload
-    from megatron_offload.integration.guard import GuardedState
+    from megatron_offload.access.guard import GuardedState
     from tests.harness import models
     from tests.support.checked import check_devices, checked_device_options
 
@@ -233,7 +233,7 @@ def measure_guard_cost(count=300, numel=64, steps=40):
     """Step medians of torch AdamW with its plain defaultdict and with the mapping attach
     installs (disarmed, as every step sees it), alternating step by step so that both see the
     same machine load; and the cost of arming and disarming (what each offload cycle adds)."""
-    from megatron_offload.integration.guard import GuardedState
+    from megatron_offload.access.guard import GuardedState
 
     optimizer = _adamw(count, numel)
     plain = optimizer.state
@@ -269,7 +269,7 @@ def test_the_guard_adds_little_to_a_step_and_never_switches_the_class(isolated):
     from pathlib import Path
 
     import megatron_offload
-    from megatron_offload.integration import guard
+    from megatron_offload.access import guard
 
     assert not hasattr(guard, "_ArmedState")
     package = Path(megatron_offload.__file__).parent

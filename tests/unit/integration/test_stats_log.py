@@ -3,7 +3,7 @@ log line the parsers read back."""
 
 import pytest
 
-from megatron_offload.integration import stats_log
+from megatron_offload import report as stats_log
 
 
 @pytest.mark.parametrize(

@@ -12,8 +12,8 @@ import contextlib
 
 import pytest
 
-from megatron_offload.integration import training as hooks
-from megatron_offload.integration.arguments import OffloadArgumentError
+from megatron_offload.megatron import training as hooks
+from megatron_offload.megatron.arguments import OffloadArgumentError
 
 OFFLOAD_ARGS = dict(
     offload_optimizer_states=True,
@@ -482,7 +482,7 @@ def test_log_line_and_scalars():
 
 
 def test_rates_are_the_minimum_over_ranks_and_times_the_maximum(monkeypatch):
-    from megatron_offload.integration import stats_log
+    from megatron_offload import report as stats_log
 
     other_rank = {
         "offloaded_bytes": 1 << 30,
@@ -525,7 +525,7 @@ def hooks_job(offload: bool, steps: int = 3):
     """Train the harness GPT (bf16) with the training-loop helpers, as pretrain() would."""
     from megatron.core.distributed import finalize_model_grads
 
-    from megatron_offload.integration import training as hooks
+    from megatron_offload.megatron import training as hooks
     from tests.harness import models
 
     chunks, optimizer, config = models.build("gpt", "bf16")
@@ -656,7 +656,7 @@ def test_launcher_patches_then_runs_the_script_as_main(
     out = tmp_path / "out.json"
     script.write_text(
         "import json, sys\n"
-        "from megatron_offload.integration import training\n"
+        "from megatron_offload.megatron import training\n"
         'if __name__ == "__main__":\n'
         '    record = {"argv": sys.argv[1:], "patched": training.is_patched()}\n'
         f'    json.dump(record, open({str(out)!r}, "w"))\n'

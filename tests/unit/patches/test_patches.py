@@ -82,7 +82,7 @@ def test_patch_sets_add_the_same_hooks():
     reference = {patch.path.name: offload_lines(patch) for patch in sets[LINES[-1]].patches}
     assert (
         reference["megatron-training.patch"][
-            "from megatron_offload.integration.training import attach_for_training"
+            "from megatron_offload.megatron.training import attach_for_training"
         ]
         == 1
     )
@@ -143,7 +143,7 @@ _IMPORT_CHECK = textwrap.dedent("""
                  '--no-offload-prefetch'):
         assert parser._option_string_actions[flag].help, flag
     args = parser.parse_args(['--offload-optimizer-states', '--optimizer-cpu-offload'])
-    from megatron_offload.integration.arguments import OffloadArgumentError
+    from megatron_offload.megatron.arguments import OffloadArgumentError
     try:
         arguments.validate_args(args)
     except OffloadArgumentError as error:
@@ -152,7 +152,7 @@ _IMPORT_CHECK = textwrap.dedent("""
         raise AssertionError('the patched validate_args accepted --optimizer-cpu-offload')
 
     # 3. patch_megatron() leaves a patched tree alone.
-    from megatron_offload.integration import training as offload_training
+    from megatron_offload.megatron import training as offload_training
     before = training.train
     offload_training.patch_megatron()
     assert training.train is before and not offload_training.is_patched()

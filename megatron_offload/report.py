@@ -136,7 +136,7 @@ def _max_over_ranks(values: list) -> tuple[list, int]:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return values, 1
-    from ..device import collective_device
+    from .device import collective_device
 
     device = collective_device(dist.get_backend())  # NCCL reduces device tensors only
     tensor = torch.tensor(values, dtype=torch.float64, device=device)

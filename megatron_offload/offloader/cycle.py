@@ -27,11 +27,11 @@ import gc
 import warnings
 
 from ..adapters import megatron_wrappers as wrappers
+from ..chunked.update import ChunkedUpdate
 from ..config import OffloadConfig
 from ..errors import OffloadArgumentError
 from . import allocator_warnings
 from .acceptance import is_stub, megatron_optimizers
-from .chunked import ChunkedUpdate
 from .offloader import OptimizerStateOffloader
 
 #: Set on the functions of Megatron's that this package wrapped (the value says which wrapper).

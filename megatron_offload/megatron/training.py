@@ -49,19 +49,20 @@ import functools
 import inspect
 import weakref
 
+from ..access.host_view import servable
 from ..adapters.megatron_wrappers import PRIMARY_WEIGHTS, master_weights
 from ..errors import print_refusals_once, restore_excepthook
-from . import allocator_warnings, coexistence
-from .arguments import add_arguments, config_from_args, offload_enabled, validate_args
-from .attach import WRAPPER_MARK as _MARK
-from .attach import attach, prefetching_finalize
-from .host_view import servable
-from .stats_log import (  # noqa: F401  (re-exported: the patches and users call them here)
+from ..offloader import allocator_warnings
+from ..offloader.cycle import WRAPPER_MARK as _MARK
+from ..offloader.cycle import attach, prefetching_finalize
+from ..report import (  # noqa: F401  (re-exported: the patches and users call them here)
     _print_rank_last,
     format_offload_stats,
     log_offload_stats,
     offload_figures,
 )
+from . import coexistence
+from .arguments import add_arguments, config_from_args, offload_enabled, validate_args
 
 __all__ = [
     "attach_for_training",

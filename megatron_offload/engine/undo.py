@@ -40,14 +40,14 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.engine import (
+from .engine import (
     D2H_AFTER_WRITERS,
     HOST_FREE_AFTER_COPIES,
     HOST_READ_AFTER_D2H,
     USE_AFTER_H2D,
     WRITE_AFTER_D2H,
 )
-from ..engine.slots import aligned_bytes
+from .slots import aligned_bytes
 
 
 def written_tensors(optimizer, param: torch.Tensor, entries):

@@ -55,8 +55,8 @@ from ..engine import OffloadEngine, OffloadStateError, SlotSizeError, SlotStream
 from ..engine.engine import D2H_AFTER_WRITERS, D2H_RECORD_STREAM, HOST_FREE_AFTER_COPIES, _typed
 from ..engine.groups import owns_storage
 from ..engine.slots import aligned_bytes, budget_for
-from .staging import _Staging
-from .step_undo import StepUndo, written_tensors
+from ..engine.staging import _Staging
+from ..engine.undo import StepUndo, written_tensors
 
 _ABSENT = object()
 #: Host bytes the undo reserves per parameter for the small tensors its state keeps on the

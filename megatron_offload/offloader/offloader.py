@@ -36,6 +36,9 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 from torch.utils.hooks import RemovableHandle
 
+from .. import report as stats_log
+from ..access.guard import StateAccessGuard
+from ..access.host_view import HostView
 from ..adapters import KINDS, OPTIMIZER_STATES, PRIMARY_WEIGHTS
 from ..adapters import megatron_wrappers as wrappers
 from ..adapters.megatron_wrappers import StateWatch
@@ -43,10 +46,8 @@ from ..config import OffloadConfig
 from ..device import device_for, numa
 from ..engine import HostBudget, OffloadEngine, OffloadStateError, Place
 from ..engine.figures import gbps
-from . import node_memory, stats_log
+from . import node_memory
 from .acceptance import distributed_optimizers, is_stub, megatron_optimizers, refuse_unsupported  # noqa: F401 - re-exported
-from .guard import StateAccessGuard
-from .host_view import HostView
 
 
 class OptimizerStateOffloader:
