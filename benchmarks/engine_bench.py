@@ -1,7 +1,7 @@
 """Engine-level benchmark over synthetic Adam-like state (no megatron-core needed).
 
 ``SyntheticAdamState`` mimics what the DistributedOptimizer adapter hands the engine for a
-model of ``n_params`` parameter shards: one fp32 master per parameter (``primary_weights``)
+model of ``n_params`` parameter shards: one fp32 master per parameter (``master_weights``)
 and two moments (``optimizer_states``) kept in a torch-optimizer-like ``state`` dict, every
 tensor with its own storage as the optimizer creates them, yielded in the adapter's order
 (masters first, then the states parameter by parameter). Sizes vary from parameter to
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_offload.adapters import OPTIMIZER_STATES, PRIMARY_WEIGHTS
+from megatron_offload.adapters import MASTER_WEIGHTS, OPTIMIZER_STATES
 from megatron_offload.adapters.megatron_wrappers import StateWatch
 from megatron_offload.device import device_for
 from megatron_offload.engine import OffloadEngine
@@ -116,7 +116,7 @@ class SyntheticAdamState:
     def collect(self):
         """The ``(kind, tensor)`` pairs, in the order the DistributedOptimizer adapter uses."""
         for master in self.masters:
-            yield PRIMARY_WEIGHTS, master
+            yield MASTER_WEIGHTS, master
         for entries in self.state.values():
             yield OPTIMIZER_STATES, entries["exp_avg"]
             yield OPTIMIZER_STATES, entries["exp_avg_sq"]
@@ -149,9 +149,9 @@ def byte_figures(engine: OffloadEngine, stats: dict) -> dict:
     host memory held per payload byte, so padding or rounding inside the engine shows up
     in it even when ``stats()`` counts the padding as offloaded.
     """
-    released = [g for g in engine.groups if g.place.value == "released"]
+    released = [g for g in engine.pieces if g.place.value == "released"]
     payload = sum(t.numel() * t.element_size() for g in released for t in g.tensors)
-    host_storage = unique_storage_bytes(g.host for g in engine.groups)
+    host_storage = unique_storage_bytes(g.host for g in engine.pieces)
     return {
         "payload_bytes": payload,
         "offloaded_bytes": stats["offloaded_bytes"],
@@ -259,7 +259,7 @@ class EngineBench:
             **byte_figures(self.engine, stats),
             "state_bytes": self.state.nbytes,  # what the synthetic optimizer holds
             "device_bytes_held": unique_storage_bytes(self.state.tensors()),  # 0 when all freed
-            "groups": stats["groups"],
+            "pieces": sum(stats["pieces"].values()),
             "d2h_copies": stats["d2h_copies"],
             "h2d_copies": stats["h2d_copies"],
             "first_offload_d2h_copies": self.first_offload["d2h_copies"],
@@ -325,7 +325,7 @@ def copies_scaling(n_params: int, factor: int = 10, *, torch_device=None, cycles
         stats = bench.engine.stats()
         out[n] = {
             "n_tensors": bench.state.n_tensors,
-            "groups": stats["groups"],
+            "pieces": sum(stats["pieces"].values()),
             "d2h_copies": stats["d2h_copies"],
             "h2d_copies": stats["h2d_copies"],
             "device_copy_calls": max(r.copies for r in records),

@@ -128,7 +128,7 @@ def offload_job(cfg: dict) -> dict:
     import megatron_offload
     from megatron_offload.adapters import collect as adapter_collect
     from megatron_offload.device import device_for
-    from megatron_offload.offloader.acceptance import distributed_optimizers
+    from megatron_offload.offloader.members import megatron_optimizers as distributed_optimizers
     from tests.harness import models
 
     if cfg["device"] == "cuda":
@@ -287,11 +287,11 @@ def _layout(offloader, stats: dict) -> dict:
         if stats["offloaded_bytes"]
         else float("nan"),
         "device_bytes_held": unique_storage_bytes(
-            t for engine in offloader.engines for g in engine.groups for t in g.tensors
+            t for engine in offloader.engines for g in engine.pieces for t in g.tensors
         ),
         "resident_bytes": stats["resident_bytes"],
         "unreleasable_bytes": stats["unreleasable_bytes"],
-        "groups": sum(s["groups"] for s in stats["per_optimizer"]),
+        "pieces": sum(sum(s["pieces"].values()) for s in stats["per_optimizer"]),
         "tensors": sum(s["tensors"] for s in stats["per_optimizer"]),
     }
 
@@ -376,7 +376,7 @@ def scaling_job(cfg: dict) -> list[dict]:
     """
     import megatron_offload
     from megatron_offload.device import device_for
-    from megatron_offload.offloader.acceptance import distributed_optimizers
+    from megatron_offload.offloader.members import megatron_optimizers as distributed_optimizers
     from tests.harness import models
 
     device = (

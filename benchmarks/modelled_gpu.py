@@ -76,10 +76,10 @@ def measure(
         offload()
         engine.reload()
         engine.wait()
-    total = sum(g.nbytes for g in engine.groups) * scale
+    total = sum(g.nbytes for g in engine.pieces) * scale
     # The device: the state plus one 256 MiB piece, from a clean cache.
     model.empty_cache()
-    model.capacity = sum(segment_size(g.nbytes * scale) for g in engine.groups) + segment_size(
+    model.capacity = sum(segment_size(g.nbytes * scale) for g in engine.pieces) + segment_size(
         PIECE
     )
     stalls_before = model.num_alloc_retries

@@ -114,7 +114,7 @@ def print_engine(res: dict, args) -> None:
     print(f"  device bytes held while released: {lay['device_bytes_held']:,}")
     print(
         f"  copies: first offload {lay['first_offload_d2h_copies']} D2H (tensor by tensor); "
-        f"steady cycle {lay['d2h_copies']} D2H + {lay['h2d_copies']} H2D ({lay['groups']} groups); "
+        f"steady cycle {lay['d2h_copies']} D2H + {lay['h2d_copies']} H2D ({lay['pieces']} pieces); "
         f"device copy calls per cycle {cyc['copies_per_cycle']:.0f}"
     )
     print(
@@ -287,7 +287,7 @@ def print_megatron(res: dict, args, title: str) -> None:
         print(
             f"  rank {r['rank']} (dp {r['dp_rank']} tp {r['tp_rank']} pp {r['pp_rank']}): "
             f"{r['model_param_tensors']} param tensors, {r['optimizer_shards']} optimizer shards, "
-            f"{lay['tensors']} offloaded tensors in {lay['groups']} groups [{' > '.join(r['optimizer_classes'])}]"
+            f"{lay['tensors']} offloaded tensors in {lay['pieces']} pieces [{' > '.join(r['optimizer_classes'])}]"
         )
         print(
             f"    payload {lay['payload_bytes']:,} B ({_mib(lay['payload_bytes'])}), host {lay['host_bytes']:,} B, "

@@ -1,9 +1,30 @@
-"""Options of the offloader: one dataclass, validated in one place."""
+"""Options of the offloader: one dataclass, validated in one place.
+
+Every field is also a flag of Megatron's command line (``megatron/arguments.py``): the field's
+name with ``--offload-`` in front (not twice), in the same unit; ``flag(name)`` gives it. A
+refusal names both, so it reads the same from ``attach`` and from the command line.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from typing import Any, Callable
+
+#: Fields that are not flags: ``device_factory`` is a callable (testing and other devices).
+NOT_FLAGS = ("device_factory",)
+#: Megatron-LM PR #2811's name of ``offload_master_weights``, accepted by ``attach`` too.
+ALIASES = {"offload_primary_weights": "offload_master_weights"}
+PREFETCH_POINTS = ("step", "gradients")
+
+
+def flag(name: str) -> str:
+    """The command-line flag of field ``name``: ``--offload-`` and its name in dashes."""
+    dashed = name.replace("_", "-")
+    return f"--{dashed}" if name.startswith("offload_") else f"--offload-{dashed}"
+
+
+def _named(name: str) -> str:
+    return f"{name} ({flag(name)})" if name not in NOT_FLAGS else name
 
 
 @dataclass
@@ -13,9 +34,10 @@ class OffloadConfig:
     offload_optimizer_states: bool = True
     """Offload the inner optimizer's per-parameter tensors (Adam's ``exp_avg``/``exp_avg_sq``)."""
 
-    offload_primary_weights: bool = True
+    offload_master_weights: bool = True
     """Offload the fp32 master weights (only exist for bf16/fp16 models: fp32 models have
-    their master weights in the model parameters, which the forward pass needs)."""
+    their master weights in the model parameters, which the forward pass needs). Megatron-LM
+    PR #2811 called them primary weights: ``offload_primary_weights`` is accepted for it."""
 
     release_master_grads: bool = True
     """After the step, drop the ``.grad`` of master-weight shards, as ``zero_grad`` would
@@ -34,15 +56,17 @@ class OffloadConfig:
     the need. Whatever the budget, attach also refuses a node whose ranks need more host
     memory together than it can give (``integration/node_memory.py``)."""
 
-    prefetch: str | float = "step"
-    """When ``attach``'s cycle starts copying the states back. ``"step"``: when
-    ``optimizer.step()`` begins, so the copy overlaps the gradient copy, unscale, norm and
-    clipping; the states occupy no device memory during forward and backward. A number f in
-    (0, 1): once the backward pass has produced the gradients of a fraction f of the
-    parameters (by bytes, in backward order), so the copy also overlaps the rest of the
-    backward pass, at the price of holding the states during it: the earlier, the more
-    overlap and the higher the backward's memory peak. (Megatron's pretrain integration
-    prefetches at gradient finalization, between the two.)"""
+    prefetch: str | float = "gradients"
+    """When the copy back of the states starts. ``"gradients"`` (the default): when the
+    gradients are reduced, from the model config's ``finalize_model_grads_func`` (what
+    megatron.training, Megatron-Bridge and megatron-core's schedules call once the backward
+    pass is done), so the copy overlaps the reduction; where the loop has none when
+    ``attach`` runs, at ``optimizer.step()``. ``"step"``: when ``optimizer.step()`` begins, so
+    the copy overlaps the gradient copy, unscale, norm and clipping. A number f in (0, 1):
+    once the backward pass has produced the gradients of a fraction f of the parameters (by
+    bytes, in backward order), so the copy also overlaps the rest of the backward pass, at
+    the price of holding the states during it. The states occupy no device memory before
+    that point."""
 
     chunked_update_bytes: int | None = None
     """Chunked update (``attach`` only): keep the offloaded states on the host during the
@@ -95,10 +119,10 @@ class OffloadConfig:
     ``megatron_offload/device/accelerator.py``)."""
 
     per_optimizer: dict[int, dict[str, bool]] | None = None
-    """Overrides of ``offload_optimizer_states`` / ``offload_primary_weights`` for single
+    """Overrides of ``offload_optimizer_states`` / ``offload_master_weights`` for single
     optimizers of a ChainedOptimizer, by index in ``chained_optimizers`` (nested chains such
     as ``LayerWiseDistributedOptimizer`` flattened, in order; for example
-    ``{1: {"offload_primary_weights": False}}`` to keep the expert optimizer's masters on
+    ``{1: {"offload_master_weights": False}}`` to keep the expert optimizer's masters on
     the device in a MoE model). Optimizers not named use the fields above."""
 
     device_factory: Callable[[Any], Any] | None = None
@@ -106,87 +130,94 @@ class OffloadConfig:
     replaces the device layer picked from the parameters' device."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.per_optimizer, dict):
+            self.per_optimizer = {
+                index: {ALIASES.get(name, name): value for name, value in override.items()}
+                if isinstance(override, dict)
+                else override
+                for index, override in self.per_optimizer.items()
+            }
         self.validate()
 
     def validate(self) -> None:
-        """Raise ``TypeError``/``ValueError`` naming the bad option and what to pass instead."""
-        for name in ("offload_optimizer_states", "offload_primary_weights", "release_master_grads"):
+        """Raise ``TypeError``/``ValueError`` naming the bad option (and its flag) and what to
+        pass instead."""
+        for name in (
+            "offload_optimizer_states",
+            "offload_master_weights",
+            "release_master_grads",
+            "chunked_update_undo",
+        ):
             value = getattr(self, name)
             if not isinstance(value, bool):
-                raise TypeError(f"OffloadConfig.{name} must be True or False, got {value!r}.")
+                raise TypeError(
+                    f"OffloadConfig.{_named(name)} must be True or False, got {value!r}."
+                )
         fraction = self.offload_fraction
-        if (
-            isinstance(fraction, bool)
-            or not isinstance(fraction, (int, float))
-            or not 0 <= fraction <= 1
-        ):
+        if _not_number(fraction) or not 0 <= fraction <= 1:
             raise ValueError(
-                f"OffloadConfig.offload_fraction must be a number from 0 to 1, got {fraction!r}."
+                f"OffloadConfig.{_named('offload_fraction')} must be a number from 0 to 1, got "
+                f"{fraction!r}."
             )
         budget = self.host_memory_budget
-        if (
-            budget is not None
-            and budget != "auto"
-            and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0)
-        ):
+        if budget is not None and budget != "auto" and (_not_int(budget) or budget < 0):
             raise ValueError(
-                "OffloadConfig.host_memory_budget must be a number of bytes (int >= 0), "
-                f'"auto" or None, got {budget!r}.'
+                f"OffloadConfig.{_named('host_memory_budget')} must be a number of bytes "
+                f'(int >= 0), "auto" or None, got {budget!r}.'
             )
         prefetch = self.prefetch
-        if prefetch != "step" and (
-            isinstance(prefetch, bool)
-            or not isinstance(prefetch, (int, float))
-            or not 0 < prefetch < 1
-        ):
+        if prefetch not in PREFETCH_POINTS and (_not_number(prefetch) or not 0 < prefetch < 1):
             raise ValueError(
-                f'OffloadConfig.prefetch must be "step" or a fraction of the backward pass '
-                f"strictly between 0 and 1, got {prefetch!r}."
+                f'OffloadConfig.{_named("prefetch")} must be "gradients", "step" or a fraction '
+                f"of the backward pass strictly between 0 and 1, got {prefetch!r}."
             )
         chunk = self.chunked_update_bytes
-        if chunk is not None and (
-            isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0
-        ):
+        if chunk is not None and (_not_int(chunk) or chunk <= 0):
             raise ValueError(
-                f"OffloadConfig.chunked_update_bytes must be a number of bytes (int > 0) or None, got {chunk!r}."
-            )
-        piece = self.max_piece_bytes
-        if isinstance(piece, bool) or not isinstance(piece, int) or piece <= 0:
-            raise ValueError(
-                f"OffloadConfig.max_piece_bytes must be a positive number of bytes (int > 0), got "
-                f"{piece!r}; the default is {256 << 20} (256 MiB)."
-            )
-        priority = self.stream_priority
-        if isinstance(priority, bool) or not isinstance(priority, int) or priority > 0:
-            raise ValueError(
-                f"OffloadConfig.stream_priority must be an int <= 0, got {priority!r}: 0 (the "
-                "default) is the lowest CUDA stream priority, negative numbers are higher."
-            )
-        if not isinstance(self.chunked_update_undo, bool):
-            raise ValueError(
-                f"OffloadConfig.chunked_update_undo must be True or False, got {self.chunked_update_undo!r}."
+                f"OffloadConfig.{_named('chunked_update_bytes')} must be a number of bytes "
+                f"(int > 0) or None, got {chunk!r}."
             )
         slots = self.chunked_update_slots
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        if _not_int(slots) or slots < 1:
             raise ValueError(
-                f"OffloadConfig.chunked_update_slots must be an int >= 1, got {slots!r}."
+                f"OffloadConfig.{_named('chunked_update_slots')} must be an int >= 1, got {slots!r}."
+            )
+        piece = self.max_piece_bytes
+        if _not_int(piece) or piece <= 0:
+            raise ValueError(
+                f"OffloadConfig.{_named('max_piece_bytes')} must be a positive number of bytes "
+                f"(int > 0), got {piece!r}; the default is {256 << 20} (256 MiB)."
+            )
+        priority = self.stream_priority
+        if _not_int(priority) or priority > 0:
+            raise ValueError(
+                f"OffloadConfig.{_named('stream_priority')} must be an int <= 0, got "
+                f"{priority!r}: 0 (the default) is the lowest CUDA stream priority, negative "
+                "numbers are higher."
             )
         if chunk is not None and fraction < 1:
             raise ValueError(
-                "OffloadConfig.chunked_update_bytes cannot be combined with offload_fraction < 1: "
-                "partial offload picks tensors by size across all parameters, the chunked update "
-                "streams every offloaded state per parameter. Use one of them."
+                f"OffloadConfig.{_named('chunked_update_bytes')} cannot be combined with "
+                f"{_named('offload_fraction')} < 1: partial offload picks tensors by size across "
+                "all parameters, the chunked update streams every offloaded state per parameter. "
+                "Use one of them."
+            )
+        if self.chunked_update_undo and chunk is None:
+            raise ValueError(
+                f"OffloadConfig.{_named('chunked_update_undo')} has no effect without "
+                f"{_named('chunked_update_bytes')}: set both, or drop it."
             )
         if chunk is not None and chunk < slots * 16:
             raise ValueError(
-                f"OffloadConfig.chunked_update_bytes={chunk} is too small for {slots} slot(s); "
-                "give each slot at least one parameter's states (bytes of its moments)."
+                f"OffloadConfig.{_named('chunked_update_bytes')}={chunk} is too small for "
+                f"{slots} slot(s); give each slot at least one parameter's states."
             )
-        selectable = ("offload_optimizer_states", "offload_primary_weights")
+        selectable = ("offload_optimizer_states", "offload_master_weights")
         for index, override in (self.per_optimizer or {}).items():
             if not isinstance(index, int) or isinstance(index, bool) or index < 0:
                 raise TypeError(
-                    f"OffloadConfig.per_optimizer keys are optimizer indices (0, 1, ...), got {index!r}."
+                    f"OffloadConfig.{_named('per_optimizer')} keys are optimizer indices "
+                    f"(0, 1, ...), got {index!r}."
                 )
             if not isinstance(override, dict):
                 raise TypeError(f"OffloadConfig.per_optimizer[{index}] must be a dict of options.")
@@ -198,7 +229,8 @@ class OffloadConfig:
                     )
                 if not isinstance(value, bool):
                     raise TypeError(
-                        f"OffloadConfig.per_optimizer[{index}][{name!r}] must be True or False, got {value!r}."
+                        f"OffloadConfig.per_optimizer[{index}][{name!r}] must be True or False, "
+                        f"got {value!r}."
                     )
         if self.device_factory is not None and not callable(self.device_factory):
             raise TypeError(
@@ -207,7 +239,13 @@ class OffloadConfig:
 
     @classmethod
     def from_options(cls, config: "OffloadConfig | None" = None, **options) -> "OffloadConfig":
-        """A config from an optional base config and keyword overrides, refusing unknown names."""
+        """A config from an optional base config and keyword overrides, refusing unknown names
+        (``offload_primary_weights`` is ``offload_master_weights``)."""
+        for alias, name in ALIASES.items():
+            if alias in options:
+                if name in options and options[name] != options[alias]:
+                    raise TypeError(f"{alias} is another name of {name}; pass one of them.")
+                options[name] = options.pop(alias)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
@@ -221,12 +259,20 @@ class OffloadConfig:
 
     def kinds(self, index: int | None = None) -> tuple[str, ...]:
         """The kinds offloaded for optimizer ``index`` (the defaults when None)."""
-        from .adapters import OPTIMIZER_STATES, PRIMARY_WEIGHTS
+        from .adapters import MASTER_WEIGHTS, OPTIMIZER_STATES
 
         override = (self.per_optimizer or {}).get(index, {}) if index is not None else {}
         selected = []
         if override.get("offload_optimizer_states", self.offload_optimizer_states):
             selected.append(OPTIMIZER_STATES)
-        if override.get("offload_primary_weights", self.offload_primary_weights):
-            selected.append(PRIMARY_WEIGHTS)
+        if override.get("offload_master_weights", self.offload_master_weights):
+            selected.append(MASTER_WEIGHTS)
         return tuple(selected)
+
+
+def _not_int(value) -> bool:
+    return isinstance(value, bool) or not isinstance(value, int)
+
+
+def _not_number(value) -> bool:
+    return isinstance(value, bool) or not isinstance(value, (int, float))

@@ -1,10 +1,14 @@
-"""The offload figures of a training run: one log line per log interval (the maximum over
-ranks) and the same figures as TensorBoard / W&B scalars. ``integration.training`` calls it
-from megatron.training's ``training_log``; custom loops may call ``log_offload_stats``."""
+"""The offload figures: ``stats()`` summed over optimizers, the one-line ``summary()``, and
+for a training run one log line per log interval (the maximum over ranks) with the same
+figures as TensorBoard / W&B scalars. ``megatron.training`` calls it from megatron.training's
+``training_log``; custom loops may call ``log_offload_stats``."""
 
 from __future__ import annotations
 
 import re
+
+from .device import numa
+from .engine.figures import gbps
 
 GIB = float(1 << 30)
 SCALAR_NAMES = {
@@ -20,6 +24,33 @@ SCALAR_NAMES = {
 }
 #: Figures reduced with the minimum over ranks (the slowest link), not the maximum.
 MIN_OVER_RANKS = ("d2h_gbps", "h2d_gbps")
+
+
+def combine(per: list[dict], *, cycles: int, devices: list, host_views: dict) -> dict:
+    """The engines' ``stats()`` (``per``) summed: counts per kind merged, the largest piece
+    the largest, rates of the summed bytes and times (not a sum of rates); with the cycles,
+    the NUMA figures of ``devices`` and what host views served."""
+    total: dict = {}
+    for key in per[0] if per else {}:
+        if isinstance(per[0][key], dict):  # counts per kind (``pieces``)
+            merged: dict = {}
+            for figures in per:
+                for kind, count in figures[key].items():
+                    merged[kind] = merged.get(kind, 0) + count
+            total[key] = merged
+        elif key == "largest_piece_bytes":
+            total[key] = max(s[key] for s in per)
+        else:
+            total[key] = sum(s[key] for s in per)
+    for direction in ("d2h", "h2d"):
+        total[f"{direction}_gbps"] = gbps(
+            total.get(f"{direction}_timed_bytes", 0), total.get(f"{direction}_ms", 0.0)
+        )
+    total["cycles"] = cycles
+    total.update(numa.figures(devices))
+    total.update(host_views)
+    total["per_optimizer"] = per
+    return total
 
 
 def offload_figures(stats: dict) -> dict:

@@ -280,7 +280,7 @@ class ModelledDevice(CheckedDevice):
         for key, owned in self._owned.items():
             if held.get(key) and owned.block is not None and owned.block.state == "allocated":
                 # One use beyond the tensors: the storage's own Python object (as in
-                # ``engine.groups.storage_use_count``).
+                # ``engine.pieces.storage_use_count``).
                 if not owned.weak.expired() and torch._C._storage_Use_Count(key) <= held[key] + 1:
                     self.model.free(owned.block)
                     owned.block = None

@@ -1,6 +1,6 @@
 """Makes megatron-core's state-touching optimizer methods safe while states are offloaded.
 
-Every public method of megatron-core's optimizers that reads or writes the moments or the
+Every public method of megatron-core's optimizers that reads or writes the optimizer states or the
 master weights (state dicts, checkpoint save and load, parameter-state exchange, reloading
 master weights from the model) runs inside a ``HostView`` (``host_view.py``): the released
 tensors are seen as their host copies for the call, so a save reads the host copy and a load
@@ -21,8 +21,9 @@ value; each parameter gets its own tensor with the saved step back here.
 
 The inner optimizer's ``state`` mapping itself is guarded too, for code that reads the
 states the way research code does (``optimizer.optimizer.state[p]["exp_avg"].sum()``
-between steps): see ``GuardedState``. Such a read is served from the host copy until the
-next step (``host_view.serve_reads``).
+between steps): the guard puts a ``GuardedState`` (``phase.py``) in its place, armed
+by the offloader's phase. Such a read is served from the host copy until the next transition
+(``host_view.serve_reads``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import functools
 import torch
 
 from ..adapters import state_access
-from .host_view import HostView, checkpoint_view, servable, serve_reads
+from ..phase import GuardedState, Phase
+from .host_view import HostView, servable, serve_reads
 
 # Public methods (on DistributedOptimizer, ChainedOptimizer and their bases, megatron-core
 # 0.16-0.19) that read or write the offloaded tensors. Names absent on a version are skipped.
@@ -106,93 +108,9 @@ READ_ONLY_METHODS = frozenset(
 )
 
 
-class _PlainState(collections.defaultdict):
-    """What a ``GuardedState`` is to its readers: a ``defaultdict`` that copies, pickles and
-    prints as one (the accessors below wrap these)."""
-
-    def __reduce__(self):
-        return (
-            collections.defaultdict,
-            (self.default_factory,),
-            None,
-            None,
-            iter(dict.items(self)),
-        )
-
-    def copy(self):
-        return collections.defaultdict(self.default_factory, dict.items(self))
-
-    __copy__ = copy
-
-    def __or__(self, other):
-        if not isinstance(other, dict):
-            return NotImplemented
-        merged = self.copy()
-        merged.update(other)
-        return merged
-
-    def __ror__(self, other):
-        if not isinstance(other, dict):
-            return NotImplemented
-        merged = collections.defaultdict(self.default_factory, other)
-        merged.update(dict.items(self))
-        return merged
-
-    def __repr__(self) -> str:
-        return repr(self.copy())  # printed as the defaultdict it stands for
-
-
-class GuardedState(_PlainState):
-    """An inner optimizer's ``state`` while an offloader is attached.
-
-    A ``defaultdict`` whose accessors (listed below) check one attribute first: ``_armed``,
-    the guard, set while states are offloaded (``StateAccessGuard.arm``), None otherwise
-    (always during an optimizer step). When armed, an access is served from the host copy
-    or brings the states back (``StateAccessGuard._accessed``) before it proceeds. The check
-    costs the step one Python call per state lookup (about 0.6 us; measured against a plain
-    ``defaultdict`` in ``tests/unit/integration/test_state_mapping.py``); the class of the
-    mapping never changes.
-
-    Not guarded, because they touch no tensor: ``len(state)`` and ``p in state`` (tensors
-    hash by identity, and a dict compares keys by identity before equality, so a lookup
-    reads no tensor data).
-    """
-
-    _armed = None  # the StateAccessGuard while armed (set on the instance)
-
-
-# Accessors of an armed mapping, and whether they may put new tensors into the state.
-# Everything that hands out entries, keys (the parameter shards: the offloaded master
-# weights of a bf16/fp16 model) or values, or compares, prints, copies or pickles them.
-_ARMED_ACCESSORS = {
-    "__getitem__": False,
-    "get": False,
-    "keys": False,
-    "values": False,
-    "items": False,
-    "__iter__": False,
-    "__reversed__": False,
-    "__eq__": False,
-    "__ne__": False,
-    "__or__": False,
-    "__ror__": False,
-    "__repr__": False,
-    "copy": False,
-    "__copy__": False,
-    "__reduce__": False,
-    "__setitem__": True,
-    "__delitem__": True,
-    "setdefault": True,
-    "pop": True,
-    "popitem": True,
-    "clear": True,
-    "update": True,
-    "__ior__": True,
-}
-
-
-# Accessors served from the host copy (the rest, which print, copy or pickle the whole
-# mapping with its keys, bring every state back), and those among them that hand out keys.
+# Accessors of an armed mapping served from the host copy (the rest, which print, copy or
+# pickle the whole mapping with its keys, bring every state back), and those among them that
+# hand out keys.
 _SERVED_ACCESSORS = frozenset(
     {
         "__getitem__",
@@ -217,39 +135,18 @@ _SERVED_ACCESSORS = frozenset(
 _KEY_ACCESSORS = frozenset({"keys", "items", "__iter__", "__reversed__", "popitem"})
 
 
-def _guarded_accessor(name: str, writes: bool):
-    plain = getattr(_PlainState, name)
-
-    def accessor(self, *args, **kwargs):
-        guard = self._armed
-        if guard is not None:
-            guard._accessed(self, writes, name)
-        return plain(self, *args, **kwargs)
-
-    accessor.__name__ = name
-    accessor.__qualname__ = f"GuardedState.{name}"
-    return accessor
-
-
-for _name, _writes in _ARMED_ACCESSORS.items():
-    setattr(GuardedState, _name, _guarded_accessor(_name, _writes))
-del _name, _writes
-
-
 class StateAccessGuard:
-    """Wraps the state-touching methods of the offloader's optimizers; ``remove`` undoes it."""
+    """Wraps the state-touching methods of the offloader's optimizers and guards their state
+    mappings; ``remove`` undoes it."""
 
     def __init__(self, offloader) -> None:
         self._offloader = offloader
         self._wrapped: list[tuple[object, str, bool, object]] = []
         self._hooks = []
         # The state mappings of the inner optimizers (see GuardedState): the objects they
-        # replaced (given back, refilled, by remove()), and whether an optimizer step is
-        # running (the step reads the mapping itself, some of it still on the host while a
-        # chunked update streams it: no guard then).
-        self._inners = [d.optimizer for d in offloader._distributed]
+        # replaced, given back refilled by remove().
+        self._inners = [member.optimizer.optimizer for member in offloader.members]
         self._originals: dict[int, object] = {}
-        self.stepping = 0
         try:
             self._install_all()
         except BaseException:
@@ -258,9 +155,8 @@ class StateAccessGuard:
 
     def _install_all(self) -> None:
         offloader = self._offloader
-        targets = [offloader.optimizer] + [
-            o for o in offloader._distributed if o is not offloader.optimizer
-        ]
+        wrappers = [member.optimizer for member in offloader.members]
+        targets = [offloader.optimizer] + [o for o in wrappers if o is not offloader.optimizer]
         for target in targets:
             for name in STATE_METHODS:
                 if callable(getattr(type(target), name, None)):
@@ -268,10 +164,8 @@ class StateAccessGuard:
             if all(callable(getattr(type(target), n, None)) for n in ROUTED_METHODS):
                 self._wrap(target, "offload_to_cpu", _rl_offload(offloader))
                 self._wrap(target, "restore_from_cpu", _rl_restore(offloader))
+        self.reinstall()
         for inner in self._inners:
-            self._install(inner)
-        for distrib_optimizer in offloader._distributed:
-            inner = distrib_optimizer.optimizer
             if isinstance(inner, torch.optim.Optimizer):
                 self._hooks.append(
                     inner.register_state_dict_pre_hook(
@@ -308,8 +202,9 @@ class StateAccessGuard:
                 # current chunk, whose states are in a slot: nothing must move then.
                 # Inside a HostView (a checkpoint served from the host) they read and write
                 # the host copies in its place.
-                if not offloader._streaming and checkpoint_view(offloader) is None:
-                    offloader._make_resident(changes=True, replaced=replaces)
+                phase = offloader.phase.current
+                if phase is not Phase.STREAMING and phase is not Phase.SERVING:
+                    offloader.make_resident(changes=True, replaced=replaces)
                 return previous(*args, **kwargs)
 
             return call
@@ -332,7 +227,7 @@ class StateAccessGuard:
                     writes = _is_loading(previous, args, kwargs)
                 else:  # loads and reload_model_params write; state dicts and getters read
                     writes = loads or name == "reload_model_params"
-                if checkpoint_view(offloader) is not None or servable(offloader):
+                if offloader.phase.serving or servable(offloader):
                     # Served from the host copy: nothing comes back to the device.
                     with HostView(offloader, writes=writes) as view:
                         result = previous(*args, **kwargs)
@@ -346,7 +241,7 @@ class StateAccessGuard:
                     return result
                 # Loads may put new tensor objects into the state.
                 changes = name not in READ_ONLY_METHODS
-                offloader._make_resident(changes=changes, replaced=changes)
+                offloader.make_resident(changes=changes, replaced=changes)
                 result = previous(*args, **kwargs)
                 if loads:
                     self._after_load(target, name, args)
@@ -357,31 +252,32 @@ class StateAccessGuard:
         return make
 
     def _after_load(self, target, name: str, args) -> None:
-        for inner in self._inners:  # a load may have put a new state mapping in
-            self._install(inner)
-        for distrib_optimizer in self._offloader._distributed:
-            if distrib_optimizer is target and name == "load_state_dict" and args:
-                restore_step_tensors(distrib_optimizer.optimizer, args[0])
+        self.reinstall()  # a load may have put a new state mapping in
+        for member in self._offloader.members:
+            wrapper = member.optimizer
+            if wrapper is target and name == "load_state_dict" and args:
+                restore_step_tensors(wrapper.optimizer, args[0])
             else:
-                unshare_step_tensors(distrib_optimizer.optimizer)
+                unshare_step_tensors(wrapper.optimizer)
 
     # ------------------------------------------------------- the state mapping
-    def arm(self, offloaded: bool) -> None:
-        """Guard the state mappings while ``offloaded`` (and no step runs), else not: one
-        attribute of each mapping, which its accessors check (see ``GuardedState``)."""
-        armed = offloaded and not self.stepping
+    def reinstall(self) -> None:
+        """A ``GuardedState`` in place of every inner optimizer's plain ``state`` mapping
+        (at attach, and after a load that put a new one in), handed to the phase tracker,
+        which arms them."""
         for inner in self._inners:
-            state = getattr(inner, "state", None)
-            if armed and type(state) is collections.defaultdict:
-                self._install(inner)  # replaced behind our back (a load we did not see)
-                state = inner.state
-            if isinstance(state, GuardedState) and state.__dict__.get("_guard") is self:
-                state._armed = self if armed else None
+            self._install(inner)
+        guarded = [
+            inner
+            for inner in self._inners
+            if isinstance(getattr(inner, "state", None), GuardedState) and inner.state.owner is self
+        ]
+        self._offloader.phase.guard(guarded, [inner.state for inner in guarded])
 
     def _after_inner_load(self, inner) -> None:
-        self._install(inner)
-        view = checkpoint_view(self._offloader)
-        if view is not None:
+        self.reinstall()
+        view = self._offloader.phase.view
+        if view is not None and self._offloader.phase.serving:
             view.after_load(inner)
 
     def _install(self, inner) -> None:
@@ -392,51 +288,44 @@ class StateAccessGuard:
         """
         state = getattr(inner, "state", None)
         if isinstance(state, GuardedState):
-            state.__dict__["_guard"] = self
+            state.owner = self
             return
         if type(state) is not collections.defaultdict:
             return
         mapping = GuardedState(state.default_factory)
         dict.update(mapping, state)
-        mapping.__dict__["_guard"] = self
+        mapping.owner = self
         inner.state = mapping
         self._originals[id(inner)] = state
 
-    def _accessed(self, state: "GuardedState", writes: bool, name: str = "") -> None:
+    def accessed(self, state: GuardedState, writes: bool, name: str = "") -> None:
         """An access to an armed mapping (accessor ``name``): serve it from the host copy,
         or bring every state back, before it proceeds."""
-        # Disarmed first, so that nothing the reload does comes back here.
-        state._armed = None
         offloader = self._offloader
-        if offloader.detached:
+        if name in _SERVED_ACCESSORS and servable(offloader):
+            # Values served from the host copy (host_view.py) until the next transition; an
+            # accessor that hands out keys (the masters of a bf16/fp16 model) brings those
+            # back.
+            serve_reads(offloader, masters=name in _KEY_ACCESSORS)
             return
-        try:
-            if name in _SERVED_ACCESSORS and servable(offloader):
-                # Values served from the host copy (host_view.py) until the next step; an
-                # accessor that hands out keys (the masters of a bf16/fp16 model) brings
-                # those back.
-                serve_reads(offloader, masters=name in _KEY_ACCESSORS)
-                return
-            # The mapping hands out the live tensors (the caller may write through them),
-            # so the host copy is stale from now on; a write may put new tensors in.
-            offloader._make_resident(changes=True, replaced=writes)
-        finally:
-            offloader._sync_state_guard()
+        # The mapping hands out the live tensors (the caller may write through them), so the
+        # host copy is stale from now on; a write may put new tensors in.
+        offloader.make_resident(changes=True, replaced=writes)
 
     def _restore_states(self) -> None:
         """Give each inner optimizer a plain ``defaultdict`` again (the one replaced at
         attach or after a load, refilled with the current entries)."""
+        self._offloader.phase.guard([], [])
         for inner in self._inners:
             state = getattr(inner, "state", None)
-            if not (isinstance(state, GuardedState) and state.__dict__.get("_guard") is self):
+            if not (isinstance(state, GuardedState) and state.owner is self):
                 continue
-            state._armed = None
             original = self._originals.get(id(inner))
             if original is None:
                 original = collections.defaultdict(state.default_factory)
             original.clear()
             original.update(dict.items(state))
-            del state.__dict__["_guard"]  # a reference kept elsewhere is an unguarded mapping now
+            state.owner = None  # a reference kept elsewhere is an unguarded mapping now
             inner.state = original
         self._originals = {}
 
@@ -478,16 +367,15 @@ def _rl_restore(offloader):
 def _inner_pre_hook(offloader, optimizer, *args) -> None:
     # torch's state_dict() returns references to the live tensors, which the caller may
     # write through: the host copy is stale. Inside a HostView they are the host copies.
-    if checkpoint_view(offloader) is None:
-        offloader._make_resident(changes=True, replaced=True)
+    if not offloader.phase.serving:
+        offloader.make_resident(changes=True, replaced=True)
 
 
 def _inner_load_pre_hook(offloader, optimizer, state_dict):
     # load_state_dict() writes; inside a HostView it writes the host copies.
-    view = checkpoint_view(offloader)
-    if view is not None:
-        return view.before_load(optimizer, state_dict)
-    offloader._make_resident(changes=True, replaced=True)
+    if offloader.phase.serving:
+        return offloader.phase.view.before_load(optimizer, state_dict)
+    offloader.make_resident(changes=True, replaced=True)
     return None
 
 

@@ -56,7 +56,8 @@ from typing import Iterator
 
 import torch
 
-from ..engine.groups import aligned_size
+from ..engine.pieces import aligned_size, is_plain
+from .holders import Holder
 
 # Per-parameter state entries that are not moved, whatever their size.
 NEVER_MOVED = frozenset({"step"})
@@ -82,11 +83,6 @@ TORCH_ADAM = "torch Adam/AdamW"
 OTHER = "other"
 
 
-def is_plain(tensor) -> bool:
-    """A torch.Tensor (or Parameter) that is not a subclass: its memory is its storage."""
-    return type(tensor) in (torch.Tensor, torch.nn.Parameter)
-
-
 def quantized_buffers(value: torch.Tensor, numel: int) -> list[str]:
     """Names of the plain per-element buffers inside a quantized tensor subclass (empty if none).
 
@@ -108,17 +104,14 @@ def state_tensors(param: torch.Tensor, entries) -> Iterator[tuple[str, torch.Ten
     Keys are visited in sorted order and the buffers of a quantized state in a fixed order, so
     an unchanged state yields the same tensors in the same order every time.
     """
-    for key, _, _, tensor in state_places(param, entries):
+    for key, _, tensor in state_places(param, entries):
         yield key, tensor
 
 
-def state_places(param: torch.Tensor, entries) -> Iterator[tuple[str, object, str, torch.Tensor]]:
-    """``(state key, holder, name, tensor)`` for the tensors of ``state_tensors``, in its order.
-
-    ``holder`` and ``name`` say where the optimizer finds the tensor: ``holder[name]`` when
-    ``holder`` is the parameter's state dict, ``getattr(holder, name)`` for a buffer inside a
-    quantized state.
-    """
+def state_places(param: torch.Tensor, entries) -> Iterator[tuple[str, Holder, torch.Tensor]]:
+    """``(state key, holder, tensor)`` for the tensors of ``state_tensors``, in its order:
+    ``holder`` is where the optimizer finds the tensor, the entry of the parameter's state
+    dict or, for a buffer inside a quantized state, that state's attribute."""
     numel = param.numel()
     for key in sorted(entries):
         value = entries[key]
@@ -127,11 +120,11 @@ def state_places(param: torch.Tensor, entries) -> Iterator[tuple[str, object, st
         buffers = quantized_buffers(value, numel)
         if buffers:
             for name in buffers:
-                yield key, value, name, getattr(value, name)
+                yield key, Holder(value, name), getattr(value, name)
         elif value.numel() == numel or (value.numel() > 1 and is_plain(value)):
             # A plain tensor (a moment, a momentum buffer, a preconditioner), or a subclass of
             # unknown layout as large as the parameter (which the engine keeps resident).
-            yield key, entries, key, value
+            yield key, Holder(entries, key), value
         # Anything else (scalars, [1] scales) stays where it is.
 
 
@@ -276,3 +269,34 @@ _TE_ACCESS = StateAccess(
 def state_access(optimizer) -> StateAccess:
     """The state-touching methods of ``optimizer`` (see ``StateAccess``)."""
     return _TE_ACCESS if kind_of(optimizer) == TE_FUSED_ADAM else _TORCH_LIKE_ACCESS
+
+
+def written_tensors(optimizer, param: torch.Tensor, entries):
+    """Every tensor with memory that an update of ``param`` may write: the parameter, the
+    tensors of its state (plain ones, and the buffers inside a quantized state such as
+    Transformer Engine's ``Float8Tensor``: data, transpose, scale, amax), and the per-state
+    scales Transformer Engine keeps outside the state (``optimizer._scales[param]``)."""
+    yield param
+    for value in (entries or {}).values():
+        yield from _tensors_in(value)
+    scales = getattr(optimizer, "_scales", None)
+    if isinstance(scales, dict):
+        for value in (scales.get(param) or {}).values():
+            yield from _tensors_in(value)
+
+
+def _tensors_in(value, depth: int = 0):
+    if not isinstance(value, torch.Tensor):
+        return
+    if is_plain(value):
+        yield value
+        return
+    # A tensor subclass keeps its bytes in plain tensors among its attributes, or in those
+    # of an object it holds (a quantizer's scale and amax).
+    for attribute in vars(value).values():
+        if isinstance(attribute, torch.Tensor):
+            yield from _tensors_in(attribute, depth + 1)
+        elif depth == 0 and hasattr(attribute, "__dict__") and not isinstance(attribute, type):
+            for inner in vars(attribute).values():
+                if isinstance(inner, torch.Tensor):
+                    yield from _tensors_in(inner, depth + 1)

@@ -14,7 +14,7 @@ Two kinds of tensors are offloaded (the names match the upstream ``offload`` arg
   ``exp_avg_sq``, Lion's ``exp_avg``, Muon's and SGD's ``momentum_buffer``, SOAP's moments
   and its preconditioners ``L``, ``R``, ``Q_L``, ``Q_R``). Scalars (``step``, ``[1]`` scales)
   never move: they are tiny, and they are read on the host.
-* ``primary_weights``: the fp32 master weights, wherever the wrapper keeps them:
+* ``master_weights``: the fp32 master weights, wherever the wrapper keeps them:
   ``shard_fp32_from_float16_groups`` (DistributedOptimizer: fp32 clones of the bf16/fp16
   parameter shards), ``fp32_from_float16_groups`` (Float16OptimizerWithFloat16Params: fp32
   clones of the whole bf16/fp16 parameters), or, on the precision-aware path (Transformer
@@ -83,44 +83,45 @@ from typing import Iterator
 import torch
 
 from . import inner_optimizers
+from .holders import Holder, Repointing, same_kind
 from .inner_optimizers import OTHER, kind_of
 
 OPTIMIZER_STATES = "optimizer_states"
-PRIMARY_WEIGHTS = "primary_weights"
-KINDS = (OPTIMIZER_STATES, PRIMARY_WEIGHTS)
+MASTER_WEIGHTS = "master_weights"
+KINDS = (OPTIMIZER_STATES, MASTER_WEIGHTS)
 
 
-def inner_params(distrib_optimizer) -> Iterator[torch.Tensor]:
+def inner_params(wrapper) -> Iterator[torch.Tensor]:
     """The parameters the inner optimizer updates, in its param-group order."""
-    for group in distrib_optimizer.optimizer.param_groups:
+    for group in wrapper.optimizer.param_groups:
         yield from group["params"]
 
 
-def collect(distrib_optimizer) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(kind, tensor)`` for every tensor of ``distrib_optimizer`` that can be offloaded.
+def collect(wrapper) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(kind, tensor)`` for every tensor of ``wrapper`` that can be offloaded.
 
     The order is stable from call to call (param groups, then parameters, then state keys
     sorted), so the engine sees an unchanged set as unchanged.
     """
-    for master in master_weights(distrib_optimizer):
-        yield PRIMARY_WEIGHTS, master
-    state = distrib_optimizer.optimizer.state
-    for param in inner_params(distrib_optimizer):
+    for master in master_weights(wrapper):
+        yield MASTER_WEIGHTS, master
+    state = wrapper.optimizer.state
+    for param in inner_params(wrapper):
         entries = _entries(state, param)
         if not entries:
             continue  # apex FusedAdam: no state until the parameter had a gradient
         for key, tensor in inner_optimizers.state_tensors(param, entries):
             yield (
-                (PRIMARY_WEIGHTS if inner_optimizers.is_master_key(key) else OPTIMIZER_STATES),
+                (MASTER_WEIGHTS if inner_optimizers.is_master_key(key) else OPTIMIZER_STATES),
                 tensor,
             )
 
 
-def in_state(distrib_optimizer) -> Iterator[torch.Tensor]:
+def in_state(wrapper) -> Iterator[torch.Tensor]:
     """Every tensor ``collect`` finds inside the inner optimizer's state (not the masters
     megatron-core keeps beside it): what the chunked update can stream."""
-    state = distrib_optimizer.optimizer.state
-    for param in inner_params(distrib_optimizer):
+    state = wrapper.optimizer.state
+    for param in inner_params(wrapper):
         entries = _entries(state, param)
         if entries:
             for _, tensor in inner_optimizers.state_tensors(param, entries):
@@ -149,22 +150,22 @@ def master_groups(wrapper) -> list:
     return []
 
 
-def master_weights(distrib_optimizer) -> Iterator[torch.Tensor]:
+def master_weights(wrapper) -> Iterator[torch.Tensor]:
     """The master weights (or master shards) held outside the optimizer state (may be empty)."""
-    for groups in master_groups(distrib_optimizer):
+    for groups in master_groups(wrapper):
         for master in groups:
             if master is not None:
                 yield master
 
 
-def device_of(distrib_optimizer) -> torch.device:
+def device_of(wrapper) -> torch.device:
     """The device the optimizer's parameters live on (CPU if it has none)."""
-    for param in inner_params(distrib_optimizer):
+    for param in inner_params(wrapper):
         return param.device
     return torch.device("cpu")
 
 
-def expected(distrib_optimizer) -> list[tuple[str, torch.Tensor, bool, torch.device]] | None:
+def expected(wrapper) -> list[tuple[str, torch.Tensor, bool, torch.device]] | None:
     """What ``collect`` will return once every parameter has its state, for reserving the
     host arena ahead of the first offload (``OffloadEngine.reserve_host``).
 
@@ -176,11 +177,8 @@ def expected(distrib_optimizer) -> list[tuple[str, torch.Tensor, bool, torch.dev
     FusedAdam with plain (fp32, bf16, fp16) moments; None where the states cannot be
     foreseen (FP8 moments, other optimizers): nothing is reserved then.
     """
-    inner = distrib_optimizer.optimizer
-    found = [
-        (PRIMARY_WEIGHTS, master, False, master.device)
-        for master in master_weights(distrib_optimizer)
-    ]
+    inner = wrapper.optimizer
+    found = [(MASTER_WEIGHTS, master, False, master.device) for master in master_weights(wrapper)]
     state = inner.state
     for group in inner.param_groups:
         for param in group["params"]:
@@ -188,7 +186,7 @@ def expected(distrib_optimizer) -> list[tuple[str, torch.Tensor, bool, torch.dev
             if entries:
                 for key, tensor in inner_optimizers.state_tensors(param, entries):
                     kind = (
-                        PRIMARY_WEIGHTS if inner_optimizers.is_master_key(key) else OPTIMIZER_STATES
+                        MASTER_WEIGHTS if inner_optimizers.is_master_key(key) else OPTIMIZER_STATES
                     )
                     found.append((kind, tensor, True, tensor.device))
                 continue
@@ -196,7 +194,7 @@ def expected(distrib_optimizer) -> list[tuple[str, torch.Tensor, bool, torch.dev
             if future is None:
                 return None
             for key, dtype in future:  # sorted by key, as state_tensors visits them
-                kind = PRIMARY_WEIGHTS if inner_optimizers.is_master_key(key) else OPTIMIZER_STATES
+                kind = MASTER_WEIGHTS if inner_optimizers.is_master_key(key) else OPTIMIZER_STATES
                 found.append(
                     (kind, torch.empty(param.shape, dtype=dtype, device="meta"), True, param.device)
                 )
@@ -231,22 +229,22 @@ _is = operator.is_
 
 
 class StateWatch:
-    """Fingerprint of ``collect(distrib_optimizer)`` and the masters whose gradients to release.
+    """Fingerprint of ``collect(wrapper)`` and the masters whose gradients to release.
 
-    ``distrib_optimizer`` needs ``.optimizer`` (with ``state`` and ``param_groups``) and may
+    ``wrapper`` needs ``.optimizer`` (with ``state`` and ``param_groups``) and may
     have masters (``master_groups``). ``identities``: also compare the
     identity of every state tensor at every call (None: for inner optimizers other than
     megatron-core's Adams, which may replace their state tensors in ``step()``).
     """
 
-    def __init__(self, distrib_optimizer, *, identities: bool | None = None) -> None:
-        self._owner = distrib_optimizer
+    def __init__(self, wrapper, *, identities: bool | None = None) -> None:
+        self._owner = wrapper
         if identities is None:
-            identities = kind_of(distrib_optimizer.optimizer) == OTHER
+            identities = kind_of(wrapper.optimizer) == OTHER
         self.identities = identities
         self._params: list = []  # every parameter of the inner optimizer, at the last look
         self._tensor_ids: list[tuple[int, ...]] = []  # ids of each one's state tensors
-        self._places: list[tuple[dict, object, torch.Tensor]] = []  # (entries, key, tensor) seen
+        self._kept = Repointing()  # every plain state tensor seen, where it was (identities)
         self.serial = 0  # advanced at every change seen
         self.looks = 0  # full looks (O(parameters)) so far
         self._objects: list = []  # containers compared by identity
@@ -317,12 +315,11 @@ class StateWatch:
         if self.identities:
             self._params = params
             self._tensor_ids = self._tensor_identities()
-            self._places = [
-                (entries, key, value)
-                for entries in filter(None, map(get, params))
-                for key, value in entries.items()
-                if type(value) is torch.Tensor
-            ]
+            self._kept = Repointing()
+            for entries in filter(None, map(get, params)):
+                for key, value in entries.items():
+                    if type(value) is torch.Tensor:
+                        self._kept.record(Holder(entries, key))
         groups = [[m for m in g if m is not None] for g in master_groups(owner)]
         self._masters = [m for g in groups for m in g]
         self._probes = [m for g in groups if g for m in {id(g[0]): g[0], id(g[-1]): g[-1]}.values()]
@@ -343,17 +340,17 @@ class StateWatch:
         """
         if not self.identities:
             return 0
-        if not self._places:
+        if not len(self._kept):
             self()  # a first look records the places (the states appear at the first step)
         changed = 0
-        seen = {id(tensor) for _, _, tensor in self._places}
-        for entries, key, old in self._places:
-            new = entries.get(key)
+        items = list(self._kept.items())
+        seen = {id(old) for _, old, _, _ in items}
+        for holder, old, _, new in items:
             if type(new) is not torch.Tensor:
                 continue
             if (
                 new is not old
-                and _same_kind(new, old)
+                and same_kind(new, old)
                 and old.is_contiguous()
                 and old.untyped_storage().nbytes()
                 and new.untyped_storage().nbytes()
@@ -361,10 +358,10 @@ class StateWatch:
             ):
                 with torch.no_grad():
                     old.copy_(new)
-                entries[key] = old
+                holder.set(old)
                 changed += 1
             elif not new.is_contiguous() and new.untyped_storage().nbytes():
-                entries[key] = new.contiguous()
+                holder.set(new.contiguous())
                 changed += 1
         return changed
 
@@ -390,18 +387,9 @@ class StateWatch:
     def forget(self) -> None:
         """Drop every reference to the optimizer's containers (the engine was closed)."""
         self._objects, self._lengths, self._watched = [], [], []
-        self._params, self._tensor_ids, self._places = [], [], []
+        self._params, self._tensor_ids = [], []
+        self._kept.forget()
         self._state, self._masters, self._probes = None, [], []
-
-
-def _same_kind(new, old: torch.Tensor) -> bool:
-    """``new`` is a plain tensor that can take ``old``'s place (shape, dtype, device)."""
-    return (
-        type(new) is torch.Tensor
-        and new.shape == old.shape
-        and new.dtype == old.dtype
-        and new.device == old.device
-    )
 
 
 def _getter(state):

@@ -105,7 +105,7 @@ class AcceleratorDevice(Device):
                 f"pinning {nbytes:,} bytes of host memory for {self.torch_device} failed "
                 f"(cudaHostRegister error {error.code}): the host may be out of lockable memory "
                 "(check `ulimit -l` and the container's memlock limit) or of memory; lower the "
-                "host-memory need (offload_fraction, per_optimizer, offload_primary_weights=False)"
+                "host-memory need (offload_fraction, per_optimizer, offload_master_weights=False)"
             )
             if not self.pageable_fallback:
                 raise RuntimeError(

@@ -1,15 +1,18 @@
 """The engine: moves a set of tensors between device and host (knows nothing of optimizers)."""
 
-from .engine import HostBudget, HostMemoryBudgetError, OffloadEngine, OffloadStateError
-from .groups import FlatGroup, Place
-from .slots import SlotSizeError, SlotStream
+from ..errors import HostMemoryBudgetError, OffloadStateError, SlotSizeError
+from .engine import OffloadEngine
+from .host import HostBudget, HostBuffers
+from .pieces import Piece, Place
+from .slots import SlotStream
 
 __all__ = [
+    "Piece",
     "HostBudget",
+    "HostBuffers",
     "HostMemoryBudgetError",
     "OffloadEngine",
     "OffloadStateError",
-    "FlatGroup",
     "Place",
     "SlotSizeError",
     "SlotStream",

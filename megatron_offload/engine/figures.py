@@ -44,6 +44,9 @@ class CycleStats:
         self.update_chunks = self.update_copies = self.update_bytes = 0
         self.offload_seconds = self.reload_seconds = 0.0
 
+    def figures(self) -> dict:
+        return {name: getattr(self, name) for name in self.__slots__}
+
 
 class CopyTimes:
     """Device-timed D2H and H2D transfers and exposed waits, read lazily (see module doc)."""
@@ -95,8 +98,22 @@ def gbps(nbytes: int, ms: float) -> float:
     return nbytes / (ms * 1e6) if ms > 0 else 0.0
 
 
-def count_by_kind(groups: Sequence) -> dict[str, int]:
+def piece_figures(pieces: Sequence, released) -> dict:
+    """Bytes, pieces and tensors of an engine's ``pieces`` (``released``: the place of a
+    piece whose only copy is on the host)."""
+    on_host = [g for g in pieces if g.place is released]
+    return {
+        "tracked_bytes": sum(g.nbytes for g in pieces),
+        "offloaded_bytes": sum(g.nbytes for g in on_host),
+        "offloaded_payload_bytes": sum(g.payload_bytes for g in on_host),
+        "pieces": count_by_kind(pieces),
+        "largest_piece_bytes": max((g.nbytes for g in pieces), default=0),
+        "tensors": sum(len(g.tensors) for g in pieces),
+    }
+
+
+def count_by_kind(pieces: Sequence) -> dict[str, int]:
     counts: dict[str, int] = {}
-    for group in groups:
-        counts[group.kind] = counts.get(group.kind, 0) + 1
+    for piece in pieces:
+        counts[piece.kind] = counts.get(piece.kind, 0) + 1
     return counts

@@ -1,6 +1,7 @@
-"""Host memory of the engine: one exactly-sized arena per engine, and a budget shared by engines.
+"""Host memory of the engine: one exactly-sized arena per engine, a budget shared by engines,
+and the one allocator of every other host buffer (``HostBuffers``).
 
-The arena is the only host memory an engine holds for its groups (each group has a slice of
+The arena is the only host memory an engine holds for its pieces (each piece has a slice of
 it). It remembers the newest copy into or out of it on each side stream, so that it is
 never given back (or replaced) while a copy still uses it (protocol rule 5). The budget
 limits what several engines (one offloader's optimizers) hold together, checked before
@@ -8,8 +9,13 @@ anything is allocated, against the peak of a change: while a layout is rebuilt t
 the new arena (or the bytes moved aside to rewrite one in place) are held together.
 
 The arena may be allocated (and pinned, which is slow) ahead of the first offload
-(``reserve``, from ``LayoutMixin.reserve_host``); a later layout reuses it when it fits
+(``reserve``, from ``OffloadEngine.reserve_host``); a later layout reuses it when it fits
 (``fits``) instead of allocating again.
+
+Host memory beyond the arena (the chunked update's first-step staging and its undo journal,
+the states a load put on the host) is carved from ``HostBuffers``: few buffers, each carved in
+order, never one per tensor, since every host buffer is pinned on an accelerator and pinning
+costs a system call and page-table work per buffer.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ class HostBudget:
                 f"their bytes move), {others:,} already held by the other optimizers, over "
                 f"host_memory_budget={self.limit:,}. Nothing was freed or allocated. Raise "
                 "host_memory_budget, or offload less: offload_fraction, per_optimizer, or "
-                "offload_primary_weights=False."
+                "offload_master_weights=False."
             )
         if others + nbytes > self.limit:
             raise HostMemoryBudgetError(
@@ -61,7 +67,7 @@ class HostBudget:
                 f"held by the other optimizers), over host_memory_budget={self.limit:,}. Nothing "
                 "was allocated. Raise "
                 "host_memory_budget, or offload less: offload_fraction, per_optimizer, or "
-                "offload_primary_weights=False."
+                "offload_master_weights=False."
             )
 
     def hold(self, owner, nbytes: int) -> None:
@@ -107,6 +113,42 @@ class HostArena:
         self.replace(nbytes)
         return True
 
+    def lay_out(self, pieces, carried, sources: dict, *, name: str, staged: int = 0) -> None:
+        """Give every piece its range of the arena, in order; the pieces in ``carried`` keep
+        their host bytes, found in ``sources`` (``{id(tensor): host tensor}``: the old arena
+        or buffers handed over; their copies are complete).
+
+        The arena is reused when the layout fits it (the carried bytes set aside first: their
+        new places may overlap their old ones); otherwise a new one is allocated while the old
+        one still holds the bytes to carry. Either way the peak (plus ``staged`` bytes held in
+        other buffers) is checked against the budget before anything is freed or allocated.
+        """
+        need = sum(g.nbytes for g in pieces)
+        reuse = self.fits(need)
+        aside = sum(g.nbytes for g in carried) if reuse else need
+        self.check(need, name, peak=self.nbytes + aside + staged)
+        if reuse:
+            # Rule 5: the host rewrites the arena below, while a copy of the old layout may
+            # still read or write it.
+            self._synchronize()
+            arena = self.buffer
+            base = arena.untyped_storage().data_ptr()
+            for piece in carried:
+                for tensor in piece.tensors:
+                    host = sources[id(tensor)]
+                    if host.untyped_storage().data_ptr() == base:
+                        sources[id(tensor)] = host.clone()
+        else:
+            arena = self.replace(need)
+        offset = 0
+        for piece in pieces:
+            piece.host = arena[offset : offset + piece.nbytes].view(piece.dtype)
+            offset += piece.nbytes
+        for piece in carried:
+            for tensor, host in piece.host_slices():
+                host.copy_(sources[id(tensor)])
+        self.free_retired()
+
     def replace(self, nbytes: int) -> torch.Tensor:
         """A new buffer of ``nbytes``; the old one stays readable until ``free_retired``."""
         self.free_retired()
@@ -144,3 +186,98 @@ class HostArena:
         self.buffer = None
         if self.budget is not None:
             self.budget.release(self)
+
+
+class HostBuffers:
+    """Host buffers of one device, carved in order: ``take`` hands out the next bytes of the
+    current buffer, and allocates a new buffer only when they do not fit, at least as large
+    as all before it together (or ``hint``), so the count grows with the logarithm of what a
+    misestimate costs, not with the number of tensors.
+
+    Args:
+        device: whose ``host_buffer`` allocates (pinned on accelerators).
+        budget: the ``HostBudget`` the buffers count against (checked before each allocation).
+        name: used in a budget refusal.
+    """
+
+    def __init__(self, device: Device, *, budget: HostBudget | None = None, name: str = "") -> None:
+        self.device = device
+        self.budget = budget
+        self.name = name
+        self._buffers: list[torch.Tensor] = []
+        self._index = 0  # the buffer being carved
+        self._used = 0  # bytes used of it
+        self._handed: set[int] = set()  # ids of buffers someone else gives back
+        self._taken = 0  # bytes handed out since the last rewind
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers held."""
+        return sum(buffer.numel() for buffer in self._buffers)
+
+    @property
+    def count(self) -> int:
+        """How many buffers are held."""
+        return len(self._buffers)
+
+    @property
+    def carved(self) -> int:
+        """Bytes handed out since the last ``rewind``."""
+        return self._taken
+
+    def reserve(self, nbytes: int) -> None:
+        """Hold one buffer of ``nbytes`` now, if none is held."""
+        if not self._buffers and nbytes > 0:
+            self._allocate(nbytes)
+
+    def take(self, nbytes: int, *, hint: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(view, buffer)``: ``nbytes`` of host memory (a multiple of 16 keeps the next one
+        aligned for any dtype) and the buffer they are carved from."""
+        while self._index < len(self._buffers):
+            buffer = self._buffers[self._index]
+            if self._used + nbytes <= buffer.numel():
+                view = buffer[self._used : self._used + nbytes]
+                self._used += nbytes
+                self._taken += nbytes
+                return view, buffer
+            # The buffer left behind stays: what was carved from it is still in use.
+            self._index += 1
+            self._used = 0
+        self._allocate(max(nbytes, hint, self.nbytes))
+        return self.take(nbytes)
+
+    def rewind(self, *, merge_to: int = 0) -> None:
+        """Carve again from the first buffer (what was taken is no longer needed). With
+        several buffers held and ``merge_to`` bytes asked, they become one of that size (the
+        caller has waited for every copy into them)."""
+        if len(self._buffers) > 1 and merge_to:
+            self.free()
+            self._allocate(merge_to)
+        self._index = self._used = self._taken = 0
+
+    def hand_over(self, buffers) -> None:
+        """Someone else gives ``buffers`` back from now on (the engine adopted states in them);
+        what is left of them is still carved."""
+        self._handed.update(id(buffer) for buffer in buffers)
+
+    def free(self) -> None:
+        """Give back every buffer not handed over (the caller has waited for every copy into
+        them)."""
+        for buffer in self._buffers:
+            if id(buffer) not in self._handed:
+                self.device.free_host_buffer(buffer)
+        self._buffers = []
+        self._handed = set()
+        self._index = self._used = self._taken = 0
+        if self.budget is not None:
+            self.budget.release(self)
+
+    def _allocate(self, nbytes: int) -> None:
+        if self.budget is not None:
+            self.budget.check(self, self.nbytes + nbytes, self.name)
+        self._buffers.append(self.device.host_buffer(nbytes))
+        self._hold()
+
+    def _hold(self) -> None:
+        if self.budget is not None:
+            self.budget.hold(self, self.nbytes)

@@ -3,7 +3,7 @@
 Devices receive them with every wait, record and synchronization: real devices ignore them,
 the checked device names them in its reports, and a negative control drops exactly the
 calls of one label (``CheckedDevice(skip_labels=...)``). The rule numbers refer to the
-protocol in ``engine.py``.
+protocol in ``protocol.py``.
 """
 
 D2H_AFTER_WRITERS = "d2h-after-writers"  # rule 1
@@ -17,3 +17,4 @@ HOST_READ_AFTER_D2H = "host-read-after-d2h"  # rule 5
 WRITE_AFTER_D2H = "write-after-d2h"  # rule 2 (memory kept in place is not rewritten under its D2H)
 USER_AFTER_D2H = "user-after-d2h"  # the same, for a user stream other than the reloading one
 HOST_FREE_AFTER_COPIES = "host-free-after-copies"  # rule 5 (no copy uses a freed host arena)
+SLOT_REUSE_AFTER_D2H = "slot-reuse-after-d2h"  # a slot is refilled only after its D2H read it

@@ -9,8 +9,8 @@ copies them back (D2H), with ``slots`` slots in rotation so that the copies of o
 overlap the update of another. The device memory this takes is the slots, allocated for
 the run and given back at its end: at most ``slots * slot_bytes``.
 
-Inside a chunk, the tensors of one engine group that are neighbours in the host arena
-(consecutive parameters' states) move with one copy, so a chunk costs one copy per group
+Inside a chunk, the tensors of one engine piece that are neighbours in the host arena
+(consecutive parameters' states) move with one copy, so a chunk costs one copy per piece
 and direction, whatever the number of parameters in it.
 
 The ordering (labels as in ``engine.py``; a chunk ``i`` uses slot ``i % slots``):
@@ -34,36 +34,32 @@ from typing import Callable, Sequence
 
 import torch
 
-from .engine import (
+from ..errors import OffloadStateError, SlotSizeError
+from .engine import OffloadEngine
+from .labels import (
     D2H_AFTER_WRITERS,
     D2H_RECORD_STREAM,
     H2D_AFTER_ALLOCATION,
     H2D_AFTER_D2H,
+    SLOT_REUSE_AFTER_D2H,
     USE_AFTER_H2D,
     WRITE_AFTER_D2H,
-    OffloadEngine,
-    OffloadStateError,
 )
-from .groups import FlatGroup, Place, aligned_size
-
-SLOT_REUSE_AFTER_D2H = "slot-reuse-after-d2h"  # a slot is refilled only after its D2H read it
-
-
-from ..errors import SlotSizeError  # noqa: E402,F401 - raised here; every exception lives in errors.py
+from .pieces import Piece, Place, aligned_size
 
 
 @dataclass
 class _Segment:
-    """Neighbouring tensors of one group: elements ``start:end`` of the group, at ``slot_offset``."""
+    """Neighbouring tensors of one piece: elements ``start:end`` of the piece, at ``slot_offset``."""
 
-    group: FlatGroup
+    piece: Piece
     start: int
     end: int
     slot_offset: int  # bytes
     nbytes: int = field(init=False)  # bytes in the slot, from ``slot_offset``
 
     def __post_init__(self) -> None:
-        self.nbytes = (self.end - self.start) * self.group.itemsize
+        self.nbytes = (self.end - self.start) * self.piece.itemsize
 
 
 @dataclass
@@ -82,7 +78,7 @@ class SlotStream:
     """Runs an update over chunks of an engine's released tensors, in device slots.
 
     Args:
-        engine: the ``OffloadEngine`` tracking the tensors (in released groups).
+        engine: the ``OffloadEngine`` tracking the tensors (in released pieces).
         slot_bytes: the size of one slot; a unit larger than this cannot be streamed.
         slots: how many slots rotate (2: the copies of one chunk overlap the update of the
             next; 1: no overlap, half the memory).
@@ -119,7 +115,7 @@ class SlotStream:
 
     # ------------------------------------------------------------------ plan
     def streamable(self, tensor: torch.Tensor) -> bool:
-        """True if ``tensor`` is tracked in a released streamed group (its bytes are on the host)."""
+        """True if ``tensor`` is tracked in a released streamed piece (its bytes are on the host)."""
         where = self.engine.locate(tensor)
         return where is not None and where[0].streamed and where[0].place is Place.RELEASED
 
@@ -162,22 +158,22 @@ class SlotStream:
                     raise OffloadStateError(
                         f"{self.engine.name}: a streamed tensor is not tracked."
                     )
-                group, position = where
-                located.append((id(group), group.offsets[position], group, tensor))
+                piece, position = where
+                located.append((id(piece), piece.offsets[position], piece, tensor))
         located.sort(key=lambda item: (item[0], item[1]))
         chunk = Chunk(list(indices))
         slot_offset = 0
         segment = None
-        for _, offset, group, tensor in located:
-            end = offset + aligned_bytes(tensor) // group.itemsize
-            if segment is None or segment.group is not group or segment.end != offset:
+        for _, offset, piece, tensor in located:
+            end = offset + aligned_bytes(tensor) // piece.itemsize
+            if segment is None or segment.piece is not piece or segment.end != offset:
                 if segment is not None:
                     slot_offset += segment.nbytes
-                segment = _Segment(group, offset, end, slot_offset)
+                segment = _Segment(piece, offset, end, slot_offset)
                 chunk.segments.append(segment)
             else:
                 segment.end = end
-                segment.nbytes = (end - segment.start) * group.itemsize
+                segment.nbytes = (end - segment.start) * piece.itemsize
             chunk.places[id(tensor)] = (
                 len(chunk.segments) - 1,
                 offset - segment.start,
@@ -213,10 +209,10 @@ class SlotStream:
         engine, device = self.engine, self.engine.device
         for chunk in chunks:
             for segment in chunk.segments:
-                if segment.group.place is not Place.RELEASED:
+                if segment.piece.place is not Place.RELEASED:
                     raise OffloadStateError(
                         f"{engine.name}: the chunked update streams released states only; "
-                        f"the {segment.group.kind} are {segment.group.place.value}."
+                        f"the {segment.piece.kind} are {segment.piece.place.value}."
                     )
         count = min(self.slots, len(chunks))
         size = max(chunk.nbytes for chunk in chunks)  # <= slot_bytes (plan)
@@ -225,7 +221,7 @@ class SlotStream:
         current = device.current_stream()
         h2d = engine.side_stream("h2d")
         d2h = engine.side_stream("d2h")
-        groups = {id(s.group): s.group for c in chunks for s in c.segments}.values()
+        pieces = {id(s.piece): s.piece for c in chunks for s in c.segments}.values()
         stats = engine.last
         stats.update_chunks = len(chunks)
         stats.update_copies = stats.update_bytes = 0
@@ -244,22 +240,22 @@ class SlotStream:
             device.wait_stream(h2d, current, label=H2D_AFTER_ALLOCATION)
             if index == 0:
                 # Rule 5: the host copies are complete before they are read.
-                for group in groups:
-                    if group.d2h_event is not None:
-                        device.wait_event(h2d, group.d2h_event, label=H2D_AFTER_D2H)
+                for piece in pieces:
+                    if piece.d2h_event is not None:
+                        device.wait_event(h2d, piece.d2h_event, label=H2D_AFTER_D2H)
             previous = d2h_events[index % count]
             if previous is not None:
                 # The D2H of the slot's previous chunk still reads it: refill after it.
                 device.wait_event(h2d, previous, label=SLOT_REUSE_AFTER_D2H)
             typed = typed_views[index] = [
-                slot[s.slot_offset : s.slot_offset + s.nbytes].view(s.group.dtype)
+                slot[s.slot_offset : s.slot_offset + s.nbytes].view(s.piece.dtype)
                 for s in chunks[index].segments
             ]
             with device.use_stream(h2d):
                 h2d_issued = True
                 try:
                     for segment, view in zip(chunks[index].segments, typed):
-                        device.copy(view, segment.group.host[segment.start : segment.end])
+                        device.copy(view, segment.piece.host[segment.start : segment.end])
                         stats.update_copies += 1
                         stats.update_bytes += segment.nbytes
                 finally:
@@ -272,7 +268,7 @@ class SlotStream:
                 # updated (the D2H stream reads the slot after its H2D, and the slots are
                 # freed only once the D2H stream is done with them, rule 2 below).
                 pairs = [
-                    (view, s.group.host[s.start : s.end])
+                    (view, s.piece.host[s.start : s.end])
                     for s, view in zip(chunks[index].segments, typed)
                 ]
                 saved_events[index] = save(chunks[index], pairs, h2d_events[index])
@@ -306,7 +302,7 @@ class SlotStream:
                 with device.use_stream(d2h):
                     try:
                         for segment, view in zip(chunk.segments, typed):
-                            device.copy(segment.group.host[segment.start : segment.end], view)
+                            device.copy(segment.piece.host[segment.start : segment.end], view)
                             stats.update_copies += 1
                             stats.update_bytes += segment.nbytes
                     finally:
@@ -322,13 +318,13 @@ class SlotStream:
                 # Rule 2: the D2H stream still reads the slots; the allocator must know.
                 device.record_stream(slot, d2h, label=D2H_RECORD_STREAM)
             if last_d2h is not None:
-                engine._host.last_d2h = last_d2h
-                for group in groups:
+                engine.host.last_d2h = last_d2h
+                for piece in pieces:
                     # The next reader of these host copies (an H2D, the host) waits for it.
-                    group.d2h_event = last_d2h
-                    group.host_valid = True
+                    piece.d2h_event = last_d2h
+                    piece.host_valid = True
             if h2d_issued:
-                engine._host.last_h2d = device.record_event(h2d)
+                engine.host.last_h2d = device.record_event(h2d)
             # The slots, and every view of them, go back to the allocator (under the
             # record_stream above) now, not when this frame ends.
             slots.clear()
@@ -336,7 +332,7 @@ class SlotStream:
 
 
 def aligned_bytes(tensor: torch.Tensor) -> int:
-    """Bytes ``tensor`` takes in a slot (and in a group): its size rounded up to 16."""
+    """Bytes ``tensor`` takes in a slot (and in a piece): its size rounded up to 16."""
     return aligned_size(tensor.numel() * tensor.element_size())
 
 

@@ -40,45 +40,15 @@ from __future__ import annotations
 
 import torch
 
-from .engine import (
+from .host import HostBuffers
+from .labels import (
     D2H_AFTER_WRITERS,
     HOST_FREE_AFTER_COPIES,
     HOST_READ_AFTER_D2H,
     USE_AFTER_H2D,
     WRITE_AFTER_D2H,
 )
-from .slots import aligned_bytes
-
-
-def written_tensors(optimizer, param: torch.Tensor, entries):
-    """Every tensor with memory that an update of ``param`` may write: the parameter, the
-    tensors of its state (plain ones, and the buffers inside a quantized state such as
-    Transformer Engine's ``Float8Tensor``: data, transpose, scale, amax), and the per-state
-    scales Transformer Engine keeps outside the state (``optimizer._scales[param]``)."""
-    yield param
-    for value in (entries or {}).values():
-        yield from _tensors_in(value)
-    scales = getattr(optimizer, "_scales", None)
-    if isinstance(scales, dict):
-        for value in (scales.get(param) or {}).values():
-            yield from _tensors_in(value)
-
-
-def _tensors_in(value, depth: int = 0):
-    if not isinstance(value, torch.Tensor):
-        return
-    if type(value) in (torch.Tensor, torch.nn.Parameter):
-        yield value
-        return
-    # A tensor subclass keeps its bytes in plain tensors among its attributes, or in those
-    # of an object it holds (a quantizer's scale and amax).
-    for attribute in vars(value).values():
-        if isinstance(attribute, torch.Tensor):
-            yield from _tensors_in(attribute, depth + 1)
-        elif depth == 0 and hasattr(attribute, "__dict__") and not isinstance(attribute, type):
-            for inner in vars(attribute).values():
-                if isinstance(inner, torch.Tensor):
-                    yield from _tensors_in(inner, depth + 1)
+from .pieces import aligned_size, typed_view
 
 
 class StepUndo:
@@ -92,10 +62,12 @@ class StepUndo:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.device = engine.device
-        self._buffers: list[torch.Tensor] = []  # pinned host buffers, carved in order
-        self._buffer_index = 0
-        self._used = 0  # bytes used of the buffer being carved
-        self._step_bytes = 0  # bytes saved in this step
+        # The journal: pinned host buffers, carved in order, reused from step to step.
+        self._journal = HostBuffers(
+            engine.device,
+            budget=engine.budget,
+            name=f"{engine.name} (chunked update's undo copies)",
+        )
         self._entries: list[tuple] = []  # (target, saved copy, target is host memory)
         self._last_event = None  # the newest copy into the journal
         self.peak_bytes = 0  # most bytes one step saved
@@ -103,23 +75,26 @@ class StepUndo:
     @property
     def nbytes(self) -> int:
         """Host bytes the journal holds."""
-        return sum(buffer.numel() for buffer in self._buffers)
+        return self._journal.nbytes
 
     # ------------------------------------------------------------------ step
     def begin(self) -> None:
         """Start a step: nothing saved yet. Buffers of earlier steps are reused; several are
         merged into one as large as the largest step needed, once their copies are done."""
         self._entries = []
-        self._buffer_index = self._used = self._step_bytes = 0
-        if len(self._buffers) > 1:
-            self._free()
-            self._allocate(self.peak_bytes)
+        if self._journal.count > 1:
+            # Several buffers (the first steps outgrew the reservation) become one as large
+            # as the largest step, once the copies into them are done (rule 5). Otherwise the
+            # next step's copies rewrite the journal in stream order after this step's.
+            self._wait_for_copies()
+            self._journal.rewind(merge_to=self.peak_bytes)
+        else:
+            self._journal.rewind()
 
     def reserve(self, nbytes: int) -> None:
         """Hold at least ``nbytes`` in one buffer before the first step saves anything (an
         estimate; a step that needs more allocates more)."""
-        if not self._buffers and nbytes > 0:
-            self._allocate(nbytes)
+        self._journal.reserve(nbytes)
 
     def save(self, pairs, *, after=None, order_current: bool = True):
         """Copy each ``(source, target)`` to the host before it is written: ``source`` is read
@@ -148,8 +123,11 @@ class StepUndo:
                         # Kept beside the device (torch Adam's step counts live on the CPU).
                         self._entries.append((target, source.detach().clone(), True))
                         continue
-                    view = self._take(aligned_bytes(source))
-                    saved = _typed(view, source)
+                    nbytes = aligned_size(source.numel() * source.element_size())
+                    # A step larger than the buffers so far (the first steps): one more,
+                    # at least as large as all before it, or what the largest step needed.
+                    view, _ = self._journal.take(nbytes, hint=self.peak_bytes - self.nbytes)
+                    saved = typed_view(view, source)
                     device.copy(saved, source)
                     queued = True
                     on_host = (
@@ -165,7 +143,7 @@ class StepUndo:
                 if order_current:
                     # The call rewrites these tensors: only after the copies read them.
                     device.wait_event(current, event, label=WRITE_AFTER_D2H)
-        self.peak_bytes = max(self.peak_bytes, self._step_bytes)
+        self.peak_bytes = max(self.peak_bytes, self._journal.carved)
         return event
 
     def restore(self) -> None:
@@ -200,53 +178,18 @@ class StepUndo:
     def close(self) -> None:
         """Give back the host memory (every copy into it is waited for first)."""
         self._entries = []
-        self._free()
+        self._wait_for_copies()
+        self._journal.free()
 
-    # ---------------------------------------------------------------- memory
-    def _take(self, nbytes: int) -> torch.Tensor:
-        while True:
-            if self._buffer_index < len(self._buffers):
-                buffer = self._buffers[self._buffer_index]
-                if self._used + nbytes <= buffer.numel():
-                    view = buffer[self._used : self._used + nbytes]
-                    self._used += nbytes
-                    self._step_bytes += nbytes
-                    return view
-                self._buffer_index += 1
-                self._used = 0
-                continue
-            # A step larger than the buffers so far (the first steps): one more buffer, at
-            # least as large as all before it, so their number grows with the logarithm.
-            self._allocate(max(nbytes, self.nbytes, self.peak_bytes - self.nbytes))
-
-    def _allocate(self, nbytes: int) -> None:
-        if nbytes <= 0:
-            return
-        budget = self.engine._host.budget
-        if budget is not None:
-            budget.check(
-                self, self.nbytes + nbytes, f"{self.engine.name} (chunked update's undo copies)"
-            )
-        self._buffers.append(self.device.host_buffer(nbytes))
-        if budget is not None:
-            budget.hold(self, self.nbytes)
-
-    def _free(self) -> None:
+    def _wait_for_copies(self) -> None:
         if self._last_event is not None:
-            # Rule 5: no copy may still write a buffer given back.
+            # Rule 5: no copy may still write a buffer given back or rewritten by the host.
             self.device.synchronize_event(self._last_event, label=HOST_FREE_AFTER_COPIES)
             self._last_event = None
-        for buffer in self._buffers:
-            self.device.free_host_buffer(buffer)
-        self._buffers = []
-        self._buffer_index = self._used = 0
-        budget = self.engine._host.budget
-        if budget is not None:
-            budget.release(self)
 
 
 #: Neighbouring tensors of one storage are saved with one copy when at most this many bytes
-#: lie between them (the 16-byte alignment padding of the engine's groups, in which the
+#: lie between them (the 16-byte alignment padding of the engine's pieces, in which the
 #: master weights it offloads live): one copy per buffer, not per parameter.
 MERGE_GAP_BYTES = 64
 
@@ -298,9 +241,3 @@ class _Bytes:
         return torch.empty(0, dtype=torch.uint8, device=self.anchor.device).set_(
             self.anchor.untyped_storage(), self.start, (self.end - self.start,), (1,)
         )
-
-
-def _typed(buffer: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
-    """The first bytes of the uint8 ``buffer`` as a contiguous tensor shaped like ``tensor``."""
-    nbytes = tensor.numel() * tensor.element_size()
-    return buffer[:nbytes].view(tensor.dtype).view(tensor.shape)

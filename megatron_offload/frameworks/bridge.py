@@ -15,8 +15,8 @@ made. At Bridge's events:
 * ``on_train_start`` (the optimizer is built and the checkpoint loaded): ``attach`` to the
   optimizer, which refuses ``optimizer_cpu_offload``, optimizer CUDA graphs and
   megatron-core's own offloader before anything is touched; the reload then starts from
-  the model's ``finalize_model_grads_func`` (during the gradient reduction) and every step
-  offloads after itself.
+  the model's ``finalize_model_grads_func`` (during the gradient reduction, ``prefetch``'s
+  default) and every step offloads after itself.
 * ``on_checkpoint_save``: Bridge's saves go through megatron-core's ``sharded_state_dict``,
   served from the host copy; states a save had to bring back (Transformer Engine's FP8
   moments) are offloaded again at once instead of at the next step, unless an asynchronous
@@ -24,8 +24,8 @@ made. At Bridge's events:
 * ``on_train_step_end``: every ``cfg.logger.log_interval`` iterations, the figures (max over
   ranks; collective, as Bridge's own logging) are printed and written to Bridge's
   TensorBoard and W&B writers.
-* ``on_train_end``: the gradient-reduction hook is taken back and the offloader detached
-  (the states come back to the device, as Bridge found them).
+* ``on_train_end``: the offloader is detached (its gradient-reduction hook taken back, the
+  states back on the device, as Bridge found them).
 
 Nothing here imports Bridge: its ``CallbackManager.add`` registers any object's ``on_*``
 methods.
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from ..config import OffloadConfig
 from ..megatron.training import save_is_staged_on_return
-from ..offloader.cycle import attach, prefetching_finalize
+from ..offloader.cycle import attach
 from ..report import log_offload_stats
 
 
@@ -53,8 +53,6 @@ class OptimizerStateOffloadCallback:
         self.config = OffloadConfig.from_options(config, **options)
         self.log = log
         self.offloader = None
-        self._model_config = None
-        self._own_finalize = None
         # Bridge's GlobalState, kept from train start: later events may come with a context
         # that carries less (an open Bridge change gives checkpoint events no optimizer).
         self._state = None
@@ -68,17 +66,6 @@ class OptimizerStateOffloadCallback:
             )
         self.offloader = attach(context.optimizer, self.config)
         self._state = getattr(context, "state", None)
-        # The model's config is what Bridge's schedule reads finalize_model_grads_func from.
-        model_config = _model_config(context.model)
-        if (
-            model_config is not None
-            and getattr(model_config, "finalize_model_grads_func", None) is not None
-        ):
-            self._model_config = model_config
-            self._own_finalize = model_config.finalize_model_grads_func
-            model_config.finalize_model_grads_func = prefetching_finalize(
-                self._own_finalize, self.offloader
-            )
 
     def on_checkpoint_save(self, context) -> None:
         offloader = self.offloader
@@ -113,26 +100,8 @@ class OptimizerStateOffloadCallback:
         return getattr(context, "state", None) or self._state
 
     def on_train_end(self, context) -> None:
-        if self._model_config is not None:
-            self._model_config.finalize_model_grads_func = self._own_finalize
-            self._model_config = self._own_finalize = None
         if self.offloader is not None:
             self.offloader.detach()
-
-
-def _model_config(model):
-    chunks = model if isinstance(model, (list, tuple)) else [model]
-    for chunk in chunks:
-        config = getattr(chunk, "config", None)
-        if config is not None:
-            return config
-        module = getattr(chunk, "module", None)  # DDP wraps the model
-        while module is not None:
-            config = getattr(module, "config", None)
-            if config is not None:
-                return config
-            module = getattr(module, "module", None)
-    return None
 
 
 def _resident_bytes(offloader) -> int:

@@ -1,10 +1,16 @@
 """Command-line flags for Megatron's argument parser, and their validation.
 
+Every field of ``OffloadConfig`` is a flag, named as the field with ``--offload-`` in front
+(``config.flag``), in the field's unit; ``config_from_args`` maps every one of them.
+``--offload-optimizer-states`` turns offloading on (the optimizer states and, unless
+``--no-offload-master-weights``, the master weights); ``--offload-master-weights`` alone
+offloads only the master weights. Pretrain-only: ``--no-offload-log-stats``.
+
 ``add_arguments(parser)`` has the signature of Megatron's ``extra_args_provider`` (it returns
 the parser), so a script can pass it to ``parse_and_validate_args`` directly;
 ``patch_megatron()`` adds the same flags to every Megatron parser. ``validate_args(args)``
 raises ``OffloadArgumentError`` (a ``ValueError``) for every combination that cannot work,
-naming both flags and what to do instead. It reads only ``args``, so it runs (and fails)
+naming the flags and what to do instead. It reads only ``args``, so it runs (and fails)
 before any process group, model or optimizer exists, and it accepts the namespace both before
 and after Megatron's own ``validate_args`` (which derives some flags from others).
 
@@ -17,148 +23,156 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
+from dataclasses import fields
 
-from ..config import OffloadConfig
+from .. import rules
+from ..config import NOT_FLAGS, PREFETCH_POINTS, OffloadConfig, flag
+from ..errors import OffloadArgumentError
+from ..rules import SWITCH, offload_enabled
 from .coexistence import add_flags, refuse_conflicts
-from .flags import CHUNKED_FLAG, OFFLOAD_FLAG, OffloadArgumentError, offload_enabled
 
-PIECE_FLAG = "--offload-max-piece-mb"
-
-# Tuning flags: (option, dest). All are "--no-..." switches whose default is True, so a False
-# value means the user passed the flag.
-TUNING_FLAGS = (
-    ("--no-offload-moments", "offload_moments"),
-    ("--no-offload-master-weights", "offload_master_weights"),
-    ("--no-offload-release-master-grads", "offload_release_master_grads"),
-    ("--no-offload-prefetch", "offload_prefetch"),
-    ("--no-log-offload-stats", "log_offload_stats"),
-)
-UNDO_FLAG = "--offload-chunked-update-undo"
+MASTERS_FLAG = flag("offload_master_weights")
+CHUNKED_FLAG = flag("chunked_update_bytes")
+LOG_FLAG = "--offload-log-stats"
 
 __all__ = [
-    "OFFLOAD_FLAG",
+    "SWITCH",
     "OffloadArgumentError",
     "add_arguments",
     "config_from_args",
+    "dest",
     "offload_enabled",
     "validate_args",
 ]
 
 
+def dest(name: str) -> str:
+    """The ``args`` attribute of field ``name``'s flag."""
+    return flag(name)[2:].replace("-", "_")
+
+
+def _budget(text: str):
+    return "auto" if text == "auto" else int(text)
+
+
+def _prefetch(text: str):
+    return text if text in PREFETCH_POINTS else float(text)
+
+
+def _per_optimizer(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("a JSON object of optimizer index -> options")
+    try:
+        return {int(index): options for index, options in value.items()}
+    except ValueError:
+        raise argparse.ArgumentTypeError("the keys are optimizer indices (0, 1, ...)") from None
+
+
+# Per field: (argparse keyword arguments, help). Defaults are None ("as the field's default")
+# so that a flag given without offloading on can be told from one not given.
+_FIELD_FLAGS = {
+    "offload_optimizer_states": (
+        dict(action="store_true"),
+        "Keep the optimizer's states (Adam's exp_avg and exp_avg_sq, momentum buffers, ...) and "
+        "the fp32 master weights in host memory between optimizer steps: they are copied to the "
+        "host after each step, their device memory is freed, and they are copied back while the "
+        "gradients are reduced. The update itself still runs on the accelerator and gives "
+        "bitwise the same results. Works with every --optimizer megatron-core builds, with or "
+        "without --use-distributed-optimizer; not with --optimizer-cpu-offload, which runs Adam "
+        "on the CPU.",
+    ),
+    "offload_master_weights": (
+        dict(action=argparse.BooleanOptionalAction, default=None),
+        "Offload the fp32 master weights (default: with --offload-optimizer-states). "
+        "--no-offload-master-weights keeps them on the accelerator; --offload-master-weights "
+        "without --offload-optimizer-states offloads only them (needs --bf16 or --fp16).",
+    ),
+    "release_master_grads": (
+        dict(action=argparse.BooleanOptionalAction, default=None),
+        "Drop the .grad of the fp32 master weights after the step (default), as zero_grad would "
+        "before the next backward; --no-offload-release-master-grads keeps it.",
+    ),
+    "offload_fraction": (
+        dict(type=float, default=None, metavar="F"),
+        "Offload only the largest tensors making up this fraction of the bytes (default 1).",
+    ),
+    "host_memory_budget": (
+        dict(type=_budget, default=None, metavar="BYTES|auto"),
+        "Most host bytes the offloader may hold, or 'auto': this rank's part of what its node "
+        "and container can give. Refused at start-up if too small.",
+    ),
+    "prefetch": (
+        dict(type=_prefetch, default=None, metavar="gradients|step|F"),
+        "When the copy back starts: 'gradients' (default; during the gradient reduction), "
+        "'step' (at the optimizer step), or a fraction F of the backward pass.",
+    ),
+    "chunked_update_bytes": (
+        dict(type=int, default=None, metavar="BYTES"),
+        "Keep the optimizer states in host memory during the step too, streamed through device "
+        "slots taking at most BYTES in all (for example 1073741824 for 1 GiB). Bitwise the same "
+        "results; each parameter shard's states must fit in one slot.",
+    ),
+    "chunked_update_slots": (
+        dict(type=int, default=None, metavar="N"),
+        "Slots the chunked update rotates through (default 2: the copies overlap the update).",
+    ),
+    "chunked_update_undo": (
+        dict(action="store_true"),
+        "Keep host copies of what each chunked update call writes, so that a chunked step that "
+        "fails part-way is undone, at the cost of one more copy of them to the host per step "
+        "and as much pinned host memory.",
+    ),
+    "max_piece_bytes": (
+        dict(type=int, default=None, metavar="BYTES"),
+        "Largest device storage the offloader frees and regrows as one (default 268435456, 256 "
+        "MiB). Smaller pieces free memory sooner and fragment less, at a few microseconds of "
+        "copy launch each.",
+    ),
+    "stream_priority": (
+        dict(type=int, default=None, metavar="N"),
+        "CUDA priority of the offloader's copy streams (default 0, the lowest; negative: higher).",
+    ),
+    "per_optimizer": (
+        dict(type=_per_optimizer, default=None, metavar="JSON"),
+        'Selections per optimizer of the chain, e.g. \'{"1": {"offload_master_weights": false}}\'.',
+    ),
+}
+assert set(_FIELD_FLAGS) == {f.name for f in fields(OffloadConfig)} - set(NOT_FLAGS)
+
+
 def _flags() -> list:
     """``(option, add_argument kwargs)`` of every flag this project adds."""
-    return [
+    found = []
+    for name, (kwargs, help_text) in _FIELD_FLAGS.items():
+        found.append((flag(name), dict(kwargs, dest=dest(name), help=help_text)))
+    found.append(
         (
-            OFFLOAD_FLAG,
+            LOG_FLAG,
             dict(
-                action="store_true",
-                help="Keep the distributed optimizer's states (Adam's exp_avg and exp_avg_sq) and "
-                "fp32 master weights in host memory between optimizer steps: they are copied to the "
-                "host after each step, their device memory is freed, and they are copied back while "
-                "the gradients are reduced. The update itself still runs on the accelerator and "
-                "gives bitwise the same results. Works with every --optimizer megatron-core builds "
-                "(adam, sgd, lion, muon, soap), with or without --use-distributed-optimizer; not "
-                "with --optimizer-cpu-offload, which runs Adam on the CPU.",
-            ),
-        ),
-        (
-            "--no-offload-moments",
-            dict(
-                action="store_false",
-                dest="offload_moments",
-                help="With --offload-optimizer-states: keep Adam's moments (exp_avg, exp_avg_sq) "
-                "on the accelerator and offload only the fp32 master weights (needs --bf16 or "
-                "--fp16, without which there are no separate master weights).",
-            ),
-        ),
-        (
-            "--no-offload-master-weights",
-            dict(
-                action="store_false",
-                dest="offload_master_weights",
-                help="With --offload-optimizer-states: keep the fp32 master weights on the "
-                "accelerator and offload only the optimizer states.",
-            ),
-        ),
-        (
-            "--no-offload-release-master-grads",
-            dict(
-                action="store_false",
-                dest="offload_release_master_grads",
-                help="With --offload-optimizer-states: keep the .grad of the fp32 master-weight "
-                "shards between steps instead of dropping it after the step (zero_grad drops it "
-                "before the next backward anyway).",
-            ),
-        ),
-        (
-            "--no-offload-prefetch",
-            dict(
-                action="store_false",
-                dest="offload_prefetch",
-                help="With --offload-optimizer-states: do not start copying the states back in "
-                "finalize_model_grads (overlapping the gradient reduction); copy them back when "
-                "the optimizer step starts instead.",
-            ),
-        ),
-        (
-            CHUNKED_FLAG,
-            dict(
-                type=int,
+                action=argparse.BooleanOptionalAction,
                 default=None,
-                dest="offload_chunked_update_bytes",
-                metavar="BYTES",
-                help="With --offload-optimizer-states: keep Adam's moments in host memory during the "
-                "optimizer step too, and stream them through device slots taking at most BYTES in all "
-                "(for example 1073741824 for 1 GiB), a few parameters at a time, so that the update "
-                "needs BYTES of device memory for them instead of their whole size. Bitwise the same "
-                "results. Each parameter shard's moments must fit in half of BYTES.",
+                dest="offload_log_stats",
+                help="Print the offloaded and host bytes and the copy times at each "
+                "--log-interval, and write them to TensorBoard/W&B (default);"
+                " --no-offload-log-stats does not.",
             ),
-        ),
-        (
-            UNDO_FLAG,
-            dict(
-                action="store_true",
-                dest="offload_chunked_update_undo",
-                help=f"With {CHUNKED_FLAG}: keep host copies of what each update call writes, so that "
-                "a chunked step that fails part-way (out of memory for the optimizer's temporaries, a "
-                "failed copy) is undone, leaving parameters and optimizer states as before it, at the "
-                "cost of one more device-to-host copy of them per step and as much pinned host memory. "
-                "Without it (the default) such a failure leaves the step half done; a step that does "
-                "not fit its budget is refused before anything is touched either way.",
-            ),
-        ),
-        (
-            PIECE_FLAG,
-            dict(
-                type=int,
-                default=None,
-                dest="offload_max_piece_mb",
-                metavar="MIB",
-                help="With --offload-optimizer-states: the largest device storage the offloader frees "
-                "and regrows as one, in MiB (default 256). Each piece's memory becomes reusable by "
-                "the caching allocator as soon as its own copy to the host is done; smaller pieces "
-                "free memory sooner and fragment less, at a few microseconds of copy launch each.",
-            ),
-        ),
-        (
-            "--no-log-offload-stats",
-            dict(
-                action="store_false",
-                dest="log_offload_stats",
-                help="With --offload-optimizer-states: do not print the offloaded/host GiB and "
-                "copy milliseconds at each --log-interval (nor write them to TensorBoard/W&B).",
-            ),
-        ),
-    ]
+        )
+    )
+    return found
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``--offload-optimizer-states`` and its tuning flags to ``parser``; returns it.
+    """Add ``--offload-optimizer-states`` and the other flags to ``parser``; returns it.
 
     Usable as Megatron's ``extra_args_provider``. Adding them twice to the same parser is a
     no-op (so a script's own provider and ``patch_megatron()`` do not collide). A Megatron that
     defines ``--offload-optimizer-states`` itself (an alias of its own offloader) keeps its
-    action, which megatron-offload takes over; the tuning flags are added all the same. Any
+    action, which megatron-offload takes over; the other flags are added all the same. Any
     other flag or dest Megatron already defines is an ``OffloadArgumentError`` (see
     ``coexistence``), never argparse's conflict.
     """
@@ -167,6 +181,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def _refuse(message: str) -> None:
     raise OffloadArgumentError(message)
+
+
+def _given(args) -> list[str]:
+    """The flags of this project given in ``args``, other than the switch."""
+    given = []
+    for name in _FIELD_FLAGS:
+        value = getattr(args, dest(name), None)
+        if name == "offload_optimizer_states" or value is None:
+            continue
+        if value is False:
+            if name != "chunked_update_undo":  # a store_true left off
+                given.append(f"--no-{flag(name)[2:]}")
+        else:
+            given.append(flag(name))
+    if getattr(args, "offload_log_stats", None) is False:
+        given.append("--no-offload-log-stats")
+    return given
 
 
 def _mixed_precision(args) -> bool:
@@ -188,83 +219,57 @@ def _cuda_graph_impl(args) -> str:
 def validate_args(args) -> None:
     """Refuse (``OffloadArgumentError``) every combination offloading cannot work with.
 
-    A no-op without ``--offload-optimizer-states``, except that the tuning flags are refused
-    without it. Reads attributes with defaults, so namespaces from other parsers work too.
-    With it, Megatron's own offloader (``--chunked-optimizer-state-offload``) and its tuning
-    flags are refused first.
+    Without offloading on, its other flags are refused (they would do nothing). Reads
+    attributes with defaults, so namespaces from other parsers work too. With it, Megatron's
+    own offloader and its tuning flags are refused first.
     """
-    enabled = offload_enabled(args)
-    if not enabled:
-        used = [flag for flag, dest in TUNING_FLAGS if getattr(args, dest, True) is False]
-        if getattr(args, "offload_chunked_update_undo", False) is True:
-            used.append(UNDO_FLAG)
-        if getattr(args, "offload_chunked_update_bytes", None) is not None:
-            used.append(CHUNKED_FLAG)
-        if getattr(args, "offload_max_piece_mb", None) is not None:
-            used.append(PIECE_FLAG)
+    if not offload_enabled(args):
+        used = _given(args)
         if used:
             _refuse(
-                f"{used[0]} has no effect without {OFFLOAD_FLAG}: add {OFFLOAD_FLAG} to "
-                f"offload optimizer states, or drop {' and '.join(used)}."
+                f"{used[0]} has no effect without {SWITCH}: add {SWITCH} to offload the "
+                f"optimizer states (or {MASTERS_FLAG} to offload the master weights only), or "
+                f"drop {' and '.join(used)}."
             )
         return
-
-    # A Megatron with an offloader of its own: never both (before anything else is judged).
+    # A Megatron with an offloader of its own, and the settings refused for any optimizer.
     refuse_conflicts(args)
-    if getattr(args, "optimizer_cpu_offload", False):
-        _refuse(
-            f"{OFFLOAD_FLAG} and --optimizer-cpu-offload are mutually exclusive: "
-            "--optimizer-cpu-offload runs Adam on the CPU (HybridDeviceOptimizer), while "
-            f"{OFFLOAD_FLAG} keeps the update on the accelerator and parks the states in host "
-            "memory only between steps. Use one of them: drop --optimizer-cpu-offload to keep "
-            f"the update on the accelerator, or drop {OFFLOAD_FLAG}."
-        )
-    if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_custom_fsdp", False):
-        _refuse(
-            f"{OFFLOAD_FLAG} does not support Megatron-FSDP (--use-megatron-fsdp), whose "
-            "optimizer states live in its own sharded buffers. Drop --use-megatron-fsdp and "
-            "train with --use-distributed-optimizer, or drop "
-            f"{OFFLOAD_FLAG}."
-        )
+    rules.refuse(args)
     if getattr(args, "use_torch_fsdp2", False):
         _refuse(
-            f"{OFFLOAD_FLAG} does not support torch FSDP2 (--use-torch-fsdp2), which does not "
+            f"{SWITCH} does not support torch FSDP2 (--use-torch-fsdp2), which does not "
             "use megatron-core's DistributedOptimizer. Drop --use-torch-fsdp2 and train with "
-            f"--use-distributed-optimizer, or drop {OFFLOAD_FLAG}."
+            f"--use-distributed-optimizer, or drop {SWITCH}."
         )
     optimizer = getattr(args, "optimizer", "adam")
     supported = supported_optimizers()
     if supported is not None and optimizer not in supported:
         _refuse(
-            f"{OFFLOAD_FLAG} cannot run with --optimizer {optimizer}: {_why_not(optimizer)} "
+            f"{SWITCH} cannot run with --optimizer {optimizer}: {_why_not(optimizer)} "
             f"The optimizers the installed megatron-core builds are: {', '.join(supported)}. "
-            f"Use one of them, or drop {OFFLOAD_FLAG}."
+            f"Use one of them, or drop {SWITCH}."
         )
     if getattr(args, "freeze_all_layers", False):
         _refuse(
-            f"{OFFLOAD_FLAG} cannot be combined with --freeze-all-layers, which turns the "
+            f"{SWITCH} cannot be combined with --freeze-all-layers, which turns the "
             "distributed optimizer off (and leaves no optimizer state to offload). Drop one "
             "of them."
         )
-    if getattr(args, "optimizer_cuda_graph", False):
+    try:
+        config = config_from_args(args)
+    except (TypeError, ValueError) as error:
+        raise OffloadArgumentError(str(error)) from None
+    if _cuda_graph_impl(args) == "full_iteration" and config.prefetch == "gradients":
         _refuse(
-            f"{OFFLOAD_FLAG} cannot be combined with --optimizer-cuda-graph: a captured "
-            "optimizer step replays fixed device addresses, while offloading frees the state "
-            "memory after every step and allocates it again before the next. Drop "
-            f"--optimizer-cuda-graph, or drop {OFFLOAD_FLAG}."
-        )
-    if _cuda_graph_impl(args) == "full_iteration" and getattr(args, "offload_prefetch", True):
-        _refuse(
-            f"{OFFLOAD_FLAG} prefetches the states inside finalize_model_grads, which "
+            f"{SWITCH} prefetches the states inside finalize_model_grads, which "
             "--cuda-graph-impl full_iteration captures into its graph (the copies would be "
-            "replayed into stale memory). Add --no-offload-prefetch to copy them back at the "
+            "replayed into stale memory). Add --offload-prefetch step to copy them back at the "
             "optimizer step, outside the graph, or use another --cuda-graph-impl."
         )
-    offload_masters = getattr(args, "offload_master_weights", True)
-    if offload_masters and _mixed_precision(args):
+    if config.offload_master_weights and _mixed_precision(args):
         if getattr(args, "qk_clip", False):
             _refuse(
-                f"{OFFLOAD_FLAG} cannot be combined with --qk-clip while master weights are "
+                f"{SWITCH} cannot be combined with --qk-clip while master weights are "
                 "offloaded: QK-clip rewrites the fp32 master weights after the optimizer step, "
                 "when they are already in host memory. Add --no-offload-master-weights, or drop "
                 "--qk-clip."
@@ -273,40 +278,22 @@ def validate_args(args) -> None:
             args, "overlap_param_gather", False
         ):
             _refuse(
-                f"{OFFLOAD_FLAG} cannot be combined with --reuse-grad-buf-for-mxfp8-param-ag "
+                f"{SWITCH} cannot be combined with --reuse-grad-buf-for-mxfp8-param-ag "
                 "and --overlap-param-gather while master weights are offloaded: the training "
                 "step copies the fp32 master weights into the parameter buffer before the "
                 "forward pass, when they are in host memory. Add --no-offload-master-weights, "
                 "or drop --reuse-grad-buf-for-mxfp8-param-ag."
             )
-    offload_moments = getattr(args, "offload_moments", True)
-    if not offload_moments and not offload_masters:
+    if config.chunked_update_bytes is not None and not config.offload_optimizer_states:
         _refuse(
-            f"{OFFLOAD_FLAG} with both --no-offload-moments and --no-offload-master-weights "
-            "has nothing to offload. Drop one of them (or drop "
-            f"{OFFLOAD_FLAG})."
+            f"{CHUNKED_FLAG} streams the optimizer states through the device during the step, "
+            f"but without {SWITCH} they stay on the device. Add {SWITCH}, or drop {CHUNKED_FLAG}."
         )
-    piece = getattr(args, "offload_max_piece_mb", None)
-    if piece is not None and (isinstance(piece, bool) or not isinstance(piece, int) or piece <= 0):
-        _refuse(f"{PIECE_FLAG} must be a whole number of MiB > 0 (default 256), got {piece!r}.")
-    chunked = getattr(args, "offload_chunked_update_bytes", None)
-    if chunked is None and getattr(args, "offload_chunked_update_undo", False) is True:
+    if not config.offload_optimizer_states and not _mixed_precision(args):
         _refuse(
-            f"{UNDO_FLAG} has no effect without {CHUNKED_FLAG}: add "
-            f"{CHUNKED_FLAG} BYTES, or drop it."
-        )
-    if chunked is not None and chunked <= 0:
-        _refuse(f"{CHUNKED_FLAG} must be a number of bytes > 0, got {chunked}.")
-    if chunked is not None and not offload_moments:
-        _refuse(
-            f"{CHUNKED_FLAG} streams Adam's moments through the device during the step, but "
-            "--no-offload-moments keeps them on the device. Drop one of them."
-        )
-    if not offload_moments and not _mixed_precision(args):
-        _refuse(
-            f"{OFFLOAD_FLAG} with --no-offload-moments offloads only the fp32 master weights, "
+            f"{MASTERS_FLAG} without {SWITCH} offloads only the fp32 master weights, "
             "which exist only with --bf16 or --fp16 (an fp32 model updates its parameters "
-            "directly). Add --bf16 or --fp16, or drop --no-offload-moments."
+            f"directly). Add --bf16 or --fp16, or add {SWITCH}."
         )
 
 
@@ -380,17 +367,14 @@ def _why_not(optimizer: str) -> str:
 
 
 def config_from_args(args) -> OffloadConfig:
-    """The ``OffloadConfig`` the flags in ``args`` select."""
-    return OffloadConfig(
-        offload_optimizer_states=bool(getattr(args, "offload_moments", True)),
-        offload_primary_weights=bool(getattr(args, "offload_master_weights", True)),
-        release_master_grads=bool(getattr(args, "offload_release_master_grads", True)),
-        chunked_update_bytes=getattr(args, "offload_chunked_update_bytes", None),
-        chunked_update_undo=bool(getattr(args, "offload_chunked_update_undo", False)),
-        **_piece_option(args),
-    )
-
-
-def _piece_option(args) -> dict:
-    piece = getattr(args, "offload_max_piece_mb", None)
-    return {} if piece is None else {"max_piece_bytes": piece << 20}
+    """The ``OffloadConfig`` the flags in ``args`` select: every field whose flag was given,
+    the field's default otherwise (the master weights follow the switch)."""
+    values = {}
+    for name in _FIELD_FLAGS:
+        value = getattr(args, dest(name), None)
+        if value is not None:
+            values[name] = value
+    values["offload_optimizer_states"] = bool(getattr(args, "offload_optimizer_states", False))
+    if values.get("offload_master_weights") is None:
+        values["offload_master_weights"] = values["offload_optimizer_states"]
+    return OffloadConfig(**values)

@@ -30,10 +30,15 @@ import argparse
 import contextlib
 import dataclasses
 
-from .flags import CHUNKED_FLAG, OFFLOAD_FLAG, OffloadArgumentError, offload_enabled
+from .. import rules
+from ..errors import OffloadArgumentError
+from ..rules import MEGATRON_OFFLOADER_FIELD as MEGATRON_DEST
+from ..rules import MEGATRON_OFFLOADER_FLAG as MEGATRON_FLAG
+from ..rules import SWITCH as OFFLOAD_FLAG
+from ..rules import offload_enabled
 
-MEGATRON_FLAG = "--chunked-optimizer-state-offload"
-MEGATRON_DEST = "chunked_optimizer_state_offload"
+CHUNKED_FLAG = "--offload-chunked-update-bytes"
+
 # Megatron's tuning flags of its own offloader: (option, dest, Megatron's default, what to use
 # with megatron-offload instead).
 MEGATRON_TUNING_FLAGS = (
@@ -47,8 +52,8 @@ MEGATRON_TUNING_FLAGS = (
         "--optimizer-state-offload-fraction",
         "optimizer_state_offload_fraction",
         1.0,
-        "megatron-offload offloads every state; --no-offload-moments and "
-        "--no-offload-master-weights choose which kind",
+        "megatron-offload offloads every state; --offload-fraction offloads the largest "
+        "ones only, --no-offload-master-weights keeps the master weights",
     ),
 )
 # The only flag of this project that a Megatron may define too (as the alias above): taken
@@ -142,18 +147,11 @@ def _refuse_clash(option: str, what: str) -> None:
 
 # ------------------------------------------------------------------------------ validation
 def refuse_conflicts(args) -> None:
-    """With ``--offload-optimizer-states``: refuse Megatron's own offloader and its tuning flags
-    (read from ``args`` only, so before anything is built)."""
+    """With offloading on: refuse Megatron's own offloader (``rules.refuse``) and its tuning
+    flags (read from ``args`` only, so before anything is built)."""
     if not offload_enabled(args):
         return
-    if getattr(args, MEGATRON_DEST, False):
-        raise OffloadArgumentError(
-            f"{OFFLOAD_FLAG} and {MEGATRON_FLAG} both ask for an optimizer-state offloader: "
-            f"run through megatron-offload, {OFFLOAD_FLAG} selects megatron-offload's, "
-            f"{MEGATRON_FLAG} Megatron's own, and only one may manage the optimizer states. "
-            f"Drop {MEGATRON_FLAG} to use megatron-offload's ({CHUNKED_FLAG} bounds its "
-            f"update's device memory), or drop {OFFLOAD_FLAG} to use Megatron's."
-        )
+    rules.refuse(args)
     for option, dest, default, instead in MEGATRON_TUNING_FLAGS:
         value = getattr(args, dest, default)
         if value != default:
@@ -179,17 +177,10 @@ def megatron_has_own_offloader(args=None, config_cls=None, optimizer=None) -> bo
 
 def megatron_offloader_enabled(optimizer) -> bool:
     """Whether Megatron's own offloader is on for ``optimizer`` (or a chained optimizer)."""
-    for candidate in _optimizers(optimizer):
-        if getattr(candidate, "_optimizer_state_offloader", None) is not None:
-            return True
-        if _config_enables_it(getattr(candidate, "config", None)):
-            return True
-    return False
-
-
-def _config_enables_it(config) -> bool:
-    return bool(getattr(config, MEGATRON_DEST, False)) and (
-        getattr(config, "optimizer_state_offload_fraction", 1.0) > 0.0
+    return any(
+        rules.megatron_offloader_on(candidate)
+        or rules.megatron_offloader_on(getattr(candidate, "config", None))
+        for candidate in _optimizers(optimizer)
     )
 
 
@@ -214,25 +205,16 @@ def alias_hidden(args, config_cls=None):
         args.offload_optimizer_states = True
 
 
+def refuse_enabled_optimizer(optimizer) -> None:
+    """Before megatron-offload attaches: refuse an optimizer (or a member of a chain) that
+    Megatron's offloader manages, or that ``rules.refuse`` refuses otherwise."""
+    for candidate in _optimizers(optimizer):
+        rules.refuse(candidate, getattr(candidate, "config", None))
+
+
 def refuse_enabled_config(args, config) -> None:
     """After Megatron built its ``OptimizerConfig`` from ``args``: refuse one that enables
-    Megatron's offloader when ``args`` selects megatron-offload's."""
-    if offload_enabled(args) and _config_enables_it(config):
-        raise OffloadArgumentError(
-            f"{OFFLOAD_FLAG} selects megatron-offload's offloader, but the optimizer config "
-            f"built from these arguments enables Megatron's own ({MEGATRON_DEST}, "
-            f"{MEGATRON_FLAG}); only one may manage the optimizer states. Drop whatever sets "
-            f"{MEGATRON_DEST}, or drop {OFFLOAD_FLAG}."
-        )
-
-
-def refuse_enabled_optimizer(optimizer) -> None:
-    """Before megatron-offload attaches: refuse an optimizer Megatron's offloader manages."""
-    if megatron_offloader_enabled(optimizer):
-        raise OffloadArgumentError(
-            f"{OFFLOAD_FLAG} would attach megatron-offload's offloader to an optimizer that "
-            f"Megatron's own chunked offloader already manages ({MEGATRON_FLAG}, "
-            f"OptimizerConfig.{MEGATRON_DEST} or the deprecated OptimizerConfig."
-            f"offload_optimizer_states); only one may manage the optimizer states. Build the "
-            f"optimizer without Megatron's offloader, or drop {OFFLOAD_FLAG}."
-        )
+    Megatron's offloader (or anything else ``rules.refuse`` refuses) when ``args`` selects
+    megatron-offload's."""
+    if offload_enabled(args):
+        rules.refuse(config)

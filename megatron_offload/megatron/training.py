@@ -27,10 +27,6 @@ It replaces a few module globals that megatron.training looks up at call time:
                                                      interval, and TensorBoard/W&B scalars
 ==================================================  =======================================
 
-Without the checkpoint wrappers the offloader's own state-access guard would still bring
-the states back when a checkpoint reads them, but keep them on the device until the next
-step's offload, that is through the next forward and backward.
-
 The per-step cycle itself is ``attach``'s: reload at ``optimizer.step()`` if nothing
 prefetched, the update waits for the copy, offload after the step. Every wrapper is a
 pass-through unless the run has ``--offload-optimizer-states`` and an attached offloader, so
@@ -50,13 +46,12 @@ import inspect
 import weakref
 
 from ..access.host_view import servable
-from ..adapters.megatron_wrappers import PRIMARY_WEIGHTS, master_weights
+from ..adapters.megatron_wrappers import MASTER_WEIGHTS, master_weights
 from ..errors import print_refusals_once, restore_excepthook
 from ..offloader import allocator_warnings
 from ..offloader.cycle import WRAPPER_MARK as _MARK
 from ..offloader.cycle import attach, prefetching_finalize
 from ..report import (  # noqa: F401  (re-exported: the patches and users call them here)
-    _print_rank_last,
     format_offload_stats,
     log_offload_stats,
     offload_figures,
@@ -130,7 +125,11 @@ def attach_for_training(optimizer, args):
             "> optimizer-state offloading: "
             f"{len(offloader.engines)} distributed optimizer(s); states are kept in host "
             "memory between optimizer steps"
-            + ("" if getattr(args, "offload_prefetch", True) else " (no prefetch)")
+            + (
+                ""
+                if offloader.config.prefetch == "gradients"
+                else f" (copied back at: {offloader.config.prefetch})"
+            )
         )
         if coexistence.megatron_has_own_offloader(args, optimizer=optimizer):
             line += ". " + coexistence.KEPT_OFF_NOTE
@@ -147,21 +146,22 @@ def attach_from_optimizer_config(optimizer, config):
     """For a patched ``get_megatron_optimizer``: attach when ``config.offload_optimizer_states``.
 
     ``OptimizerConfig`` fields of a patched megatron-core carry the flags' names
-    (``offload_optimizer_states``, ``offload_moments``, ``offload_master_weights``,
+    (``offload_optimizer_states``, ``offload_master_weights``,
     ``offload_release_master_grads``), so the config stands in for the arguments.
     """
     return attach_for_training(optimizer, config)
 
 
-def install_prefetch(config, optimizer, args) -> bool:
+def install_prefetch(config, optimizer, args=None) -> bool:
     """Wrap ``config.finalize_model_grads_func`` (after ``train()`` set its default) so the
     reload of ``optimizer``'s states starts while the gradients are reduced.
 
-    Returns whether it wrapped (not without an attached offloader or with
-    ``--no-offload-prefetch``). Idempotent.
+    Returns whether it wrapped: only with an attached offloader whose ``prefetch`` is
+    ``"gradients"`` (the default). Idempotent. (``args``: unused, the offloader's config
+    says; kept for the source patches' call.)
     """
     offloader = find_offloader(optimizer)
-    if offloader is None or not getattr(args, "offload_prefetch", True):
+    if offloader is None or offloader.config.prefetch != "gradients":
         return False
     if config.finalize_model_grads_func is None:
         from megatron.core.distributed import finalize_model_grads
@@ -179,7 +179,7 @@ def log_for_megatron(iteration: int) -> None:
     from megatron.training.global_vars import get_args, get_tensorboard_writer, get_wandb_writer
 
     args = get_args()
-    if not offload_enabled(args) or not getattr(args, "log_offload_stats", True):
+    if not offload_enabled(args) or getattr(args, "offload_log_stats", None) is False:
         return
     offloaders = _active_offloaders()
     if not offloaders:
@@ -234,12 +234,13 @@ def checkpoint_residency(optimizer, *, read_only: bool, args=None):
 @contextlib.contextmanager
 def master_weights_residency():
     """Only what ``calc_params_l2_norm`` reads (``main_param``: the fp32 masters kept beside the
-    optimizer), never the moments, on the device for the block; offloaded after it, no copy."""
+    optimizer), never the optimizer states, on the device for the block; offloaded after it,
+    no copy."""
     with contextlib.ExitStack() as stack:
         for offloader in _active_offloaders():  # no masters beside a precision-aware optimizer
             kinds = [
-                (PRIMARY_WEIGHTS,) if any(True for _ in master_weights(d)) else ()
-                for d in offloader._distributed
+                (MASTER_WEIGHTS,) if any(True for _ in master_weights(m.optimizer)) else ()
+                for m in offloader.members
             ]
             stack.enter_context(offloader.resident(read_only=True, kinds=kinds))
         yield

@@ -16,8 +16,9 @@ instance (``detach`` restores it); the inner torch optimizer gets ordinary
 ``register_step_pre_hook`` hooks.
 
 The reload may start earlier than the step, so that it overlaps more: from the gradient
-reduction (``prefetching_finalize``, what Megatron's training loop gets) or from a point
-of the backward pass (``prefetch=<fraction>``).
+reduction (``prefetch="gradients"``, the default: the model config's
+``finalize_model_grads_func`` is wrapped, ``prefetching_finalize``) or from a point of the
+backward pass (``prefetch=<fraction>``).
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from ..adapters import megatron_wrappers as wrappers
 from ..chunked.update import ChunkedUpdate
 from ..config import OffloadConfig
 from ..errors import OffloadArgumentError
+from ..phase import Phase
 from . import allocator_warnings
-from .acceptance import is_stub, megatron_optimizers
+from .members import is_stub, megatron_optimizers
 from .offloader import OptimizerStateOffloader
 
 #: Set on the functions of Megatron's that this package wrapped (the value says which wrapper).
@@ -53,12 +55,12 @@ def attach(optimizer, config: OffloadConfig | None = None, **options) -> Optimiz
     _refuse_chain_member(optimizer)
     _refuse_backward_prefetch_under_cuda_graphs(optimizer, config)
     trigger = None
-    if config.prefetch != "step":
+    if config.prefetch not in ("step", "gradients"):
         served = [wrapper for wrapper in megatron_optimizers(optimizer) if not is_stub(wrapper)]
         trigger = _prefetch_trigger(served, float(config.prefetch))
     offloader = OptimizerStateOffloader(optimizer, config)
     try:
-        offloader._automatic = _AutomaticCycle(offloader, trigger)
+        offloader.run_by(AutomaticCycle(offloader, trigger))
         allocator_warnings.warn_where_frees_wait(offloader)
     except BaseException:
         offloader.detach()  # leave the optimizer as it was: a later attach must work
@@ -118,7 +120,7 @@ def _warn_if_nothing_selected(offloader: OptimizerStateOffloader) -> None:
     if not offloader.engines:
         why = "no optimizer of it has parameters on this rank"
     elif not kinds:
-        why = "offload_optimizer_states and offload_primary_weights are off for every optimizer"
+        why = "offload_optimizer_states and offload_master_weights are off for every optimizer"
     elif offloader.config.offload_fraction == 0:
         why = "offload_fraction=0 keeps every tensor on the device"
     else:
@@ -151,7 +153,7 @@ def prefetching_finalize(finalize_model_grads_func, offloader):
     return finalize_model_grads
 
 
-class _AutomaticCycle:
+class AutomaticCycle:
     """The hooks of one attached offloader; ``remove`` undoes all of them."""
 
     def __init__(self, offloader: OptimizerStateOffloader, prefetch_trigger=None) -> None:
@@ -159,6 +161,8 @@ class _AutomaticCycle:
         self._handles = []
         self._chunked = []
         self._target = None  # the optimizer whose step is wrapped, once it is
+        #: Steps run through the cycle (skipped ones included).
+        self.cycles = 0
         try:
             self._install(prefetch_trigger)
         except BaseException:
@@ -168,36 +172,35 @@ class _AutomaticCycle:
     def _install(self, prefetch_trigger) -> None:
         offloader = self._offloader
         config = offloader.config
+        members = offloader.members
         if config.chunked_update_bytes is not None:
-            # Each optimizer's index among all of a chain's (for ``per_optimizer``).
-            indices = getattr(offloader, "_indices", None) or list(range(len(offloader.engines)))
-            for index, (engine, distrib_optimizer) in enumerate(
-                zip(offloader.engines, offloader._distributed)
-            ):
+            for member in members:
                 chunked = ChunkedUpdate(
-                    engine,
-                    distrib_optimizer,
+                    member.engine,
+                    member.optimizer,
                     total_bytes=config.chunked_update_bytes,
                     slots=config.chunked_update_slots,
-                    kinds=config.kinds(indices[index]),
-                    owner=offloader,
+                    kinds=member.kinds,
+                    phase=offloader.phase,
                     undo=config.chunked_update_undo,
                 )
                 self._chunked.append(chunked)
                 self._handles.append(chunked)
                 chunked.install()
-            if any(any(True for _ in wrappers.in_state(d)) for d in offloader._distributed):
+            if any(any(True for _ in wrappers.in_state(m.optimizer)) for m in members):
                 # States made before attach (the precision-aware path creates them with the
                 # optimizer) go to the host now, so that the first update streams them too.
                 offloader.offload()
-        for index, (engine, distrib_optimizer) in enumerate(
-            zip(offloader.engines, offloader._distributed)
-        ):
+        for index, member in enumerate(members):
             chunked = self._chunked[index] if self._chunked else None
-            hook = functools.partial(_before_inner_step, engine, chunked)
-            self._handles.append(distrib_optimizer.optimizer.register_step_pre_hook(hook))
+            hook = functools.partial(_before_inner_step, member.engine, chunked, offloader.phase)
+            self._handles.append(member.optimizer.optimizer.register_step_pre_hook(hook))
         if prefetch_trigger is not None:
             self._handles.append(_backward_prefetch_hook(offloader, prefetch_trigger))
+        if config.prefetch == "gradients":
+            for model_config in model_configs(members):
+                if getattr(model_config, "finalize_model_grads_func", None) is not None:
+                    self._handles.append(_gradient_prefetch(model_config, offloader))
         target = offloader.optimizer
         self._had_instance_step = "step" in vars(target)
         self._previous_step = target.step
@@ -209,42 +212,38 @@ class _AutomaticCycle:
         self._target = target
 
     def _step(self, *args, **kwargs):
+        """One iteration's optimizer step: reload, update, offload."""
         offloader = self._offloader
-        guard = offloader._guard
         # The step reads the optimizer's state mapping itself, at full speed, and a chunked
-        # update reads it while its states are still on the host: the mapping is not
-        # guarded until the offload after the step. The update orders itself after the
-        # copy-back (pre-hook) and reads no state before it.
-        offloader.end_reads()  # states served to a reader since the last step go back in place
-        guard.stepping += 1
-        guard.arm(False)
+        # update reads it while its states are still on the host: STEPPING is not guarded.
+        # Entering it ends reads served since the last step (their writes are in the host
+        # copy). The update orders itself after the copy-back (pre-hook).
+        token = offloader.phase.enter(Phase.STEPPING)
         try:
             # Start the copy-back now (nothing to do if a hook already did): it overlaps the
             # gradient copy, unscale, norm and clipping the step does before the update,
-            # which waits for it (pre-hook). States a chunked update streams stay on the
-            # host.
+            # which waits for it (pre-hook). States a chunked update streams stay on the host.
             offloader.prefetch()
             for chunked in self._chunked:
                 chunked.stream.clear_figures()
-                chunked.active = True
-            try:
-                result = self._previous_step(*args, **kwargs)
-            finally:
-                for chunked in self._chunked:
-                    chunked.active = False
+            result = self._previous_step(*args, **kwargs)
         finally:
-            guard.stepping -= 1
-            offloader._sync_state_guard()  # a failed step may have left states on the host
+            offloader.phase.leave(token)
         # Rule 6: a skipped step left the states as they were copied last time.
-        offloader._offload(offloader._configured_kinds, skip_unchanged=True)
-        offloader._cycles += 1
-        offloader._sync_state_guard()
+        offloader.offload_after_step()
+        self.cycles += 1
         return result
 
     @property
     def chunked(self) -> tuple:
         """The chunked updates, one per engine (empty without ``chunked_update_bytes``)."""
         return tuple(self._chunked)
+
+    def extra_host_bytes(self) -> list[int]:
+        """Host bytes each engine's chunked update holds beyond the engine (its undo journal)."""
+        if not self._chunked:
+            return [0] * len(self._offloader.members)
+        return [chunked.extra_host_bytes for chunked in self._chunked]
 
     def remove(self) -> None:
         for handle in reversed(self._handles):
@@ -267,7 +266,7 @@ def _refuse_backward_prefetch_under_cuda_graphs(optimizer, config: OffloadConfig
     """``prefetch`` as a fraction of the backward pass hooks a parameter's gradient
     accumulator, which a replayed CUDA graph of the layers never calls: the reload would
     silently move to the step. Refused before anything is touched."""
-    if config.prefetch == "step":
+    if config.prefetch in ("step", "gradients"):
         return
     for wrapper in megatron_optimizers(optimizer):
         for chunk in getattr(wrapper, "model_chunks", None) or ():
@@ -277,7 +276,7 @@ def _refuse_backward_prefetch_under_cuda_graphs(optimizer, config: OffloadConfig
                 raise OffloadArgumentError(
                     f"prefetch={config.prefetch!r} starts the reload from a hook on the backward "
                     f"pass, which the model's CUDA graphs (cuda_graph_impl={impl!r}) replay without "
-                    'calling: use prefetch="step" (the default) with CUDA-graphed layers.'
+                    'calling: use prefetch="gradients" (the default) or "step" with CUDA-graphed layers.'
                 )
 
 
@@ -290,8 +289,8 @@ def _prefetch_trigger(served, fraction: float):
     counted from the end reach ``fraction``.
     """
     chunks = []
-    for distrib_optimizer in served:
-        for chunk in getattr(distrib_optimizer, "model_chunks", None) or ():
+    for wrapper in served:
+        for chunk in getattr(wrapper, "model_chunks", None) or ():
             if all(chunk is not c for c in chunks):
                 chunks.append(chunk)
     params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
@@ -325,6 +324,44 @@ def _backward_prefetch_hook(offloader, trigger) -> "_KeepAlive":
     return _KeepAlive(handle, accumulator)
 
 
+def model_configs(members) -> list:
+    """The model configs (``TransformerConfig``) of the served optimizers' model chunks, each
+    once: what the training loop's schedule reads ``finalize_model_grads_func`` from."""
+    found = []
+    for member in members:
+        for chunk in getattr(member.optimizer, "model_chunks", None) or ():
+            module = chunk
+            while module is not None:  # DDP and other wrappers keep the model as .module
+                config = getattr(module, "config", None)
+                if config is not None:
+                    if all(config is not c for c in found):
+                        found.append(config)
+                    break
+                module = getattr(module, "module", None)
+    return found
+
+
+class _GradientPrefetch:
+    """``prefetching_finalize`` in place of a model config's ``finalize_model_grads_func``;
+    ``remove`` puts the loop's own function back (if nobody replaced it since)."""
+
+    def __init__(self, model_config, offloader) -> None:
+        self._config = model_config
+        self._own = model_config.finalize_model_grads_func
+        self._wrapper = prefetching_finalize(self._own, offloader)
+        model_config.finalize_model_grads_func = self._wrapper
+
+    def remove(self) -> None:
+        config, self._config = self._config, None
+        if config is not None and config.finalize_model_grads_func is self._wrapper:
+            config.finalize_model_grads_func = self._own
+
+
+def _gradient_prefetch(model_config, offloader) -> _GradientPrefetch:
+    """Start the reload when the loop reduces the gradients (``prefetch="gradients"``)."""
+    return _GradientPrefetch(model_config, offloader)
+
+
 class _KeepAlive:
     """A hook handle that also holds the object the hook lives on."""
 
@@ -336,10 +373,10 @@ class _KeepAlive:
         self._owner = None
 
 
-def _before_inner_step(engine, chunked, optimizer, args, kwargs) -> None:
+def _before_inner_step(engine, chunked, phase, optimizer, args, kwargs) -> None:
     """Inner optimizer step pre-hook: the update reads every state, so all must be here
     (but those a chunked update streams, which it brings into slots itself)."""
-    streaming = chunked is not None and chunked.active
+    streaming = chunked is not None and phase.current in (Phase.STEPPING, Phase.STREAMING)
     # Nothing to do if the step prefetched; else nobody did (a step called on the inner
     # optimizer directly).
     engine.reload(streamed=not streaming)

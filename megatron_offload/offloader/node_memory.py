@@ -58,7 +58,7 @@ def agree(need: int, *, pins: bool, budget: int | str | None) -> int | None:
             "offloading needs more host memory than there is: "
             + "; ".join(problems)
             + ". Nothing was allocated. Offload less (offload_fraction, per_optimizer, "
-            "offload_primary_weights=False), run fewer ranks per node, give the container more "
+            "offload_master_weights=False), run fewer ranks per node, give the container more "
             "memory, or raise the locked-memory limit (ulimit -l unlimited)."
         )
     if budget != "auto":

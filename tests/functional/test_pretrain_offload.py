@@ -205,7 +205,7 @@ def test_refused_combination_fails_before_initialization():
         assert "Traceback" not in output, output[-3000:]
         assert "initialized tensor model parallel" not in output
         assert "building" not in output  # no model, no dataset
-    message = "--offload-optimizer-states and --optimizer-cpu-offload are mutually exclusive"
+    message = "(--offload-optimizer-states) and optimizer_cpu_offload (--optimizer-cpu-offload) are mutually exclusive"
     assert "megatron-offload: OffloadArgumentError: " in outputs["0"], outputs["0"][-3000:]
     assert message in outputs["0"] and outputs["0"].count(message) == 1
     assert message not in outputs["1"] and "OffloadArgumentError" not in outputs["1"]

@@ -128,7 +128,7 @@ def state_census(optimizer) -> dict:
 def collected(offloader) -> list[torch.Tensor]:
     from megatron_offload.adapters import megatron_wrappers as adapter
 
-    return [t for d in offloader._distributed for _, t in adapter.collect(d)]
+    return [t for m in offloader.members for _, t in adapter.collect(m.optimizer)]
 
 
 def figures(offloader, optimizer) -> dict:
@@ -147,7 +147,7 @@ def figures(offloader, optimizer) -> dict:
     census = state_census(optimizer)
     return {
         **{k: stats[k] for k in keys},
-        "groups": sum(len(e.groups) for e in offloader.engines),
+        "groups": sum(len(e.pieces) for e in offloader.engines),
         "tensors": len(tensors),
         "max_storage": max((t.untyped_storage().nbytes() for t in tensors), default=0),
         "subclasses": sum(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors),

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from megatron_offload.adapters import (
+    MASTER_WEIGHTS,
     OPTIMIZER_STATES,
-    PRIMARY_WEIGHTS,
     collect,
     inner_optimizers,
     kind_of,
@@ -70,7 +70,7 @@ def _expected(opt, params):
     for p in params:
         for key in sorted(opt.state[p]):
             value = opt.state[p][key]
-            kind = PRIMARY_WEIGHTS if key == "master_param" else OPTIMIZER_STATES
+            kind = MASTER_WEIGHTS if key == "master_param" else OPTIMIZER_STATES
             if isinstance(value, Float8Tensor):
                 out += [(kind, value._data), (kind, value._transpose)]
             else:
@@ -87,7 +87,7 @@ def test_te_state_is_collected_buffer_by_buffer(remainders, moments):
     assert [k for k, _ in got] == [k for k, _ in want]
     assert all(a is b for (_, a), (_, b) in zip(got, want))  # the very tensor objects
     assert all(type(t) is torch.Tensor for _, t in got)  # never an FP8 wrapper
-    masters = [t for k, t in got if k == PRIMARY_WEIGHTS]
+    masters = [t for k, t in got if k == MASTER_WEIGHTS]
     assert {t.dtype for t in masters} == {torch.int16 if remainders else torch.float32}
     states = {t.dtype for k, t in got if k == OPTIMIZER_STATES}
     assert states == {moments}
@@ -113,7 +113,7 @@ def test_mixed_moment_dtypes_and_fp16_masters():
     assert {(k, t.dtype) for k, t in got} == {
         (OPTIMIZER_STATES, torch.bfloat16),
         (OPTIMIZER_STATES, torch.uint8),
-        (PRIMARY_WEIGHTS, torch.float16),
+        (MASTER_WEIGHTS, torch.float16),
     }
 
 
@@ -159,7 +159,7 @@ def test_torch_adamw_state_and_external_masters():
     masters = [shards[0]]  # stands for shard_fp32_from_float16_groups
     dist = SimpleNamespace(optimizer=opt, shard_fp32_from_float16_groups=[masters])
     got = list(collect(dist))
-    assert got[0] == (PRIMARY_WEIGHTS, shards[0])
+    assert got[0] == (MASTER_WEIGHTS, shards[0])
     assert len(got) == 1 + 2 * len(shards)  # never the scalar step
     assert all(t.numel() > 1 for _, t in got)
 
@@ -221,7 +221,7 @@ def _engine_cycle(moments_name, remainders, cycles):
     # and training goes on from the reloaded state
     _decoupled(params, seed=5)
     opt.step()
-    groups = len(engine.groups)
+    groups = len(engine.pieces)
     engine.close()
     return {"figures": figures, "same_objects": same_objects, "equal": equal, "groups": groups}
 

@@ -115,7 +115,7 @@ def test_moments_only_leave_the_masters_resident(rank_pool):
         5,
         True,
         overrides=overrides,
-        options={"offload_primary_weights": False},
+        options={"offload_master_weights": False},
     )
     _jobs.assert_bitwise_equal(reference, offloaded)
     for rank in offloaded:

@@ -49,6 +49,7 @@ def _bookkeeping_pair(small: int, large: int, rounds: int) -> dict:
     return {n: sorted(s) for n, s in samples.items()}
 
 
+@pytest.mark.perf
 def test_engine_bookkeeping_does_not_grow_with_twenty_times_the_parameters(isolated):
     samples = isolated.run(_bookkeeping_pair, 1000, 20000, 41)
     small, large = samples[1000], samples[20000]
@@ -67,7 +68,7 @@ def per_cycle_job(cfg: dict) -> list[dict]:
     import torch
 
     import megatron_offload
-    from megatron_offload.offloader.acceptance import distributed_optimizers
+    from megatron_offload.offloader.members import megatron_optimizers as distributed_optimizers
     from tests.harness import models
 
     class Counting(torch.overrides.TorchFunctionMode):

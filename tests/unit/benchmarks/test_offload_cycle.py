@@ -221,6 +221,7 @@ def test_offloader_host_bytes_match_the_offloaded_bytes(offloader_scaling):
             assert run["layout"]["host_ratio"] <= HOST_RATIO, run["layout"]
 
 
+@pytest.mark.perf
 def test_offloader_bookkeeping_is_under_1ms_for_2000_parameter_tensors(offloader_scaling):
     # Timed with torch function modes off: the harness's CUDA-on-CPU mode intercepts every
     # torch call on CPU ranks, which no real training process has (scaling_job keeps the

@@ -86,7 +86,7 @@ def test_the_engine_lowers_its_pieces_to_the_device_bound():
     stats = engine.stats()
     assert stats["max_piece_bytes"] == 4096
     assert stats["pieces"]["optimizer_states"] > 2
-    assert all(g.nbytes <= 4096 or len(g.tensors) == 1 for g in engine.groups)
+    assert all(g.nbytes <= 4096 or len(g.tensors) == 1 for g in engine.pieces)
     engine.reload()
     engine.wait()
     engine.close()

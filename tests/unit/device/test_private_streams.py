@@ -190,7 +190,9 @@ def test_the_stream_is_destroyed_after_its_last_user_and_a_synchronize(fake_cuda
 
 @pytest.mark.parametrize("bad", [1, True, -1.0, "0", None])
 def test_stream_priority_is_validated(bad):
-    with pytest.raises(ValueError, match="stream_priority must be an int <= 0"):
+    with pytest.raises(
+        ValueError, match=r"stream_priority \(--offload-stream-priority\) must be an int <= 0"
+    ):
         OffloadConfig(stream_priority=bad)
     assert OffloadConfig.from_options(stream_priority=-5).stream_priority == -5
 
@@ -198,7 +200,7 @@ def test_stream_priority_is_validated(bad):
 # ------------------------------------------------------- attach keyword (real optimizer, gloo)
 def priority_job(priority):
     import megatron_offload
-    from megatron_offload.offloader import offloader as offloader_module
+    from megatron_offload.offloader import members as offloader_module
     from tests.harness import models
 
     chunks, optimizer, config = models.build("mlp", "bf16")

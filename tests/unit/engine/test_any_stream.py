@@ -14,8 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_offload.engine import OffloadEngine
-from megatron_offload.engine import engine as engine_module
+from megatron_offload.engine import OffloadEngine, labels
 from megatron_offload_testing import (
     OVERWRITE_WHILE_READ,
     RELEASE_IN_USE,
@@ -95,9 +94,9 @@ def run_two_streams(skip_labels=(), raise_violations=True) -> dict:
 
 # label -> (rule, kind) raised when that call is dropped in ``run_two_streams``.
 ANY_STREAM_CONTROLS = {
-    engine_module.D2H_AFTER_USERS: (1, UNORDERED_DEVICE_ACCESS),
-    engine_module.USE_RECORD_STREAM: (2, RELEASE_IN_USE),
-    engine_module.USER_AFTER_D2H: (2, OVERWRITE_WHILE_READ),
+    labels.D2H_AFTER_USERS: (1, UNORDERED_DEVICE_ACCESS),
+    labels.USE_RECORD_STREAM: (2, RELEASE_IN_USE),
+    labels.USER_AFTER_D2H: (2, OVERWRITE_WHILE_READ),
 }
 
 

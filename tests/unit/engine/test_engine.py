@@ -10,7 +10,7 @@ import torch
 from megatron_offload.device import CPUDevice
 from megatron_offload.engine import OffloadEngine, OffloadStateError, Place
 
-STATES, MASTERS = "optimizer_states", "primary_weights"
+STATES, MASTERS = "optimizer_states", "master_weights"
 
 
 def aligned(tensor_or_numel, itemsize=4):
@@ -152,7 +152,7 @@ def _masters_before_first_step():
     engine.reload()
     engine.wait()
     same = all(torch.equal(a, b) for a, b in zip(ref.snapshot(), off.snapshot()))
-    return only_masters, released, intact, same, engine.stats()["groups"]
+    return only_masters, released, intact, same, len(engine.pieces)
 
 
 def test_masters_offloaded_before_the_first_step_come_back_intact(isolated):
@@ -254,7 +254,7 @@ def test_kinds_move_independently():
     assert engine.is_released([STATES]) and not engine.is_released([MASTERS])
     engine.reload([STATES])
     engine.wait()
-    assert [g.place for g in engine.groups] == [Place.RESIDENT, Place.RESIDENT]
+    assert [g.place for g in engine.pieces] == [Place.RESIDENT, Place.RESIDENT]
 
 
 def test_host_budget_is_checked_before_anything_is_allocated():
@@ -353,7 +353,7 @@ def test_tensor_subclasses_and_other_devices_stay_resident_with_a_reason():
     elsewhere = torch.zeros(4, device="meta")
     engine = OffloadEngine(CPUDevice(), lambda: [(STATES, wrapped), (STATES, elsewhere)])
     engine.offload()
-    reasons = sorted(reason for _, _, reason in engine._kept_resident)
+    reasons = sorted(reason for _, _, reason in engine.kept_resident)
     assert reasons == ["on meta, not on cpu", "tensor subclass Wrapped"]
     assert engine.stats()["tracked_bytes"] == 0 and "empty" in repr(engine)
 
@@ -376,7 +376,7 @@ def _rebuild_keeps_released_groups():
     engine.reload()
     engine.wait()
     intact = all(torch.equal(a, b) for a, b in zip(masters, expected))
-    return still_released, intact, torch.equal(moments[0], torch.ones(6)), engine.stats()["groups"]
+    return still_released, intact, torch.equal(moments[0], torch.ones(6)), len(engine.pieces)
 
 
 def test_a_rebuild_keeps_released_groups_on_the_host(isolated):

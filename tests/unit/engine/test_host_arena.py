@@ -20,7 +20,7 @@ from megatron_offload.adapters import megatron_wrappers as adapter
 from megatron_offload.engine import HostBudget, HostMemoryBudgetError, OffloadEngine
 from megatron_offload_testing import CheckedDevice
 
-STATES, MASTERS = "optimizer_states", "primary_weights"
+STATES, MASTERS = "optimizer_states", "master_weights"
 
 
 class CountingDevice(CheckedDevice):
@@ -54,15 +54,15 @@ def _grads(masters, step):
 
 
 def _host_bytes(engine):
-    return engine._host.nbytes
+    return engine.host.nbytes
 
 
 def _tracked_bytes(engine):
-    return sum(g.nbytes for g in engine.groups)
+    return sum(g.nbytes for g in engine.pieces)
 
 
 def _layout(engine):
-    return [(g.kind, g.dtype, g.streamed, g.piece, g.offsets, g.nbytes) for g in engine.groups]
+    return [(g.kind, g.dtype, g.streamed, g.piece, g.offsets, g.nbytes) for g in engine.pieces]
 
 
 def run_cycles(
@@ -166,7 +166,7 @@ def run_rebuild(limit_factor=None) -> dict:
     distrib.optimizer.step()
     expected = [m.detach().clone() for m in masters]
     engine.offload([MASTERS], release=True)
-    arena = engine._host.buffer
+    arena = engine.host_arena
     need = _host_bytes(engine)
     state = distrib.optimizer.state
     for p in masters:  # new tensors, as a load puts them in
@@ -180,7 +180,7 @@ def run_rebuild(limit_factor=None) -> dict:
         engine.offload([STATES], release=True)
     except HostMemoryBudgetError as exc:
         error = str(exc)
-    reused = engine._host.buffer is arena
+    reused = engine.host_arena is arena
     released = engine.is_released([MASTERS])
     engine.reload()
     engine.wait()
@@ -214,7 +214,7 @@ def run_growth(halves: int) -> dict:
     engine = OffloadEngine(device, lambda: adapter.collect(distrib), budget=budget)
     expected = [m.detach().clone() for m in masters]
     engine.offload([MASTERS], release=True)  # no states yet: the arena holds the masters only
-    old = engine._host.buffer
+    old = engine.host_arena
     old_bytes = _host_bytes(engine)
     for p in masters:  # the states Adam makes (by hand: the masters are on the host)
         distrib.optimizer.state[p] = {
@@ -230,7 +230,7 @@ def run_growth(halves: int) -> dict:
     except HostMemoryBudgetError as exc:
         error = str(exc)
     untouched = (
-        engine._host.buffer is old
+        engine.host_arena is old
         and len(device.buffers) == buffers_before
         and device.freed == freed_before
         and engine.is_released([MASTERS])

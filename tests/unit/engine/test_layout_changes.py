@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from megatron_offload.engine import OffloadEngine
-from megatron_offload.engine import engine as engine_module
+from megatron_offload.engine import OffloadEngine, labels
 from megatron_offload_testing import CheckedDevice, ProtocolViolation
 
-STATES, MASTERS = "optimizer_states", "primary_weights"
+STATES, MASTERS = "optimizer_states", "master_weights"
 
 
 def _values(seed, *sizes):
@@ -69,7 +68,7 @@ def test_released_groups_are_carried_to_the_new_arena(isolated):
 
 def test_carrying_without_waiting_for_the_d2h_reads_garbage(isolated):
     """Negative control: the host reads the old arena before the D2H filled it."""
-    out = isolated.run(run_carry, skip_labels=(engine_module.HOST_READ_AFTER_D2H,))
+    out = isolated.run(run_carry, skip_labels=(labels.HOST_READ_AFTER_D2H,))
     assert out["carried"] and not out["intact"]
 
 
@@ -78,11 +77,11 @@ def _adopted(device, tensor):
     stream, tell the allocator, release its device memory."""
     side = device.new_stream()
     buffer = device.host_buffer(tensor.numel() * tensor.element_size())
-    device.wait_stream(side, device.current_stream(), label=engine_module.D2H_AFTER_WRITERS)
+    device.wait_stream(side, device.current_stream(), label=labels.D2H_AFTER_WRITERS)
     with device.use_stream(side):
         device.copy(buffer.view(tensor.dtype), tensor)
         event = device.record_event(side)
-    device.record_stream(tensor, side, label=engine_module.D2H_RECORD_STREAM)
+    device.record_stream(tensor, side, label=labels.D2H_RECORD_STREAM)
     device.release(tensor)
     return tensor, buffer, event
 
@@ -101,11 +100,11 @@ def run_adopt(mixed: bool) -> dict:
         engine = OffloadEngine(device, lambda: [(STATES, t) for t in tracked])
         engine.offload()
         engine.release()
-        engine.adopt([_adopted(device, t) for t in new])
+        engine.adopted.add([_adopted(device, t) for t in new])
         tracked += new + resident
         engine.offload()  # the rescan builds the new layout
         released_after_rescan = engine.is_released()
-        groups = len(engine.groups)
+        groups = len(engine.pieces)
         engine.release()
         engine.reload()
         engine.wait()

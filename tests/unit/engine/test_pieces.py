@@ -11,7 +11,7 @@ import torch
 
 from megatron_offload.device import CPUDevice
 from megatron_offload.engine import OffloadEngine
-from megatron_offload.engine.groups import split_pieces
+from megatron_offload.engine.pieces import split_pieces
 from tests.unit.engine.test_engine import MASTERS, STATES, Model, aligned
 
 KIB = 1 << 10
@@ -66,15 +66,15 @@ def _pieces_job(max_piece_bytes, steps=5):
         off.step()
         engine.offload(release=True)
         stats = engine.stats()
-        storages = {g.flat.untyped_storage()._cdata for g in engine.groups if g.flat is not None}
+        storages = {g.flat.untyped_storage()._cdata for g in engine.pieces if g.flat is not None}
         figures.append(
             {
                 "pieces": stats["pieces"],
-                "groups": stats["groups"],
+                "groups": sum(stats["pieces"].values()),
                 "d2h": stats["d2h_copies"],
                 "h2d": stats["h2d_copies"],
                 "largest": stats["largest_piece_bytes"],
-                "piece_bytes": [g.nbytes for g in engine.groups],
+                "piece_bytes": [g.nbytes for g in engine.pieces],
                 "flats": len(storages),
                 "held": sum(t.untyped_storage().nbytes() for _, t in off.collect()),
                 "offloaded": stats["offloaded_bytes"],
@@ -144,7 +144,7 @@ def _order_job(release_in_offload):
         else:
             engine.offload()
             engine.release()
-    return [kind for kind, _ in device.log], engine.stats()["groups"]
+    return [kind for kind, _ in device.log], len(engine.pieces)
 
 
 def test_each_piece_is_released_right_after_its_own_copy(isolated):
@@ -166,7 +166,7 @@ def _many_pieces_job():
         engine.offload(release=True)
     engine.reload()
     engine.wait()
-    return [str(w.message) for w in caught], engine.stats()["groups"]
+    return [str(w.message) for w in caught], len(engine.pieces)
 
 
 def test_a_bound_that_makes_too_many_copies_warns(isolated):
@@ -200,7 +200,7 @@ def _release_refused_mid_offload_job():
         engine.offload(release=True)
         engine.reload()
         engine.wait()
-    moments = [g for g in engine.groups if g.kind == STATES]
+    moments = [g for g in engine.pieces if g.kind == STATES]
     moments[-1].tensors[0].numpy()  # makes the last piece's storage non-resizable
     ref.step()
     engine.mark_dirty()
@@ -211,7 +211,7 @@ def _release_refused_mid_offload_job():
         refused = None
     except OffloadStateError as exc:
         refused = str(exc)
-    released = sum(g.place.value == "released" for g in engine.groups)
+    released = sum(g.place.value == "released" for g in engine.pieces)
     # A new layout replaces the host arena while the refused piece's copy may still be
     # queued: the old arena is given back only after that copy (rule 5).
     extra.append((MASTERS, torch.ones(5)))

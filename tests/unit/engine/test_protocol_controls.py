@@ -19,8 +19,7 @@ import re
 import pytest
 import torch
 
-from megatron_offload.engine import OffloadEngine
-from megatron_offload.engine import engine as engine_module
+from megatron_offload.engine import OffloadEngine, labels
 from megatron_offload_testing import (
     FREED_IN_USE,
     HOST_FREED_IN_USE,
@@ -34,15 +33,18 @@ from megatron_offload_testing import (
     ProtocolViolation,
 )
 
-STATES, MASTERS = "optimizer_states", "primary_weights"
+STATES, MASTERS = "optimizer_states", "master_weights"
 
 # Every label constant the engine passes to the device (upper-case names holding
 # "words-like-this"), found by reading the module so a new label cannot go without a
-# negative control.
+# negative control (the slots' own label has its control in test_slots.py).
 LABELS = sorted(
     value
-    for name, value in vars(engine_module).items()
-    if name.isupper() and isinstance(value, str) and re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)+", value)
+    for name, value in vars(labels).items()
+    if name.isupper()
+    and isinstance(value, str)
+    and re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)+", value)
+    and value != labels.SLOT_REUSE_AFTER_D2H
 )
 
 
@@ -135,7 +137,7 @@ def run_cycles(skip_labels=(), raise_violations=True, max_piece_bytes=None) -> d
         # The host copy is read by the host (a checkpoint would do this).
         engine.offload()
         engine.synchronize_host()
-        for group in engine.groups:
+        for group in engine.pieces:
             device.check_readable(group.host)
             if not all(torch.equal(host, t) for t, host in group.host_slices()):
                 host_mismatches.append(group.kind)
@@ -169,7 +171,7 @@ def run_cycles(skip_labels=(), raise_violations=True, max_piece_bytes=None) -> d
         full_cycle()
         if not all(torch.equal(a, b) for a, b in zip(off.tensors(), ref.tensors())):
             mismatches.append("final")
-        groups.extend((g.kind, g.dtype) for g in engine.groups)
+        groups.extend((g.kind, g.dtype) for g in engine.pieces)
         engine.close()  # detach: the host arena is given back
         device.check(raise_on_violation=raise_violations)
     except ProtocolViolation as exc:
@@ -202,7 +204,7 @@ def run_dropped_prefetch(skip_labels=()) -> dict:
         engine.offload()
         engine.release()
         engine.reload()
-        hosts = [group.host for group in engine.groups]
+        hosts = [group.host for group in engine.pieces]
         del engine, off
         gc.collect()
         device.synchronize()
@@ -299,18 +301,18 @@ def test_full_protocol_is_clean_and_bitwise(isolated):
 # whether the same run without raising also corrupts the results (poison reaches the
 # optimizer or the host read).
 CAUGHT_BY = {
-    engine_module.D2H_AFTER_WRITERS: ((1, UNORDERED_DEVICE_ACCESS), False),
-    engine_module.D2H_RECORD_STREAM: ((2, RELEASE_IN_USE), True),
-    engine_module.H2D_AFTER_ALLOCATION: ((7, WRITE_BEFORE_ALLOCATION), False),
-    engine_module.H2D_AFTER_D2H: ((5, UNORDERED_HOST_READ), True),
-    engine_module.USE_AFTER_H2D: ((4, USE_BEFORE_COPY), True),
-    engine_module.HOST_READ_AFTER_D2H: ((5, UNORDERED_HOST_READ), True),
-    engine_module.HOST_FREE_AFTER_COPIES: ((5, HOST_FREED_IN_USE), False),
+    labels.D2H_AFTER_WRITERS: ((1, UNORDERED_DEVICE_ACCESS), False),
+    labels.D2H_RECORD_STREAM: ((2, RELEASE_IN_USE), True),
+    labels.H2D_AFTER_ALLOCATION: ((7, WRITE_BEFORE_ALLOCATION), False),
+    labels.H2D_AFTER_D2H: ((5, UNORDERED_HOST_READ), True),
+    labels.USE_AFTER_H2D: ((4, USE_BEFORE_COPY), True),
+    labels.HOST_READ_AFTER_D2H: ((5, UNORDERED_HOST_READ), True),
+    labels.HOST_FREE_AFTER_COPIES: ((5, HOST_FREED_IN_USE), False),
 }
 # Labels whose call matters only on a path the main scenario does not need: each has its own
 # scenario, clean with the call and caught without it.
 CAUGHT_ONLY_WHEN_DROPPED = {
-    engine_module.WRITE_AFTER_D2H: (run_step_after_unreleased_offload, (2, OVERWRITE_WHILE_READ)),
+    labels.WRITE_AFTER_D2H: (run_step_after_unreleased_offload, (2, OVERWRITE_WHILE_READ)),
 }
 
 
@@ -395,6 +397,6 @@ def run_engine_dropped_with_copies_in_flight(skip_labels=()) -> dict:
 def test_host_arena_is_freed_only_after_its_copies(isolated, scenario, caught):
     clean = isolated.run(scenario)
     assert clean["raised"] is None and clean["violations"] == [], clean
-    label = engine_module.HOST_FREE_AFTER_COPIES
+    label = labels.HOST_FREE_AFTER_COPIES
     dropped = isolated.run(scenario, skip_labels=(label,))
     assert dropped["raised"] == caught, dropped

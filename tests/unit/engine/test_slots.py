@@ -13,9 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_offload.engine import OffloadEngine, OffloadStateError
-from megatron_offload.engine import engine as engine_module
-from megatron_offload.engine import slots as slots_module
+from megatron_offload.engine import OffloadEngine, OffloadStateError, labels
 from megatron_offload.engine.slots import SlotSizeError, SlotStream
 from megatron_offload_testing import (
     DEVICE_RACE,
@@ -164,12 +162,12 @@ def run_stream(
 
 
 LABELS = (
-    engine_module.H2D_AFTER_ALLOCATION,
-    engine_module.H2D_AFTER_D2H,
-    slots_module.SLOT_REUSE_AFTER_D2H,
-    engine_module.USE_AFTER_H2D,
-    engine_module.D2H_AFTER_WRITERS,
-    engine_module.D2H_RECORD_STREAM,
+    labels.H2D_AFTER_ALLOCATION,
+    labels.H2D_AFTER_D2H,
+    labels.SLOT_REUSE_AFTER_D2H,
+    labels.USE_AFTER_H2D,
+    labels.D2H_AFTER_WRITERS,
+    labels.D2H_RECORD_STREAM,
 )
 
 
@@ -205,11 +203,11 @@ def test_one_slot_works_without_overlap(isolated):
 
 # label -> (rule, kind) raised when that call is dropped.
 CAUGHT_BY = {
-    engine_module.H2D_AFTER_ALLOCATION: (7, WRITE_BEFORE_ALLOCATION),
-    engine_module.H2D_AFTER_D2H: (5, UNORDERED_HOST_READ),
-    slots_module.SLOT_REUSE_AFTER_D2H: (3, DEVICE_RACE),
-    engine_module.USE_AFTER_H2D: (3, DEVICE_RACE),  # the D2H reads what the H2D still writes
-    engine_module.D2H_AFTER_WRITERS: (1, UNORDERED_DEVICE_ACCESS),
+    labels.H2D_AFTER_ALLOCATION: (7, WRITE_BEFORE_ALLOCATION),
+    labels.H2D_AFTER_D2H: (5, UNORDERED_HOST_READ),
+    labels.SLOT_REUSE_AFTER_D2H: (3, DEVICE_RACE),
+    labels.USE_AFTER_H2D: (3, DEVICE_RACE),  # the D2H reads what the H2D still writes
+    labels.D2H_AFTER_WRITERS: (1, UNORDERED_DEVICE_ACCESS),
 }
 
 
@@ -223,18 +221,14 @@ def test_dropped_ordering_call_is_caught(isolated, label):
 def test_dropped_record_stream_lets_poison_into_the_host_copy(isolated):
     """Without record_stream the slots die with their D2H still queued: the copies read
     freed memory (the model writes poison), so the states come back wrong."""
-    out = isolated.run(
-        run_stream, skip_labels=(engine_module.D2H_RECORD_STREAM,), raise_violations=False
-    )
-    assert out["skipped"].get(engine_module.D2H_RECORD_STREAM, 0) > 0
+    out = isolated.run(run_stream, skip_labels=(labels.D2H_RECORD_STREAM,), raise_violations=False)
+    assert out["skipped"].get(labels.D2H_RECORD_STREAM, 0) > 0
     assert out["violations"] and out["mismatches"]
 
 
 def test_use_before_h2d_reads_poison_when_not_raising(isolated):
     """The update runs on a slot its H2D has not filled: it reads the slot's poison."""
-    out = isolated.run(
-        run_stream, skip_labels=(engine_module.USE_AFTER_H2D,), raise_violations=False
-    )
+    out = isolated.run(run_stream, skip_labels=(labels.USE_AFTER_H2D,), raise_violations=False)
     assert (3, DEVICE_RACE) in out["violations"]
     assert out["mismatches"]
 

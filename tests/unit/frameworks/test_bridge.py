@@ -258,7 +258,7 @@ class _Recorder:
 
 def _state_tensors(optimizer):
     from megatron_offload.adapters import collect
-    from megatron_offload.offloader.acceptance import distributed_optimizers
+    from megatron_offload.offloader.members import megatron_optimizers as distributed_optimizers
 
     return [tensor for d in distributed_optimizers(optimizer) for _, tensor in collect(d)]
 

@@ -13,8 +13,8 @@ from megatron_offload.frameworks.bridge import OptimizerStateOffloadCallback
 def test_options_are_checked_when_the_callback_is_made():
     with pytest.raises(TypeError, match="offload_moments"):
         OptimizerStateOffloadCallback(offload_moments=True)
-    with pytest.raises((TypeError, ValueError), match="offload_primary_weights"):
-        OptimizerStateOffloadCallback(offload_primary_weights="yes")
+    with pytest.raises((TypeError, ValueError), match="offload_master_weights"):
+        OptimizerStateOffloadCallback(offload_master_weights="yes")
 
 
 class _Recorder:

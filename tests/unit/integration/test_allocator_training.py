@@ -167,7 +167,7 @@ def _modelled_job(
             sizes = [
                 segment_size(g.nbytes * SCALE)
                 for e in offloader.engines
-                for g in e.groups
+                for g in e.pieces
                 if not g.streamed
             ]
             # The chunked update's two slots are the streamed states' residency in the step,
@@ -202,7 +202,7 @@ def _modelled_job(
         model = devices[0].model
         stats = offloader.stats()
         # Pieces in copy order (each engine copies its groups in order; one engine here).
-        pieces = [g.nbytes * SCALE for e in offloader.engines for g in e.groups]
+        pieces = [g.nbytes * SCALE for e in offloader.engines for g in e.pieces]
         t0 = figures[-1]["t0"]
         model.synchronize()  # let every copy finish in modelled time
         out.update(

@@ -1,31 +1,37 @@
-"""--offload-optimizer-states and its tuning flags on Megatron's own argument parser, and every
-combination validate_args refuses (each message names both flags and says what to do)."""
+"""--offload-optimizer-states and the other flags on Megatron's own argument parser: every
+field of OffloadConfig is a flag named as the field, in its unit; and every combination
+validate_args refuses (each message names the flags and says what to do)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 
 import pytest
 
-from megatron_offload.config import OffloadConfig
+from megatron_offload.config import NOT_FLAGS, OffloadConfig, flag
 from megatron_offload.megatron.arguments import (
     CHUNKED_FLAG,
-    OFFLOAD_FLAG,
-    PIECE_FLAG,
-    TUNING_FLAGS,
-    UNDO_FLAG,
+    LOG_FLAG,
+    MASTERS_FLAG,
+    SWITCH,
     OffloadArgumentError,
     add_arguments,
     config_from_args,
+    dest,
     validate_args,
 )
 
+OFFLOAD_FLAG = SWITCH
+PIECE_FLAG = flag("max_piece_bytes")
+UNDO_FLAG = flag("chunked_update_undo")
 OK_BASE = [OFFLOAD_FLAG, "--use-distributed-optimizer", "--bf16"]
 HAVE_EMERGING = importlib.util.find_spec("emerging_optimizers") is not None
 EMERGING_REASON = (
     "needs the emerging-optimizers package (requirements/py312.txt: emerging-optimizers==0.3.0)"
 )
+FIELDS = [f.name for f in dataclasses.fields(OffloadConfig) if f.name not in NOT_FLAGS]
 
 
 @pytest.fixture(scope="module")
@@ -41,63 +47,85 @@ def _parse(parser, argv):
 
 
 # ------------------------------------------------------------------------------- the flags
-def test_add_arguments_is_an_extra_args_provider():
+def test_every_field_is_a_flag_named_as_the_field():
     parser = argparse.ArgumentParser(allow_abbrev=False)
     assert add_arguments(parser) is parser
     assert add_arguments(parser) is parser  # twice on one parser: no argparse conflict
     args = parser.parse_args([])
     assert args.offload_optimizer_states is False
-    for _, dest in TUNING_FLAGS:
-        assert getattr(args, dest) is True
-    assert args.offload_chunked_update_undo is False  # opt-in
-    assert args.offload_chunked_update_bytes is None
-    assert args.offload_max_piece_mb is None
-    flags = [OFFLOAD_FLAG, CHUNKED_FLAG, PIECE_FLAG, UNDO_FLAG] + [flag for flag, _ in TUNING_FLAGS]
-    for flag in flags:
-        action = parser._option_string_actions[flag]
-        assert action.help and len(action.help) > 40, flag
-        # Megatron's conventions: lower-case, hyphenated, dest = flag name with underscores.
-        assert flag == flag.lower() and "_" not in flag
-    assert parser._option_string_actions[OFFLOAD_FLAG].dest == "offload_optimizer_states"
+    for name in FIELDS:
+        option = flag(name)
+        # The field's name with --offload- in front (not twice), lower-case and hyphenated.
+        assert option == "--" + ("" if name.startswith("offload_") else "offload-") + name.replace(
+            "_", "-"
+        )
+        action = parser._option_string_actions[option]
+        assert action.help and len(action.help) > 40, option
+        assert action.dest == dest(name) == option[2:].replace("-", "_")
+        if name not in ("offload_optimizer_states", "chunked_update_undo"):
+            assert getattr(args, dest(name)) is None  # not given: the field's default
+    assert parser._option_string_actions[LOG_FLAG].dest == "offload_log_stats"
+    assert flag("offload_fraction") == "--offload-fraction"
+    assert flag("release_master_grads") == "--offload-release-master-grads"
+    assert PIECE_FLAG == "--offload-max-piece-bytes"  # bytes, as the field
+
+
+# Per field: the flag given with a value other than the default, and the value the config gets.
+GIVEN = {
+    "offload_optimizer_states": ([], True),
+    "offload_master_weights": (["--no-offload-master-weights"], False),
+    "release_master_grads": (["--no-offload-release-master-grads"], False),
+    "offload_fraction": (["--offload-fraction", "0.5"], 0.5),
+    "host_memory_budget": (["--offload-host-memory-budget", "auto"], "auto"),
+    "prefetch": (["--offload-prefetch", "0.25"], 0.25),
+    "chunked_update_bytes": ([CHUNKED_FLAG, "4096"], 4096),
+    "chunked_update_slots": (["--offload-chunked-update-slots", "3"], 3),
+    "chunked_update_undo": ([UNDO_FLAG, CHUNKED_FLAG, "4096"], True),
+    "max_piece_bytes": ([PIECE_FLAG, "1048576"], 1 << 20),
+    "stream_priority": (["--offload-stream-priority", "-1"], -1),
+    "per_optimizer": (
+        ["--offload-per-optimizer", '{"1": {"offload_master_weights": false}}'],
+        {1: {"offload_master_weights": False}},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GIVEN))
+def test_config_from_args_maps_every_field(name):
+    """Each flag given with a value other than the default reaches its field, in its unit."""
+    assert set(GIVEN) == set(FIELDS)  # every field has a flag
+    parser = add_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    tokens, value = GIVEN[name]
+    config = config_from_args(parser.parse_args([OFFLOAD_FLAG] + tokens))
+    assert getattr(config, name) == value
+    if tokens:  # the switch alone is the field's default
+        assert getattr(OffloadConfig(), name) != value  # the flag changed something
+
+
+def test_the_master_weights_follow_the_switch():
+    assert config_from_args(argparse.Namespace(offload_optimizer_states=True)).kinds() == (
+        "optimizer_states",
+        "master_weights",
+    )
+    masters = argparse.Namespace(offload_master_weights=True)  # the flag alone: only them
+    assert config_from_args(masters).kinds() == ("master_weights",)
+    assert config_from_args(argparse.Namespace()).kinds() == ()
 
 
 def test_flags_coexist_with_megatrons(megatron_parser):
     args = _parse(
-        megatron_parser, OK_BASE + ["--no-offload-master-weights", "--no-offload-prefetch"]
+        megatron_parser, OK_BASE + ["--no-offload-master-weights", "--offload-prefetch", "step"]
     )
-    assert args.offload_optimizer_states and not args.offload_master_weights
-    assert not args.offload_prefetch and args.offload_moments and args.log_offload_stats
+    assert args.offload_optimizer_states and args.offload_master_weights is False
+    assert args.offload_prefetch == "step" and args.offload_log_stats is None
     validate_args(args)
-
-
-def test_config_from_args():
-    args = argparse.Namespace(
-        offload_optimizer_states=True,
-        offload_moments=False,
-        offload_master_weights=True,
-        offload_release_master_grads=False,
-    )
-    assert config_from_args(args) == OffloadConfig(
-        offload_optimizer_states=False, offload_primary_weights=True, release_master_grads=False
-    )
-    assert config_from_args(argparse.Namespace()) == OffloadConfig()
-    chunked = argparse.Namespace(
-        offload_optimizer_states=True, offload_chunked_update_bytes=1 << 20
-    )
-    assert config_from_args(chunked).chunked_update_bytes == 1 << 20
-    assert config_from_args(chunked).chunked_update_undo is False
-    chunked.offload_chunked_update_undo = True
-    assert config_from_args(chunked).chunked_update_undo is True
-    pieces = argparse.Namespace(offload_optimizer_states=True, offload_max_piece_mb=64)
-    assert config_from_args(pieces).max_piece_bytes == 64 << 20
-    assert config_from_args(argparse.Namespace()).max_piece_bytes == 256 << 20  # the default
 
 
 def test_max_piece_bytes_option_is_validated_before_anything_is_touched():
     import megatron_offload
 
     for bad in (0, -1, 1.5, True, "256MiB", None):
-        with pytest.raises(ValueError, match="max_piece_bytes must be a positive number of bytes"):
+        with pytest.raises(ValueError, match="max_piece_bytes .* must be a positive number"):
             OffloadConfig(max_piece_bytes=bad)
         # attach() validates its options before it looks at the optimizer at all.
         with pytest.raises(ValueError, match="max_piece_bytes"):
@@ -114,17 +142,18 @@ def test_max_piece_bytes_option_is_validated_before_anything_is_touched():
         OK_BASE,
         [OFFLOAD_FLAG, "--use-distributed-optimizer"],  # fp32: moments only
         OK_BASE + ["--fp16"],
-        OK_BASE + ["--no-offload-moments"],  # master weights only (bf16)
+        ["--use-distributed-optimizer", "--bf16", MASTERS_FLAG],  # master weights only
         OK_BASE + ["--no-offload-master-weights", "--qk-clip"],
         [OFFLOAD_FLAG, "--use-distributed-optimizer", "--qk-clip"],  # fp32: no master weights
-        OK_BASE + ["--cuda-graph-impl", "full_iteration", "--no-offload-prefetch"],
+        OK_BASE + ["--cuda-graph-impl", "full_iteration", "--offload-prefetch", "step"],
         OK_BASE + ["--cuda-graph-impl", "local"],
         OK_BASE + ["--overlap-grad-reduce", "--overlap-param-gather"],
         OK_BASE + ["--use-precision-aware-optimizer"],
         OK_BASE + [CHUNKED_FLAG, "1073741824"],
         OK_BASE + [CHUNKED_FLAG, "1073741824", "--no-offload-master-weights"],
         OK_BASE + [CHUNKED_FLAG, "1073741824", "--offload-chunked-update-undo"],
-        OK_BASE + [PIECE_FLAG, "64"],
+        OK_BASE + [PIECE_FLAG, "67108864"],
+        OK_BASE + ["--offload-prefetch", "0.5", "--offload-fraction", "0.5"],
         # megatron-core's offload_to_cpu/restore_from_cpu are routed to the offloader.
         OK_BASE + ["--rl-offload-optimizer-during-inference"],
         [
@@ -134,7 +163,7 @@ def test_max_piece_bytes_option_is_validated_before_anything_is_touched():
         # Without the distributed optimizer: Float16OptimizerWithFloat16Params / FP32Optimizer.
         [OFFLOAD_FLAG, "--bf16"],
         [OFFLOAD_FLAG],
-        [OFFLOAD_FLAG, "--bf16", "--no-offload-moments"],
+        ["--bf16", MASTERS_FLAG],
         # sgd: with --use-distributed-optimizer megatron-core refuses it itself, at build.
         OK_BASE + ["--optimizer", "sgd"],
         [OFFLOAD_FLAG, "--bf16", "--optimizer", "sgd"],
@@ -193,7 +222,7 @@ REFUSED = [
             "--optimizer-cpu-offload",
             "mutually exclusive",
             "runs Adam on the CPU",
-            "drop --optimizer-cpu-offload",
+            "Drop --optimizer-cpu-offload",
         ],
         id="optimizer-cpu-offload",
     ),
@@ -218,8 +247,7 @@ REFUSED = [
         OK_BASE + ["--use-megatron-fsdp"],
         [
             OFFLOAD_FLAG,
-            "Megatron-FSDP (--use-megatron-fsdp)",
-            "Drop --use-megatron-fsdp",
+            "Megatron-FSDP (use_megatron_fsdp, --use-megatron-fsdp)",
             "--use-distributed-optimizer",
         ],
         id="megatron-fsdp",
@@ -246,12 +274,12 @@ REFUSED = [
     ),
     pytest.param(
         OK_BASE + ["--cuda-graph-impl", "full_iteration"],
-        [OFFLOAD_FLAG, "--cuda-graph-impl full_iteration", "Add --no-offload-prefetch"],
+        [OFFLOAD_FLAG, "--cuda-graph-impl full_iteration", "Add --offload-prefetch step"],
         id="full-iteration-cuda-graph",
     ),
     pytest.param(
         OK_BASE + ["--enable-cuda-graph", "--cuda-graph-scope", "full_iteration"],
-        [OFFLOAD_FLAG, "--cuda-graph-impl full_iteration", "--no-offload-prefetch"],
+        [OFFLOAD_FLAG, "--cuda-graph-impl full_iteration", "--offload-prefetch step"],
         id="deprecated-full-iteration-cuda-graph",
     ),
     pytest.param(
@@ -280,18 +308,13 @@ REFUSED = [
         id="freeze-all-layers",
     ),
     pytest.param(
-        OK_BASE + ["--no-offload-moments", "--no-offload-master-weights"],
-        [OFFLOAD_FLAG, "--no-offload-moments", "--no-offload-master-weights", "nothing to offload"],
-        id="nothing-selected",
-    ),
-    pytest.param(
-        [OFFLOAD_FLAG, "--use-distributed-optimizer", "--no-offload-moments"],
-        [OFFLOAD_FLAG, "--no-offload-moments", "--bf16 or --fp16"],
+        ["--use-distributed-optimizer", MASTERS_FLAG],
+        [MASTERS_FLAG, OFFLOAD_FLAG, "--bf16 or --fp16"],
         id="master-weights-only-in-fp32",
     ),
     pytest.param(
-        ["--use-distributed-optimizer", "--no-offload-prefetch"],
-        ["--no-offload-prefetch has no effect without " + OFFLOAD_FLAG, "add " + OFFLOAD_FLAG],
+        ["--use-distributed-optimizer", "--offload-prefetch", "step"],
+        ["--offload-prefetch has no effect without " + OFFLOAD_FLAG, "add " + OFFLOAD_FLAG],
         id="tuning-flag-without-offloading",
     ),
     pytest.param(
@@ -301,17 +324,17 @@ REFUSED = [
     ),
     pytest.param(
         OK_BASE + [CHUNKED_FLAG, "0"],
-        [CHUNKED_FLAG, "must be a number of bytes > 0"],
+        [CHUNKED_FLAG, "must be a number of bytes (int > 0)"],
         id="chunked-update-zero-bytes",
     ),
     pytest.param(
-        OK_BASE + [CHUNKED_FLAG, "4096", "--no-offload-moments"],
-        [CHUNKED_FLAG, "--no-offload-moments", "Drop one"],
-        id="chunked-update-without-moments",
+        ["--bf16", MASTERS_FLAG, CHUNKED_FLAG, "4096"],
+        [CHUNKED_FLAG, "optimizer states", "Add " + OFFLOAD_FLAG],
+        id="chunked-update-without-optimizer-states",
     ),
     pytest.param(
         OK_BASE + ["--offload-chunked-update-undo"],
-        ["--offload-chunked-update-undo has no effect without " + CHUNKED_FLAG],
+        [UNDO_FLAG, "has no effect without", CHUNKED_FLAG],
         id="chunked-undo-flag-without-chunked-update",
     ),
     pytest.param(
@@ -321,17 +344,27 @@ REFUSED = [
     ),
     pytest.param(
         OK_BASE + [PIECE_FLAG, "0"],
-        [PIECE_FLAG, "must be a whole number of MiB > 0"],
+        [PIECE_FLAG, "must be a positive number of bytes"],
         id="max-piece-zero",
     ),
     pytest.param(
         OK_BASE + [PIECE_FLAG, "-8"],
-        [PIECE_FLAG, "must be a whole number of MiB > 0"],
+        [PIECE_FLAG, "must be a positive number of bytes"],
         id="max-piece-negative",
     ),
     pytest.param(
-        ["--no-log-offload-stats", "--no-offload-master-weights"],
-        ["--no-offload-master-weights", "--no-log-offload-stats", OFFLOAD_FLAG],
+        OK_BASE + ["--offload-fraction", "1.5"],
+        ["--offload-fraction", "from 0 to 1"],
+        id="fraction-above-one",
+    ),
+    pytest.param(
+        OK_BASE + ["--offload-fraction", "0.5", CHUNKED_FLAG, "4096"],
+        [CHUNKED_FLAG, "--offload-fraction", "Use one of them"],
+        id="fraction-with-chunked-update",
+    ),
+    pytest.param(
+        ["--no-offload-log-stats", "--no-offload-master-weights"],
+        ["--no-offload-master-weights", "--no-offload-log-stats", OFFLOAD_FLAG],
         id="tuning-flags-without-offloading",
     ),
 ]

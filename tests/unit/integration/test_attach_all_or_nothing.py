@@ -253,7 +253,7 @@ def chain_member_job():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         offloader = megatron_offload.attach(
-            optimizer, offload_optimizer_states=False, offload_primary_weights=False
+            optimizer, offload_optimizer_states=False, offload_master_weights=False
         )
         found["nothing_warnings"] = [str(w.message) for w in caught]
         offloader.detach()

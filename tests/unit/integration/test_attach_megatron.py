@@ -16,7 +16,7 @@ def _tracked_storage_bytes(offloader):
 
     kinds = set(offloader.config.kinds())
     sizes = []
-    for distrib_optimizer in offloader._distributed:
+    for distrib_optimizer in (member.optimizer for member in offloader.members):
         for kind, tensor in adapter.collect(distrib_optimizer):
             if kind in kinds:
                 sizes.append(tensor.untyped_storage().nbytes())
@@ -186,7 +186,7 @@ def test_selective_offload_leaves_the_other_kind_resident(rank_pool):
     kw = dict(overlap_grad_reduce=False, overlap_param_gather=False, bucket_size=None)
     reference = rank_pool.run(train_job, "mlp", "bf16", 4, False, **kw)
     moments_only = rank_pool.run(
-        train_job, "mlp", "bf16", 4, True, options={"offload_primary_weights": False}, **kw
+        train_job, "mlp", "bf16", 4, True, options={"offload_master_weights": False}, **kw
     )
     assert_bitwise_equal(reference, moments_only)
     for rank in moments_only:

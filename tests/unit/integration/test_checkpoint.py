@@ -218,7 +218,7 @@ def checkpoint_job(offload, dtype, async_save, directory, checked=False, chunked
 
 
 def _all_released(offloader):
-    return all(g.place.value == "released" for e in offloader.engines for g in e.groups)
+    return all(g.place.value == "released" for e in offloader.engines for g in e.pieces)
 
 
 class DeviceWatch:
@@ -250,7 +250,7 @@ class DeviceWatch:
             return self
         for engine in self.offloader.engines:
             engine.synchronize_host()
-        self.tensors = [t for e in self.offloader.engines for g in e.groups for t in g.tensors]
+        self.tensors = [t for e in self.offloader.engines for g in e.pieces for t in g.tensors]
         for name in (
             "_get_main_param_and_optimizer_states",
             "_set_main_param_and_optimizer_states",

@@ -26,6 +26,7 @@ import torch
 from megatron_offload.adapters import megatron_wrappers as adapter
 from megatron_offload.chunked.update import ChunkedUpdate
 from megatron_offload.engine import OffloadEngine
+from megatron_offload.phase import Phase
 from megatron_offload_testing import CheckedDevice, ProtocolViolation
 
 STATES = "optimizer_states"
@@ -87,7 +88,7 @@ def run_failing_copy(fail_in: str, fail_at: int) -> dict:
         _grads(params, step)
         if fail_in == ("creation" if step == 0 else "stream" if step == 2 else None):
             device.arm(fail_at)
-        chunked.active = True
+        token = chunked.phase.enter(Phase.STEPPING)
         try:
             opt.step()
         except RuntimeError as exc:
@@ -97,7 +98,7 @@ def run_failing_copy(fail_in: str, fail_at: int) -> dict:
                 # next (a retried step) writes them.
                 device.note_compute()
         finally:
-            chunked.active = False
+            chunked.phase.leave(token)
         engine.offload(skip_unchanged=True)
         engine.release()
     engine.reload()

@@ -25,7 +25,7 @@ import types
 import pytest
 import torch
 
-STATES, MASTERS = "optimizer_states", "primary_weights"
+STATES, MASTERS = "optimizer_states", "master_weights"
 SIZES = (40, 7, 33, 16, 5, 24)
 
 
@@ -140,7 +140,8 @@ class _Run:
         # The parameters and the small tensors their states keep on the device (step counts,
         # scales) are not the update's memory; the undo's copies of them make the device know
         # them. (Taken before the step: during it, the param groups are narrowed to each call's.)
-        from megatron_offload.engine.undo import written_tensors
+        from megatron_offload.adapters.inner_optimizers import written_tensors
+        from megatron_offload.phase import Phase
 
         opt = self.distrib.optimizer
         self._param_storages = {
@@ -150,11 +151,11 @@ class _Run:
             for t in written_tensors(opt, p, opt.state.get(p))
             if t.numel() < 2 or t is p
         }
-        self.chunked.active = True
+        token = self.chunked.phase.enter(Phase.STEPPING)
         try:
             self.distrib.optimizer.step()
         finally:
-            self.chunked.active = False
+            self.chunked.phase.leave(token)
             self.engine.offload(skip_unchanged=True)
             self.engine.release()
 

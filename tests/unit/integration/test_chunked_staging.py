@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from megatron_offload.adapters import megatron_wrappers as adapter
-from megatron_offload.chunked.update import ChunkedUpdate, _Staging
-from megatron_offload.engine import OffloadEngine
+from megatron_offload.chunked.update import ChunkedUpdate
+from megatron_offload.engine import HostBuffers, OffloadEngine
+from megatron_offload.phase import Phase
 from megatron_offload_testing import CheckedDevice
 
 STATES = "optimizer_states"
@@ -72,11 +73,11 @@ def run_first_steps(steps=3, undo=False) -> dict:
         _grads(params, step)
         _grads(ref_params, step)
         before = len(device.buffers)
-        chunked.active = True
+        token = chunked.phase.enter(Phase.STEPPING)
         try:
             opt.step()
         finally:
-            chunked.active = False
+            chunked.phase.leave(token)
         per_step.append(device.buffers[before:])
         ref_opt.step()
         engine.offload(skip_unchanged=True)
@@ -137,17 +138,18 @@ def test_staging_with_underestimated_sizes_needs_few_buffers():
             self.freed.append(buffer.numel())
 
     device = Recorder()
-    staging = _Staging(device, [16] * 64)  # a lower bound: the states are 4x larger
+    staging = HostBuffers(device)
+    estimates = [16] * 64  # a lower bound: the states are 4x larger
     views = []
     for index in range(64):
-        view, buffer = staging.take(64, index)
+        view, buffer = staging.take(64, hint=sum(estimates[index:]))
         views.append(view)
-        staging.handed_over([buffer])
+        staging.hand_over([buffer])
     assert len(device.sizes) <= 4 and sum(device.sizes) < 3 * 64 * 64
     assert all(v.numel() == 64 for v in views)
     starts = sorted(v.data_ptr() for v in views)
     assert all(b - a >= 64 for a, b in zip(starts, starts[1:]))  # no two views overlap
     # A failure before hand-over gives back only the buffer no adopted state lives in.
-    staging.take(10_000, 63)
-    staging.free_unused()
+    staging.take(10_000, hint=16)
+    staging.free()
     assert device.freed == [10_000]

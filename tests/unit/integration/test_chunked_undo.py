@@ -399,6 +399,7 @@ def run_modelled_step_time(undo):
     from megatron_offload.adapters import megatron_wrappers as adapter
     from megatron_offload.chunked.update import ChunkedUpdate
     from megatron_offload.engine import OffloadEngine
+    from megatron_offload.phase import Phase
     from megatron_offload_testing import ModelledDevice
 
     bandwidth = 1e6  # bytes per second, both directions
@@ -437,11 +438,11 @@ def run_modelled_step_time(undo):
             p.grad = torch.full_like(p, 0.01 * (step + 1))
         device.synchronize()
         start = device.model.now
-        chunked.active = True
+        token = chunked.phase.enter(Phase.STEPPING)
         try:
             opt.step()
         finally:
-            chunked.active = False
+            chunked.phase.leave(token)
         device.synchronize()
         times.append(device.model.now - start)
         engine.offload(skip_unchanged=True)
@@ -468,12 +469,9 @@ def test_the_undo_copies_overlap_the_update_of_the_chunk_before(isolated):
 def run_preparation_fails():
     """The undo's preparation (ordering the reload of what comes back whole) raises: nothing
     was updated, and the offloader is not left believing a chunked update still runs."""
-    import types
 
     params, opt = _build("torch", "fp32", False)
     run = _Run(opt, 4096, _kinds("torch"))
-    owner = types.SimpleNamespace(_streaming=0)
-    run.chunked._owner = owner
     _grads("torch", params, 0)
     run.step()
     _grads("torch", params, 1)
@@ -495,12 +493,13 @@ def run_preparation_fails():
     run.reload()
     unchanged = _snapshot(opt) == before
     run.close()
-    return {"message": message, "streaming": owner._streaming, "unchanged": unchanged}
+    return {"message": message, "phase": run.chunked.phase.current.value, "unchanged": unchanged}
 
 
 def test_a_failure_before_the_first_call_leaves_no_update_running(isolated):
     out = isolated.run(run_preparation_fails)
-    assert out == {"message": "planted: the reload failed", "streaming": 0, "unchanged": True}
+    # The phase is back to where the step started: nothing believes the update still runs.
+    assert out == {"message": "planted: the reload failed", "phase": "idle", "unchanged": True}
 
 
 def test_neighbouring_tensors_of_one_storage_are_saved_with_one_copy():

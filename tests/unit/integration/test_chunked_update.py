@@ -175,7 +175,7 @@ def chunked_job(
                 )
                 # What is reloaded whole: the masters megatron keeps beside the optimizer.
                 figures[-1]["whole_bytes"] = sum(
-                    g.nbytes for e in offloader.engines for g in e.groups if not g.streamed
+                    g.nbytes for e in offloader.engines for g in e.pieces if not g.streamed
                 )
         whole = whole_state_bytes(optimizer)
         if offloader:

@@ -18,7 +18,9 @@ from megatron_offload.chunked.update import ChunkedUpdate
 from megatron_offload.config import OffloadConfig
 from megatron_offload.device.cpu import CPUDevice
 from megatron_offload.engine import OffloadEngine, OffloadStateError
-from megatron_offload.offloader.cycle import _AutomaticCycle
+from megatron_offload.offloader.cycle import AutomaticCycle
+from megatron_offload.offloader.members import Member
+from megatron_offload.phase import Phase
 
 
 def _optimizer(cls=torch.optim.AdamW, sizes=(30, 20, 10), seed=0):
@@ -56,7 +58,7 @@ def run_paths():
         _grads(ref_params, step)
         ref.step()
         calls.clear()
-        chunked.active = True
+        token = chunked.phase.enter(Phase.STEPPING)
         if step == 1:
             # Every state back on the device (an RL phase, a user's reload): one whole step.
             engine.reload()
@@ -72,7 +74,7 @@ def run_paths():
         else:
             opt.step()
             out["creation_calls"] = len(calls)
-        chunked.active = False
+        chunked.phase.leave(token)
         engine.offload()
         engine.release()
     engine.reload()
@@ -122,7 +124,7 @@ def run_replacing(cls, steps=3):
     engine, chunked = _attached(opt)
     for step in range(steps):
         _grads(params, step)
-        chunked.active = True
+        token = chunked.phase.enter(Phase.STEPPING)
         try:
             opt.step()
         except OffloadStateError as exc:
@@ -130,7 +132,7 @@ def run_replacing(cls, steps=3):
                 opt.state[p]["exp_avg"].untyped_storage().nbytes() == 0 for p in params
             )
         finally:
-            chunked.active = False
+            chunked.phase.leave(token)
         engine.offload()
         engine.release()
     engine.reload()
@@ -166,17 +168,19 @@ def test_a_refusal_half_way_through_attaching_unwraps_every_optimizer():
     _, large = _optimizer(sizes=(10_000,))
     own_step = small.step
     small.step = own_step  # an instance attribute of its own, to be kept
-    engines = [OffloadEngine(CPUDevice(), lambda: []) for _ in range(2)]
+    kinds = OffloadConfig().kinds()
+    members = [
+        Member(index, types.SimpleNamespace(optimizer=opt), OffloadEngine(CPUDevice(), list), kinds)
+        for index, opt in enumerate((small, large))
+    ]
     offloader = types.SimpleNamespace(
-        engines=engines,
-        _distributed=[
-            types.SimpleNamespace(optimizer=small),
-            types.SimpleNamespace(optimizer=large),
-        ],
+        members=members,
+        engines=[member.engine for member in members],
+        phase=None,
         config=OffloadConfig(chunked_update_bytes=4096),
     )
     with pytest.raises(ValueError, match="give at least 160,000 bytes"):
-        _AutomaticCycle(offloader)
+        AutomaticCycle(offloader)
     assert vars(small)["step"] is own_step  # the first wrapper was removed again
     assert "step" not in vars(large)
 
@@ -193,9 +197,8 @@ def run_cached_layout():
         if step == 3:
             engine.reload()  # the user brings everything back: the layout key changes
             engine.wait()
-        chunked.active = True
-        opt.step()
-        chunked.active = False
+        with chunked.phase.within(Phase.STEPPING):
+            opt.step()
         engine.offload()
         engine.release()
         counts.append(len(plans))

@@ -16,23 +16,25 @@ import warnings
 
 import pytest
 
+from megatron_offload.config import flag
 from megatron_offload.megatron import coexistence
 from megatron_offload.megatron import training as hooks
 from megatron_offload.megatron.arguments import (
     CHUNKED_FLAG,
-    OFFLOAD_FLAG,
-    PIECE_FLAG,
-    TUNING_FLAGS,
-    UNDO_FLAG,
+    SWITCH,
     OffloadArgumentError,
     add_arguments,
     config_from_args,
     validate_args,
 )
+from megatron_offload.megatron.arguments import _flags as our_flags
+
+OFFLOAD_FLAG = SWITCH
+PIECE_FLAG = flag("max_piece_bytes")
 
 MEGATRON_FLAG = "--chunked-optimizer-state-offload"
 OK_BASE = [OFFLOAD_FLAG, "--use-distributed-optimizer", "--bf16"]
-OUR_FLAGS = [OFFLOAD_FLAG, CHUNKED_FLAG, PIECE_FLAG, UNDO_FLAG] + [flag for flag, _ in TUNING_FLAGS]
+OUR_FLAGS = [option for option, _ in our_flags()]
 
 
 # --------------------------------------------------------------------- dev, as dev defines it
@@ -131,6 +133,7 @@ dev_validate_args.seen = []
 class Offloader:
     engines = [object()]
     detached = False
+    config = argparse.Namespace(prefetch="gradients")
 
 
 class Optimizer:
@@ -174,21 +177,21 @@ def test_megatrons_flag_is_taken_over_and_every_tuning_flag_added():
 
     assert add_arguments(parser) is parser
     assert add_arguments(parser) is parser  # idempotent on a taken-over flag too
-    for flag in OUR_FLAGS:
-        assert flag in parser._option_string_actions, flag
+    for option in OUR_FLAGS:
+        assert option in parser._option_string_actions, option
     assert parser._option_string_actions[OFFLOAD_FLAG] is megatrons  # one action, one dest
     assert [a for a in parser._actions if a.dest == "offload_optimizer_states"] == [megatrons]
-    assert megatrons.help.startswith("Keep the distributed optimizer's states")
+    assert megatrons.help.startswith("Keep the optimizer's states")
     assert "megatron-offload's offloader" in megatrons.help and "alias" in megatrons.help
     # Renders (megatron-core 0.19.2's own --help fails on another flag's bare '%').
     assert parser._get_formatter()._expand_help(megatrons) == megatrons.help
 
     args = parser.parse_args(
-        OK_BASE + [PIECE_FLAG, "64", CHUNKED_FLAG, "4096", "--no-offload-prefetch"]
+        OK_BASE + [PIECE_FLAG, str(64 << 20), CHUNKED_FLAG, "4096", "--offload-prefetch", "step"]
     )
     assert args.offload_optimizer_states is True and args.chunked_optimizer_state_offload is False
-    assert args.offload_max_piece_mb == 64 and args.offload_chunked_update_bytes == 4096
-    assert args.offload_prefetch is False and args.offload_moments is True
+    assert args.offload_max_piece_bytes == 64 << 20 and args.offload_chunked_update_bytes == 4096
+    assert args.offload_prefetch == "step" and args.offload_master_weights is None
     validate_args(args)
     config = config_from_args(args)
     assert config.max_piece_bytes == 64 << 20 and config.chunked_update_bytes == 4096
@@ -215,14 +218,14 @@ def _parser_with(*option_strings, **kwargs):
             id="main-flag-other-dest",
         ),
         pytest.param(
-            _parser_with(PIECE_FLAG, type=int, default=None, dest="offload_max_piece_mb"),
+            _parser_with(PIECE_FLAG, type=int, default=None, dest="offload_max_piece_mib"),
             [PIECE_FLAG, f"it defines {PIECE_FLAG} itself"],
             id="tuning-flag-same-name",
         ),
         pytest.param(
             _parser_with("--megatron-prefetch", action="store_false", dest="offload_prefetch"),
             [
-                "--no-offload-prefetch",
+                "--offload-prefetch",
                 "--megatron-prefetch",
                 "already stores into args.offload_prefetch",
             ],
@@ -321,7 +324,7 @@ def dev_megatron(monkeypatch):
 def test_patched_dev_megatron_runs_only_megatron_offload(dev_megatron, printed, attached):
     arguments, training, unpatched = dev_megatron
     parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
-    args = parser.parse_args(OK_BASE + [PIECE_FLAG, "64", "--ckpt-format", "torch"])
+    args = parser.parse_args(OK_BASE + [PIECE_FLAG, str(64 << 20), "--ckpt-format", "torch"])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no FutureWarning from the alias
         arguments.validate_args(args)
@@ -407,7 +410,7 @@ def test_setup_says_when_megatrons_offloader_is_the_active_one(monkeypatch, prin
 def test_direct_attach_refuses_an_optimizer_megatrons_offloader_manages(how):
     """attach() / OptimizerStateOffloader(...) without the pretrain flags: the same refusal,
     before anything is touched."""
-    from megatron_offload.offloader.offloader import refuse_unsupported
+    from megatron_offload.offloader.members import refuse_unsupported
 
     if how == "offloader object":
         managed = argparse.Namespace(_optimizer_state_offloader=object(), config=None)

@@ -30,7 +30,7 @@ def thousand_cycles_job(cycles):
     offloader.reload()
     offloader.wait()
     before = models.snapshot(chunks, optimizer)
-    arena = offloader.engines[0]._host.buffer.data_ptr()
+    arena = offloader.engines[0].host_arena.data_ptr()
     figures = set()
     for _ in range(cycles):
         offloader.offload()
@@ -48,7 +48,7 @@ def thousand_cycles_job(cycles):
                 stats["d2h_copies"],
                 stats["h2d_copies"],
                 sum(_resident_sizes(offloader, distributed)),
-                offloader.engines[0]._host.buffer.data_ptr() == arena,
+                offloader.engines[0].host_arena.data_ptr() == arena,
             )
         )
     after = models.snapshot(chunks, optimizer)
@@ -154,7 +154,7 @@ def _places(offloader):
     """{kind: set of group places} over every engine."""
     places = {}
     for engine in offloader.engines:
-        for group in engine.groups:
+        for group in engine.pieces:
             places.setdefault(group.kind, set()).add(group.place.value)
     return places
 
@@ -170,7 +170,7 @@ def rl_selection_job(offload, checked=False):
     )
     options, devices = checked_device_options() if checked else ({}, [])
     offloader = (
-        megatron_offload.attach(optimizer, offload_primary_weights=False, **options)
+        megatron_offload.attach(optimizer, offload_master_weights=False, **options)
         if offload
         else None
     )
@@ -189,12 +189,12 @@ def rl_selection_job(offload, checked=False):
 
     results.append(models.train_step(chunks, optimizer, config, 0))
     look("after-step")  # the cycle offloaded the moments only
-    with block(offload_primary_weights=True):
+    with block(offload_master_weights=True):
         look("rollout")
         results.append(rollout())
         with block():  # nested, as configured: the moments are offloaded already
             look("nested-default")
-        with block(offload_optimizer_states=False, offload_primary_weights=True):  # nested, no-op
+        with block(offload_optimizer_states=False, offload_master_weights=True):  # nested, no-op
             look("nested-masters")
         look("after-nested")
     look("after-block")  # as before the block: masters resident, moments offloaded
@@ -203,12 +203,12 @@ def rl_selection_job(offload, checked=False):
         offloader.reload()
         offloader.wait()
     look("all-resident")
-    with block(offload_optimizer_states=False, offload_primary_weights=True):  # the masters only
+    with block(offload_optimizer_states=False, offload_master_weights=True):  # the masters only
         look("masters-only")
         results.append(rollout())
     look("after-masters-only")
     results.append(models.train_step(chunks, optimizer, config, 2))
-    with block(offload_primary_weights=True):  # a step inside a block
+    with block(offload_master_weights=True):  # a step inside a block
         results.append(models.train_step(chunks, optimizer, config, 3))
         look("after-step-in-block")
     look("after-block-with-step")
@@ -226,7 +226,7 @@ def rl_selection_job(offload, checked=False):
 def test_rl_blocks_free_what_the_caller_names_and_restore_it(rank_pool, checked):
     reference = rank_pool.run(rl_selection_job, False)
     offloaded = rank_pool.run(rl_selection_job, True, checked)
-    states, masters = "optimizer_states", "primary_weights"
+    states, masters = "optimizer_states", "master_weights"
     released, resident = {"released"}, {"resident"}
     for ref, off in zip(reference, offloaded):
         assert off["results"] == ref["results"]

@@ -191,12 +191,12 @@ def detach_job(offload, where="after-step", checked=False, options=None):
         if where == "after-step":
             offloader.detach()
         elif where == "inside-block":  # the block's exit then leaves everything alone
-            with offloader.offloaded(offload_primary_weights=True):
+            with offloader.offloaded(offload_master_weights=True):
                 offloader.detach()
         elif where == "after-explicit-offload":
             offloader.reload()
             offloader.wait()
-            offloader.offload(offload_optimizer_states=False, offload_primary_weights=True)
+            offloader.offload(offload_optimizer_states=False, offload_master_weights=True)
             offloader.detach()
         elif where == "reloading":  # a copy-back started and not waited for
             offloader.reload()

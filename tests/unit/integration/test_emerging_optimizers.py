@@ -43,7 +43,7 @@ def _leaves(optimizer):
 def _figures(offloader, optimizer):
     stats = offloader.stats()
     sizes = []
-    for leaf in offloader._distributed:
+    for leaf in (member.optimizer for member in offloader.members):
         from megatron_offload.adapters import megatron_wrappers as adapter
 
         sizes += [t.untyped_storage().nbytes() for _, t in adapter.collect(leaf)]
@@ -55,16 +55,19 @@ def _figures(offloader, optimizer):
         "kept_resident_bytes",
         "d2h_copies",
         "h2d_copies",
-        "groups",
     )
-    return {**{k: stats[k] for k in keys}, "max_storage": max(sizes, default=0)}
+    return {
+        **{k: stats[k] for k in keys},
+        "pieces": sum(stats["pieces"].values()),
+        "max_storage": max(sizes, default=0),
+    }
 
 
 def _state_facts(offloader, optimizer):
     """Per inner optimizer class: the state keys of its tensors, and whether the engine
     tracks every one of them (and how many bytes they take per parameter element)."""
     facts = {}
-    for engine, leaf in zip(offloader.engines, offloader._distributed):
+    for engine, leaf in ((m.engine, m.optimizer) for m in offloader.members):
         name = type(leaf.optimizer).__name__
         entry = facts.setdefault(
             name, {"keys": set(), "untracked": [], "state_bytes": 0, "numel": 0}
@@ -142,7 +145,7 @@ def _rl_phase(chunks, optimizer, config, offloader):
     batch = models._micro_batch(spec, 1000, 0)
     with torch.no_grad():
         if offloader:
-            with offloader.offloaded(offload_primary_weights=True):
+            with offloader.offloaded(offload_master_weights=True):
                 seen["block_offloaded"] = (
                     offloader.stats()["offloaded_bytes"] == offloader.stats()["tracked_bytes"]
                 )
@@ -196,7 +199,7 @@ def _assert_offloaded_between_steps(offloaded, chunked=False):
         if chunked:  # the states move through the slots; the masters (one piece each) whole
             assert last["d2h_copies"] == last["h2d_copies"] == len(rank["classes"])
         else:
-            assert last["d2h_copies"] == last["h2d_copies"] == last["groups"]
+            assert last["d2h_copies"] == last["h2d_copies"] == last["pieces"]
 
 
 @pytest.mark.parametrize("layer_wise", [False, True], ids=["chained", "layer-wise"])
@@ -291,7 +294,7 @@ def test_chunked_update(rank_pool, name):
 def test_per_optimizer_counts_the_layer_wise_chain_in_order(rank_pool):
     """LayerWiseDistributedOptimizer is a chain of its own: per_optimizer's index 1 is its
     second optimizer (AdamW), whose masters then stay on the device; Muon's all go."""
-    options = {"per_optimizer": {1: {"offload_primary_weights": False}}}
+    options = {"per_optimizer": {1: {"offload_master_weights": False}}}
     reference = rank_pool.run(emerging_job, "muon", 3, False, layer_wise=True)
     offloaded = rank_pool.run(emerging_job, "muon", 3, True, layer_wise=True, options=options)
     assert_bitwise_equal(reference, offloaded)

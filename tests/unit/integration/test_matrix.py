@@ -145,7 +145,7 @@ def matrix_job(
                         "largest_tensor": max(
                             t.numel() * t.element_size()
                             for e in offloader.engines
-                            for g in e.groups
+                            for g in e.pieces
                             for t in g.tensors
                         ),
                     }
@@ -172,7 +172,7 @@ def _groups_per_kind(offloader):
     """(kind, dtype) groups per kind: what the pieces split."""
     counts = {}
     for engine in offloader.engines:
-        for kind in {(g.kind, g.dtype) for g in engine.groups}:
+        for kind in {(g.kind, g.dtype) for g in engine.pieces}:
             counts[kind[0]] = counts.get(kind[0], 0) + 1
     return counts
 
@@ -180,32 +180,33 @@ def _groups_per_kind(offloader):
 def _plant(bug):
     """Test-only sabotage of the offloader in this rank process (negative controls); returns
     the function that undoes it."""
-    from megatron_offload.engine import engine as engine_module
+    from megatron_offload.engine import OffloadEngine, Place
 
-    cls = engine_module.OffloadEngine
+    cls = OffloadEngine
     saved = {name: cls.__dict__.get(name) for name in ("mark_dirty", "reload")}
 
     def undo():
         for name, value in saved.items():
-            if value is None:  # inherited (from the layout mixin): drop the override
-                delattr(cls, name)
+            if value is None:  # inherited (from the copy protocol): drop the override
+                if name in cls.__dict__:
+                    delattr(cls, name)
             else:
                 setattr(cls, name, value)
 
     if bug == "stale-host-copy":
         # The step no longer marks the host copy stale: later cycles keep the first copy.
-        engine_module.OffloadEngine.mark_dirty = lambda self: None
+        OffloadEngine.mark_dirty = lambda self, *args, **kwargs: None
     elif bug == "reload-drops-a-tensor":
-        original = engine_module.OffloadEngine.reload
+        original = OffloadEngine.reload
 
         def reload(self, *args, **kwargs):
-            released = [g for g in self.groups if g.place is engine_module.Place.RELEASED]
+            released = [g for g in self.pieces if g.place is Place.RELEASED]
             original(self, *args, **kwargs)
             for group in released:  # the copy-back (synchronous here) loses the first element
-                if group.place is not engine_module.Place.RELEASED:
+                if group.place is not Place.RELEASED:
                     group.flat.view(-1)[:1].zero_()
 
-        engine_module.OffloadEngine.reload = reload
+        OffloadEngine.reload = reload
     else:
         raise ValueError(bug)
     return undo
@@ -270,7 +271,7 @@ def test_planted_bug_makes_the_matrix_fail(rank_pool, plant):
 def test_per_optimizer_selection_in_a_moe_model(rank_pool):
     """Keep the expert optimizer's masters on the device, offload everything else."""
     case = ("moe", "bf16", "gpt", True, True, 1000, 1)
-    options = {"per_optimizer": {1: {"offload_primary_weights": False}}}
+    options = {"per_optimizer": {1: {"offload_master_weights": False}}}
     reference = rank_pool.run(matrix_job, *case, offload=False, ep=2)
     offloaded = rank_pool.run(matrix_job, *case, offload=True, options=options, ep=2)
     assert _compare(reference, offloaded) == []

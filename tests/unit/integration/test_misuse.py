@@ -27,7 +27,7 @@ def misuse_job():
         lambda: megatron_offload.attach(optimizer, offload_moments=True)
     )
     found["bad_option_type"] = _error(
-        lambda: megatron_offload.attach(optimizer, offload_primary_weights="yes")
+        lambda: megatron_offload.attach(optimizer, offload_master_weights="yes")
     )
     distrib = (
         optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers") else optimizer
@@ -104,7 +104,7 @@ def more_misuse_job():
     offloader = megatron_offload.OptimizerStateOffloader(optimizer)
     models.train_step(chunks, optimizer, config, 0)  # not attached: nothing automatic
     found["resident_without_attach"] = not offloader.is_offloaded
-    offloader.offload(offload_optimizer_states=True, offload_primary_weights=False)
+    offloader.offload(offload_optimizer_states=True, offload_master_weights=False)
     for name in ("release_gpu_memory", "sync_before_step"):  # the unreleased API's: not offered
         try:
             getattr(offloader, name)()
@@ -187,7 +187,7 @@ def test_misuse_is_refused_with_clear_messages(rank_pool):
         and "offload_optimizer_states" in message
     )
     kind, message = found["bad_option_type"]
-    assert kind == "TypeError" and "offload_primary_weights" in message
+    assert kind == "TypeError" and "offload_master_weights" in message
     kind, message = found["cpu_offload"]
     assert kind == "OffloadArgumentError" and "--optimizer-cpu-offload" in message
     assert found["untouched_after_refusal"]
@@ -212,37 +212,56 @@ def test_misuse_is_refused_with_clear_messages(rank_pool):
 
 
 def test_config_refuses_bad_values_naming_the_option():
-    with pytest.raises(TypeError, match="offload_optimizer_states must be True or False"):
+    with pytest.raises(
+        TypeError,
+        match=r"offload_optimizer_states \(--offload-optimizer-states\) must be True or False",
+    ):
         OffloadConfig(offload_optimizer_states=1)
     with pytest.raises(TypeError, match="callable"):
         OffloadConfig(device_factory="cuda")
-    with pytest.raises(ValueError, match="offload_fraction must be a number from 0 to 1"):
+    with pytest.raises(
+        ValueError, match=r"offload_fraction \(--offload-fraction\) must be a number from 0 to 1"
+    ):
         OffloadConfig(offload_fraction=2)
-    with pytest.raises(ValueError, match="host_memory_budget must be a number of bytes"):
+    with pytest.raises(
+        ValueError,
+        match=r"host_memory_budget \(--offload-host-memory-budget\) must be a number of bytes",
+    ):
         OffloadConfig(host_memory_budget=-1)
-    with pytest.raises(TypeError, match="per_optimizer keys are optimizer indices"):
+    with pytest.raises(
+        TypeError, match=r"per_optimizer \(--offload-per-optimizer\) keys are optimizer indices"
+    ):
         OffloadConfig(per_optimizer={"experts": {}})
     with pytest.raises(TypeError, match=r"per_optimizer\[1\] must be a dict"):
         OffloadConfig(per_optimizer={1: True})
     with pytest.raises(TypeError, match="unknown option 'offload_fraction'"):
         OffloadConfig(per_optimizer={1: {"offload_fraction": 0.5}})
-    with pytest.raises(
-        TypeError, match=r"\[1\]\['offload_primary_weights'\] must be True or False"
-    ):
-        OffloadConfig(per_optimizer={1: {"offload_primary_weights": "no"}})
-    assert OffloadConfig(per_optimizer={1: {"offload_primary_weights": False}}).kinds(1) == (
+    with pytest.raises(TypeError, match=r"\[1\]\['offload_master_weights'\] must be True or False"):
+        OffloadConfig(per_optimizer={1: {"offload_master_weights": "no"}})
+    assert OffloadConfig(per_optimizer={1: {"offload_master_weights": False}}).kinds(1) == (
         "optimizer_states",
     )
-    for bad in ("finalize", 0, 1.0, True):
-        with pytest.raises(ValueError, match='prefetch must be "step" or a fraction'):
+    for bad in ("finalize", 0, 1.0, True):  # "gradients", "step" and fractions are the points
+        with pytest.raises(
+            ValueError,
+            match=r'prefetch \(--offload-prefetch\) must be "gradients", "step" or a fraction',
+        ):
             OffloadConfig(prefetch=bad)
     for bad in (0, -5, 1.5, True, "1GiB"):
-        with pytest.raises(ValueError, match="chunked_update_bytes must be a number of bytes"):
+        with pytest.raises(
+            ValueError,
+            match=r"chunked_update_bytes \(--offload-chunked-update-bytes\) must be a number of bytes",
+        ):
             OffloadConfig(chunked_update_bytes=bad)
     for bad in (0, 2.0, True):
-        with pytest.raises(ValueError, match="chunked_update_slots must be an int >= 1"):
+        with pytest.raises(
+            ValueError,
+            match=r"chunked_update_slots \(--offload-chunked-update-slots\) must be an int >= 1",
+        ):
             OffloadConfig(chunked_update_bytes=1 << 20, chunked_update_slots=bad)
-    with pytest.raises(ValueError, match="cannot be combined with offload_fraction < 1"):
+    with pytest.raises(
+        ValueError, match=r"cannot be combined with offload_fraction \(--offload-fraction\) < 1"
+    ):
         OffloadConfig(chunked_update_bytes=1 << 20, offload_fraction=0.5)
     with pytest.raises(ValueError, match="too small for 4 slot"):
         OffloadConfig(chunked_update_bytes=32, chunked_update_slots=4)
@@ -251,7 +270,10 @@ def test_config_refuses_bad_values_naming_the_option():
         == 1
     )
     for bad in (0, 1, "yes", None):
-        with pytest.raises(ValueError, match="chunked_update_undo must be True or False"):
+        with pytest.raises(
+            TypeError,
+            match=r"chunked_update_undo \(--offload-chunked-update-undo\) must be True or False",
+        ):
             OffloadConfig(chunked_update_bytes=1 << 20, chunked_update_undo=bad)
     assert OffloadConfig().chunked_update_undo is False  # opt-in: it costs a copy and host memory
 
@@ -274,8 +296,11 @@ def graphs_job():
         "untouched": getattr(distrib, "_state_offloader", None) is None
         and "step" not in vars(optimizer),
     }
-    offloader = megatron_offload.attach(optimizer)  # prefetch="step" works with graphs
-    found["step_prefetch_attaches"] = offloader.config.prefetch == "step"
+    offloader = megatron_offload.attach(optimizer)  # "gradients" (the default) works with graphs
+    found["step_prefetch_attaches"] = offloader.config.prefetch == "gradients"
+    offloader.detach()
+    offloader = megatron_offload.attach(optimizer, prefetch="step")  # and "step"
+    found["step_prefetch_attaches"] &= offloader.config.prefetch == "step"
     offloader.detach()
     chunks[0].config.cuda_graph_impl = "none"
     offloader = megatron_offload.attach(optimizer, prefetch=0.5)
@@ -289,7 +314,7 @@ def test_backward_prefetch_is_refused_with_cuda_graphed_layers(rank_pool):
     kind, message = found["refused"]
     assert (
         kind == "OffloadArgumentError"
-        and 'prefetch="step"' in message
+        and 'prefetch="gradients"' in message
         and "cuda_graph_impl='local'" in message
     )
     assert (

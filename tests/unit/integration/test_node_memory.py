@@ -48,7 +48,7 @@ def node_job():
         found["fits"] = attached.stats()["host_bytes"] == need
         attached.detach()
         attached = megatron_offload.attach(optimizer, host_memory_budget="auto")
-        found["auto_budget"] = attached.engines[0]._host.budget.limit
+        found["auto_budget"] = attached.engines[0].budget.limit
         models.train_step(chunks, optimizer, config, 1)
         found["auto_trains"] = attached.is_offloaded
         attached.detach()

@@ -24,11 +24,10 @@ import torch
 
 OFFLOAD_ARGS = dict(
     offload_optimizer_states=True,
-    offload_moments=True,
-    offload_master_weights=True,
+    offload_master_weights=None,
     offload_release_master_grads=True,
-    offload_prefetch=True,
-    log_offload_stats=True,
+    offload_prefetch=None,
+    offload_log_stats=None,
     log_interval=2,
 )
 
@@ -43,7 +42,7 @@ def _count_copies(offloader):
 
         def counted(dst, src, copy=copy):
             for engine in offloader.engines:
-                for group in engine.groups:
+                for group in engine.pieces:
                     if group.flat is not None and (group.flat is src or group.flat is dst):
                         key = ("d2h" if group.flat is src else "h2d", group.kind)
                         tally[key] = tally.get(key, 0) + src.numel() * src.element_size()
@@ -56,7 +55,7 @@ def _count_copies(offloader):
 def _places(offloader):
     places = {}
     for engine in offloader.engines:
-        for group in engine.groups:
+        for group in engine.pieces:
             places.setdefault(group.kind, set()).add(group.place.name)
     return places
 
@@ -64,7 +63,7 @@ def _places(offloader):
 def norm_job(offload: bool, precision_aware: bool = False, steps: int = 3):
     from megatron.training.utils import common_utils
 
-    from megatron_offload.adapters import OPTIMIZER_STATES, PRIMARY_WEIGHTS
+    from megatron_offload.adapters import MASTER_WEIGHTS, OPTIMIZER_STATES
     from megatron_offload.megatron import training as hooks
     from tests.harness import models
     from tests.unit.adapters import _jobs
@@ -99,9 +98,9 @@ def norm_job(offload: bool, precision_aware: bool = False, steps: int = 3):
                 report["after"] = _places(offloader)
                 sizes = {}
                 for engine in offloader.engines:
-                    for group in engine.groups:
+                    for group in engine.pieces:
                         sizes[group.kind] = sizes.get(group.kind, 0) + group.nbytes
-                report["masters_bytes"] = sizes.get(PRIMARY_WEIGHTS, 0)
+                report["masters_bytes"] = sizes.get(MASTER_WEIGHTS, 0)
                 report["moments_bytes"] = sizes.get(OPTIMIZER_STATES, 0)
                 # Negative control: everything back around the same norm (the old behaviour).
                 tally.clear()
@@ -146,18 +145,18 @@ def test_params_norm_reloads_only_the_master_weights(rank_pool):
         assert masters > 0 and moments == 2 * masters  # fp32 masters, two fp32 moments
         # Exactly the masters' bytes came back, no moment byte, and nothing was copied out
         # again afterwards (read-only: the host copy stayed valid).
-        assert rank["tally"] == {("h2d", "primary_weights"): masters}
+        assert rank["tally"] == {("h2d", "master_weights"): masters}
         assert (
             rank["before"]
             == rank["after"]
-            == {"primary_weights": {"RELEASED"}, "optimizer_states": {"RELEASED"}}
+            == {"master_weights": {"RELEASED"}, "optimizer_states": {"RELEASED"}}
         )
         # While the norm ran: the masters on the device, the moments still on the host.
-        assert rank["inside"] == {"primary_weights": {"RESIDENT"}, "optimizer_states": {"RELEASED"}}
+        assert rank["inside"] == {"master_weights": {"RESIDENT"}, "optimizer_states": {"RELEASED"}}
         # Negative control: bringing everything back moves the moments too, and the counter
         # sees them.
         assert rank["control_tally"] == {
-            ("h2d", "primary_weights"): masters,
+            ("h2d", "master_weights"): masters,
             ("h2d", "optimizer_states"): moments,
         }
 
@@ -176,23 +175,23 @@ def test_params_norm_reloads_nothing_on_the_precision_aware_path(rank_pool):
             rank["inside"]
             == rank["before"]
             == rank["after"]
-            == {"primary_weights": {"RELEASED"}, "optimizer_states": {"RELEASED"}}
+            == {"master_weights": {"RELEASED"}, "optimizer_states": {"RELEASED"}}
         )
         assert rank["control_tally"] == {
-            ("h2d", "primary_weights"): rank["masters_bytes"],
+            ("h2d", "master_weights"): rank["masters_bytes"],
             ("h2d", "optimizer_states"): rank["moments_bytes"],
         }
 
 
 def test_resident_kinds_are_checked():
-    from megatron_offload.offloader.offloader import OptimizerStateOffloader
+    import functools
 
-    offloader = OptimizerStateOffloader.__new__(OptimizerStateOffloader)
-    offloader._engines = [object(), object()]
-    select = offloader._resident_selection
-    assert select(None) == [("optimizer_states", "primary_weights")] * 2
-    assert select("primary_weights") == [("primary_weights",)] * 2
-    assert select([("primary_weights",), ()]) == [("primary_weights",), ()]
+    from megatron_offload.offloader.members import resident_selection
+
+    select = functools.partial(resident_selection, count=2)
+    assert select(None) == [("optimizer_states", "master_weights")] * 2
+    assert select("master_weights") == [("master_weights",)] * 2
+    assert select([("master_weights",), ()]) == [("master_weights",), ()]
     with pytest.raises(ValueError, match="unknown kind"):
         select(("moments",))
     with pytest.raises(ValueError, match="3 selections for 2 optimizers"):

@@ -60,7 +60,7 @@ def _reads(optimizer, distrib, param):
 
 def reads_job(offload, dtype, checked=False, options=None):
     import megatron_offload
-    from megatron_offload.access.guard import GuardedState
+    from megatron_offload.phase import GuardedState
     from tests.harness import models
     from tests.support.checked import check_devices, checked_device_options
 
@@ -72,13 +72,13 @@ def reads_job(offload, dtype, checked=False, options=None):
     bring_backs = []
     if offloader:
         # Count every time the guard brings states back (an instance attribute shadows the method).
-        make_resident = offloader._make_resident
+        make_resident = offloader.make_resident
 
         def counting(**kwargs):
             bring_backs.append(kwargs)
             return make_resident(**kwargs)
 
-        offloader._make_resident = counting
+        offloader.make_resident = counting
     results = [models.train_step(chunks, optimizer, config, step) for step in range(2)]
     chunks_per_step = [offloader.stats()["update_chunks"]] if offloader else []
     param = inner.param_groups[0]["params"][0]
@@ -86,9 +86,9 @@ def reads_job(offload, dtype, checked=False, options=None):
     tracked = (
         {
             kind: [
-                t for e in offloader.engines for g in e.groups if g.kind == kind for t in g.tensors
+                t for e in offloader.engines for g in e.pieces if g.kind == kind for t in g.tensors
             ]
-            for kind in ("optimizer_states", "primary_weights")
+            for kind in ("optimizer_states", "master_weights")
         }
         if offloader
         else {}
@@ -117,7 +117,7 @@ def reads_job(offload, dtype, checked=False, options=None):
         raw = {
             "bring_backs": len(bring_backs) - count,
             "offloaded": offloader.is_offloaded,
-            "armed": inner.state._armed is not None,
+            "armed": inner.state.armed is not None,
             "type": type(inner.state).__name__,
         }
     # The research-code pattern: a read after every step; each next step offloads again.
@@ -198,7 +198,7 @@ def test_reads_through_the_state_mapping_are_safe_and_training_stays_bitwise(
                 assert brought["optimizer_states"] > 0, name
             else:
                 assert brought["optimizer_states"] == 0, name
-                assert (brought["primary_weights"] > 0) == (masters and name in HAND_OUT_KEYS), (
+                assert (brought["master_weights"] > 0) == (masters and name in HAND_OUT_KEYS), (
                     name,
                     brought,
                 )
@@ -233,7 +233,7 @@ def measure_guard_cost(count=300, numel=64, steps=40):
     """Step medians of torch AdamW with its plain defaultdict and with the mapping attach
     installs (disarmed, as every step sees it), alternating step by step so that both see the
     same machine load; and the cost of arming and disarming (what each offload cycle adds)."""
-    from megatron_offload.access.guard import GuardedState
+    from megatron_offload.phase import GuardedState
 
     optimizer = _adamw(count, numel)
     plain = optimizer.state
@@ -251,8 +251,8 @@ def measure_guard_cost(count=300, numel=64, steps=40):
     guard = object()
     start = time.perf_counter()
     for _ in range(switches):
-        guarded._armed = guard
-        guarded._armed = None
+        guarded.armed = guard
+        guarded.armed = None
     switch = (time.perf_counter() - start) / switches
     return {
         "plain": statistics.median(times["plain"]),
@@ -262,6 +262,7 @@ def measure_guard_cost(count=300, numel=64, steps=40):
     }
 
 
+@pytest.mark.perf
 def test_the_guard_adds_little_to_a_step_and_never_switches_the_class(isolated):
     """The mapping's accessors check one attribute before the plain dict method runs: one
     Python call per state lookup of the step. Bounded here against the plain defaultdict on
@@ -269,9 +270,9 @@ def test_the_guard_adds_little_to_a_step_and_never_switches_the_class(isolated):
     from pathlib import Path
 
     import megatron_offload
-    from megatron_offload.access import guard
+    from megatron_offload import phase
 
-    assert not hasattr(guard, "_ArmedState")
+    assert not hasattr(phase, "_ArmedState")
     package = Path(megatron_offload.__file__).parent
     assigning = [
         str(p.relative_to(package)) for p in package.rglob("*.py") if "__class__ =" in p.read_text()

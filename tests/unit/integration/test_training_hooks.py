@@ -17,11 +17,10 @@ from megatron_offload.megatron.arguments import OffloadArgumentError
 
 OFFLOAD_ARGS = dict(
     offload_optimizer_states=True,
-    offload_moments=True,
-    offload_master_weights=True,
-    offload_release_master_grads=True,
-    offload_prefetch=True,
-    log_offload_stats=True,
+    offload_master_weights=None,
+    offload_release_master_grads=None,
+    offload_prefetch=None,
+    offload_log_stats=None,
     log_interval=2,
 )
 
@@ -33,7 +32,7 @@ class FakeOffloader:
         self._offloaded = offloaded
         self.optimizer = None
         self.detached = False
-        self.config = argparse.Namespace(offload_primary_weights=True)
+        self.config = argparse.Namespace(offload_master_weights=True, prefetch="gradients")
 
     @property
     def is_offloaded(self):
@@ -150,7 +149,7 @@ def test_patched_parser_has_the_flags(megatron_training):
     hooks.patch_megatron()
     parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     args = parser.parse_args(["--offload-optimizer-states", "--use-distributed-optimizer"])
-    assert args.offload_optimizer_states and args.offload_prefetch
+    assert args.offload_optimizer_states and args.offload_prefetch is None  # the default
 
 
 def test_validate_wrapper_checks_before_and_after_megatron():
@@ -296,13 +295,14 @@ def test_prefetch_survives_a_train_that_assigns_the_default(megatron_args):
     assert config.finalize_model_grads_func is None
 
 
-def test_no_prefetch_flag_and_idempotent_install(megatron_args):
+def test_prefetch_at_the_step_and_idempotent_install(megatron_args):
     events = []
-    optimizer = FakeOptimizer(FakeOffloader(events))
+    offloader = FakeOffloader(events)
+    optimizer = FakeOptimizer(offloader)
     config = argparse.Namespace(finalize_model_grads_func=lambda: events.append("finalize"))
-    megatron_args.offload_prefetch = False
+    offloader.config.prefetch = "step"  # --offload-prefetch step: nothing in the reduction
     assert not hooks.install_prefetch(config, optimizer, megatron_args)
-    megatron_args.offload_prefetch = True
+    offloader.config.prefetch = "gradients"
     assert hooks.install_prefetch(config, optimizer, megatron_args)
     once = config.finalize_model_grads_func
     assert hooks.install_prefetch(config, optimizer, megatron_args)
@@ -687,9 +687,10 @@ def test_prefetch_installs_megatrons_finalize_when_none_is_set(megatron_args):
 
 def test_train_without_prefetch_keeps_the_finalize_hook(megatron_args):
     events = []
-    optimizer = FakeOptimizer(FakeOffloader(events))
+    offloader = FakeOffloader(events)
+    optimizer = FakeOptimizer(offloader)
     config = argparse.Namespace(finalize_model_grads_func=None)
-    megatron_args.offload_prefetch = False
+    offloader.config.prefetch = "step"
 
     def train_that_sets_its_own(*args, config=None, **kwargs):  # as megatron's train() does
         if config.finalize_model_grads_func is None:
@@ -735,9 +736,9 @@ def test_log_for_megatron_does_nothing_without_the_flag_or_an_offloader(monkeypa
     args = argparse.Namespace(**OFFLOAD_ARGS)
     monkeypatch.setattr(global_vars, "get_args", lambda: args)
     monkeypatch.setattr(hooks, "_ATTACHED", [])
-    args.log_offload_stats = False
+    args.offload_log_stats = False
     assert hooks.log_for_megatron(2) is None
-    args.log_offload_stats = True
+    args.offload_log_stats = None
     assert hooks.log_for_megatron(2) is None  # no offloader attached
 
 
@@ -746,7 +747,9 @@ def test_without_megatron_training_messages_go_to_stdout(monkeypatch, capsys):
 
     monkeypatch.setitem(sys.modules, "megatron.training.utils", None)
     monkeypatch.setitem(sys.modules, "megatron.training.global_vars", None)
+    from megatron_offload import report
+
     hooks._print_rank_0("first")
-    hooks._print_rank_last("last")
+    report._print_rank_last("last")
     assert capsys.readouterr().out == "first\nlast\n"
     assert hooks._megatron_args_or_none() is None

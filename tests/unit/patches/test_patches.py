@@ -130,8 +130,9 @@ _IMPORT_CHECK = textwrap.dedent("""
     parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     assert '--offload-optimizer-states' not in parser._option_string_actions
     fields = {f.name for f in dataclasses.fields(optimizer.OptimizerConfig)}
-    assert {'offload_optimizer_states', 'offload_moments', 'offload_master_weights',
-            'offload_release_master_grads'} <= fields, fields
+    assert {'offload_optimizer_states', 'offload_master_weights',
+            'offload_release_master_grads', 'offload_chunked_update_bytes',
+            'offload_max_piece_bytes'} <= fields, fields
     assert optimizer.OptimizerConfig().offload_optimizer_states is False
     assert callable(optimizer._build_megatron_optimizer)
     assert callable(training._optimizer_state_offload_residency)
@@ -140,7 +141,7 @@ _IMPORT_CHECK = textwrap.dedent("""
     del sys.modules['megatron_offload']
     parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     for flag in ('--offload-optimizer-states', '--no-offload-master-weights',
-                 '--no-offload-prefetch'):
+                 '--offload-prefetch'):
         assert parser._option_string_actions[flag].help, flag
     args = parser.parse_args(['--offload-optimizer-states', '--optimizer-cpu-offload'])
     from megatron_offload.megatron.arguments import OffloadArgumentError

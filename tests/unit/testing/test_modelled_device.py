@@ -15,7 +15,7 @@ from megatron_offload.engine import OffloadEngine
 from megatron_offload_testing.allocator_model import AllocatorModel, MiB
 from megatron_offload_testing.modelled_device import REUSE_BEFORE_COPY, ModelledDevice
 
-STATES, MASTERS = "optimizer_states", "primary_weights"
+STATES, MASTERS = "optimizer_states", "master_weights"
 D2H, H2D = 1e9, 2e9  # bytes per second
 STEP = 0.01  # modelled seconds of one optimizer step
 NUMEL = 3 * MiB // 4  # float32 elements: 3 MiB per tensor (large pool, split 20 MiB segments)

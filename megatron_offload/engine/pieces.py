@@ -1,13 +1,13 @@
-"""Flat groups: how a set of tensors of one kind and dtype is laid out on device and host.
+"""Pieces: how the tracked tensors are laid out on device and host.
 
-A group is one *piece*: the tensors of one kind and dtype are split into pieces of at most
+The tensors of one kind and dtype (a *group*) are split into *pieces* of at most
 ``max_piece_bytes`` (``split_pieces``), so that no device storage the engine frees is larger
-than that. Each piece is a group of its own: its own storage, host range, copies and events.
+than that. Each ``Piece`` has its own storage, host range, copies and events.
 
-A group starts as the tensors the optimizer made (each with its own storage). The first
+A piece starts as the tensors the optimizer made (each with its own storage). The first
 time it is reloaded it is *consolidated*: one flat device tensor is allocated and every
 tracked tensor is re-pointed (``Tensor.set_``) at its slice of it. From then on the whole
-group is released and regrown as one storage and copied with one operation per direction,
+piece is released and regrown as one storage and copied with one operation per direction,
 while the tensor objects, their shapes and every view taken of them stay the same Python
 objects, so the optimizer (and its state-dict keys) never notice.
 """
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-# Where a group's bytes are. Transitions (see engine.py):
+# Where a piece's bytes are. Transitions (see engine.py):
 #   RESIDENT --offload--> OFFLOADING --release--> RELEASED --reload--> RELOADING --wait--> RESIDENT
 
 
@@ -60,9 +60,20 @@ def itemsize_of(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
+def is_plain(tensor) -> bool:
+    """A ``torch.Tensor`` (or ``Parameter``) that is not a subclass: its memory is its storage."""
+    return type(tensor) in (torch.Tensor, torch.nn.Parameter)
+
+
+def typed_view(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The first bytes of the uint8 ``buffer`` as a contiguous tensor shaped like ``like``."""
+    nbytes = like.numel() * like.element_size()
+    return buffer[:nbytes].view(like.dtype).view(like.shape)
+
+
 def aligned_size(nbytes: int) -> int:
     """``nbytes`` rounded up to a whole number of ``ALIGN_BYTES``: what a tensor takes in a
-    group, a slot or a staging buffer, so that the next one starts aligned."""
+    piece, a slot or a staging buffer, so that the next one starts aligned."""
     return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
 
 
@@ -99,7 +110,7 @@ def split_pieces(
 
 
 @dataclass(eq=False)
-class FlatGroup:
+class Piece:
     """Tensors of one kind and dtype that move together."""
 
     kind: str
@@ -112,8 +123,8 @@ class FlatGroup:
     offsets: list[int] = field(default_factory=list)  # element offset of each tensor
     numel: int = 0
     itemsize: int = 0  # bytes per element of ``dtype`` (set from it)
-    nbytes: int = 0  # bytes of the group's storage, alignment padding included (set)
-    host: torch.Tensor | None = None  # this group's slice of the host arena, as ``dtype``
+    nbytes: int = 0  # bytes of the piece's storage, alignment padding included (set)
+    host: torch.Tensor | None = None  # this piece's slice of the host arena, as ``dtype``
     flat: torch.Tensor | None = None  # the consolidated device tensor (after the first reload)
     place: Place = Place.RESIDENT
     host_valid: bool = False  # host copy equals the device contents (as of the last copy)
@@ -127,8 +138,8 @@ class FlatGroup:
     def __post_init__(self) -> None:
         # Every tensor starts on a 16-byte boundary of the flat storage, as a tensor of its
         # own would (allocators align far more): vectorized optimizer and cast kernels
-        # (TE's, apex's multi-tensor apply) rely on it or fall back to slow paths. The group
-        # is padded to a multiple of 16 bytes too, so groups stay aligned in the host arena.
+        # (TE's, apex's multi-tensor apply) rely on it or fall back to slow paths. The piece
+        # is padded to a multiple of 16 bytes too, so pieces stay aligned in the host arena.
         itemsize = self.itemsize = itemsize_of(self.dtype)
         offset = 0
         self.offsets = []
@@ -136,7 +147,7 @@ class FlatGroup:
             self.offsets.append(offset)
             offset += aligned_numel(tensor.numel(), itemsize)
         self.numel = offset
-        self.nbytes = offset * itemsize  # the group's storage, alignment padding included
+        self.nbytes = offset * itemsize  # the piece's storage, alignment padding included
 
     @property
     def payload_bytes(self) -> int:
@@ -169,12 +180,12 @@ def release_separate_storages(device, tensors: list[torch.Tensor]) -> int:
         else:
             others.append(tensor)
     if others:
-        # Something else shares these storages (views taken before we attached, or a group
+        # Something else shares these storages (views taken before we attached, or a piece
         # that was re-laid out). Freeing them would leave the other tensors dangling, so ours
         # are pointed at one scratch storage, which is then released: one allocation, as
         # large as the largest of them (``set_`` needs the memory to exist), not one per
         # tensor. The old storages live on with their other owners; the next reload
-        # re-points every tensor at its slice of the group's own storage (``consolidate``).
+        # re-points every tensor at its slice of the piece's own storage (``consolidate``).
         scratch = device.empty(max(t.numel() * t.element_size() for t in others), torch.uint8)
         storage = scratch.untyped_storage()
         with torch.no_grad():

@@ -1,0 +1,76 @@
+"""Megatron settings offloading cannot run with: each rule written once.
+
+The same rule is met in two places: on the command line (``megatron.arguments.validate_args``,
+before anything is built) and on the optimizer itself (``attach``, for loops that build their
+optimizer from an ``OptimizerConfig``). Both read Megatron's own names, which the command
+line's ``args`` and megatron-core's configs share (``optimizer_cpu_offload``,
+``optimizer_cuda_graph``, ``use_megatron_fsdp``, ``chunked_optimizer_state_offload``), so one
+function serves both and says the same thing: the flag and the field.
+"""
+
+from __future__ import annotations
+
+from .errors import OffloadArgumentError
+
+SWITCH = "--offload-optimizer-states"
+#: Megatron-LM ``dev``'s own offloader: its flag and the field it sets.
+MEGATRON_OFFLOADER_FLAG = "--chunked-optimizer-state-offload"
+MEGATRON_OFFLOADER_FIELD = "chunked_optimizer_state_offload"
+
+
+def offload_enabled(args) -> bool:
+    """True when ``args`` (the command line, or a patched ``OptimizerConfig``) asks for
+    offloading: the switch, or the master weights alone (``--offload-master-weights``)."""
+    return bool(getattr(args, "offload_optimizer_states", False)) or (
+        getattr(args, "offload_master_weights", None) is True
+    )
+
+
+def megatron_offloader_on(settings) -> bool:
+    """Whether Megatron's own (development-line) offloader is on in ``settings`` (the command
+    line, an ``OptimizerConfig``, or a Megatron optimizer that built one)."""
+    if getattr(settings, "_optimizer_state_offloader", None) is not None:
+        return True
+    return bool(getattr(settings, MEGATRON_OFFLOADER_FIELD, False)) and (
+        getattr(settings, "optimizer_state_offload_fraction", 1.0) > 0.0
+    )
+
+
+def refuse(*settings) -> None:
+    """Raise ``OffloadArgumentError`` if any of ``settings`` (objects with Megatron's attribute
+    names: ``args``, an ``OptimizerConfig``, a DDP config, a Megatron optimizer) asks for
+    something offloading cannot run with."""
+    for source in settings:
+        if source is None:
+            continue
+        if megatron_offloader_on(source):
+            raise OffloadArgumentError(
+                f"Megatron's own chunked optimizer-state offloader ({MEGATRON_OFFLOADER_FLAG}, "
+                f"OptimizerConfig.{MEGATRON_OFFLOADER_FIELD}, or the deprecated "
+                "OptimizerConfig.offload_optimizer_states of Megatron-LM's development line) is on "
+                "for this optimizer, and only one may manage the optimizer states. Drop "
+                f"{MEGATRON_OFFLOADER_FLAG} to use megatron-offload's, or do not attach "
+                f"megatron-offload (drop {SWITCH}) to use Megatron's."
+            )
+        if getattr(source, "optimizer_cpu_offload", False):
+            raise OffloadArgumentError(
+                f"optimizer-state offloading ({SWITCH}) and optimizer_cpu_offload "
+                "(--optimizer-cpu-offload) are mutually exclusive: --optimizer-cpu-offload runs "
+                "Adam on the CPU (HybridDeviceOptimizer), while offloading keeps the update on "
+                "the accelerator and parks the states in host memory only between steps. Drop "
+                f"--optimizer-cpu-offload to keep the update on the accelerator, or drop {SWITCH}."
+            )
+        if getattr(source, "optimizer_cuda_graph", False):
+            raise OffloadArgumentError(
+                f"optimizer-state offloading ({SWITCH}) cannot be combined with "
+                "optimizer_cuda_graph (--optimizer-cuda-graph): a captured optimizer step replays "
+                "fixed device addresses, while offloading frees the state memory after every step "
+                f"and allocates it again before the next. Drop --optimizer-cuda-graph, or drop {SWITCH}."
+            )
+        if getattr(source, "use_megatron_fsdp", False) or getattr(source, "use_custom_fsdp", False):
+            raise OffloadArgumentError(
+                f"optimizer-state offloading ({SWITCH}) does not support Megatron-FSDP "
+                "(use_megatron_fsdp, --use-megatron-fsdp), whose optimizer states live in its own "
+                "sharded buffers. Train with --use-distributed-optimizer instead, or drop "
+                f"{SWITCH}."
+            )

@@ -1,0 +1,236 @@
+"""How the package is built, checked by reading its source: each object owns its fields, only
+``device/`` and ``engine/`` talk to the device, modules stay small, the phase is one object,
+and one component re-points the optimizer's tensors.
+
+Each check reads the package's AST; each has a negative control that plants what it forbids."""
+
+from __future__ import annotations
+
+import ast
+import collections
+from pathlib import Path
+
+import megatron_offload
+
+PACKAGE = Path(megatron_offload.__file__).parent
+MAX_LINES = 450
+
+
+def _modules(root: Path = PACKAGE) -> dict[str, ast.Module]:
+    return {
+        str(path.relative_to(root.parent)): ast.parse(path.read_text())
+        for path in sorted(root.rglob("*.py"))
+    }
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _owners(trees: dict[str, ast.Module]) -> dict[str, set[str]]:
+    """Private name -> the classes that define it (a method, a class attribute, or an
+    attribute assigned through ``self``)."""
+    owners: dict[str, set[str]] = collections.defaultdict(set)
+    for tree in trees.values():
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            for node in ast.walk(cls):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _private(
+                    node.name
+                ):
+                    owners[node.name].add(cls.name)
+                elif (
+                    isinstance(node, ast.Attribute)
+                    and isinstance(node.ctx, ast.Store)
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id == "self"
+                    and _private(node.attr)
+                ):
+                    owners[node.attr].add(cls.name)
+            for node in cls.body:
+                targets = node.targets if isinstance(node, ast.Assign) else []
+                if isinstance(node, ast.AnnAssign):
+                    targets = [node.target]
+                for target in targets:
+                    if isinstance(target, ast.Name) and _private(target.id):
+                        owners[target.id].add(cls.name)
+    return owners
+
+
+def private_accesses(trees: dict[str, ast.Module]) -> list[str]:
+    """Every read or write of another class's private member, and every private name imported
+    from another module of the package: ``"path:line: what"``."""
+    owners = _owners(trees)
+    found = []
+
+    def visit(path, node, cls):
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, ast.ClassDef) else cls
+            if isinstance(child, ast.Attribute) and child.attr in owners:
+                base = child.value
+                through_self = isinstance(base, ast.Name) and base.id in ("self", "cls")
+                if not through_self or cls not in owners[child.attr]:
+                    found.append(
+                        f"{path}:{child.lineno}: {ast.unparse(child)} "
+                        f"(a private member of {', '.join(sorted(owners[child.attr]))})"
+                    )
+            if isinstance(child, ast.ImportFrom) and child.level:
+                for alias in child.names:
+                    if _private(alias.name):
+                        found.append(
+                            f"{path}:{child.lineno}: imports {alias.name} from {child.module}"
+                        )
+            visit(path, child, inner)
+
+    for path, tree in trees.items():
+        visit(path, tree, None)
+    return found
+
+
+def test_no_module_reaches_into_another_objects_private_members():
+    assert private_accesses(_modules()) == []
+
+
+def test_the_private_access_scan_finds_a_planted_access():
+    planted = {
+        "megatron_offload/a.py": ast.parse(
+            "class Engine:\n"
+            "    def __init__(self):\n"
+            "        self._host = 1\n"
+            "    def _relayout(self):\n"
+            "        pass\n"
+        ),
+        "megatron_offload/b.py": ast.parse(
+            "from .a import _helper\n"
+            "class Mixin:\n"
+            "    def use(self, engine):\n"
+            "        engine._relayout()\n"
+            "        return self._host\n"
+        ),
+    }
+    found = private_accesses(planted)
+    assert len(found) == 3, found
+    assert any("engine._relayout" in line for line in found)
+    assert any("self._host" in line and "Engine" in line for line in found)
+    assert any("imports _helper" in line for line in found)
+
+
+# What a Device does (``device/base.py``): copies, streams, events, memory.
+DEVICE_CALLS = frozenset(
+    {
+        "host_buffer",
+        "free_host_buffer",
+        "release",
+        "regrow",
+        "empty",
+        "current_stream",
+        "new_stream",
+        "retire_stream",
+        "use_stream",
+        "wait_stream",
+        "record_event",
+        "elapsed_ms",
+        "wait_event",
+        "synchronize_event",
+        "record_stream",
+        "copy",
+        "synchronize",
+    }
+)
+
+
+def device_calls(trees: dict[str, ast.Module]) -> list[str]:
+    """Calls of a device's methods (``device.copy(...)``, ``engine.device.record_event(...)``)
+    and of ``torch.cuda`` outside ``device/`` and ``engine/``."""
+    found = []
+    for path, tree in trees.items():
+        parts = Path(path).parts
+        if len(parts) > 2 and parts[1] in ("device", "engine"):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                continue
+            owner = node.func.value
+            owner_name = (
+                owner.attr
+                if isinstance(owner, ast.Attribute)
+                else owner.id
+                if isinstance(owner, ast.Name)
+                else ""
+            )
+            text = ast.unparse(node.func)
+            if (owner_name == "device" and node.func.attr in DEVICE_CALLS) or text.startswith(
+                "torch.cuda."
+            ):
+                found.append(f"{path}:{node.lineno}: {text}(...)")
+    return found
+
+
+def test_only_device_and_engine_talk_to_the_device():
+    assert device_calls(_modules()) == []
+
+
+def test_the_device_call_scan_finds_a_planted_call():
+    planted = {
+        "megatron_offload/chunked/x.py": ast.parse(
+            "def f(engine, device):\n"
+            "    engine.device.record_event(None)\n"
+            "    device.copy(a, b)\n"
+            "    torch.cuda.synchronize()\n"
+            "    engine.device.is_accelerator\n"
+        ),
+        "megatron_offload/engine/y.py": ast.parse("def g(device):\n    device.copy(a, b)\n"),
+    }
+    found = device_calls(planted)
+    assert len(found) == 3 and all(
+        line.startswith("megatron_offload/chunked/x.py") for line in found
+    )
+
+
+def test_no_module_is_over_450_lines():
+    sizes = {
+        str(path.relative_to(PACKAGE.parent)): len(path.read_text().splitlines())
+        for path in PACKAGE.rglob("*.py")
+    }
+    assert {path: n for path, n in sizes.items() if n > MAX_LINES} == {}
+
+
+def test_the_phase_is_armed_in_one_place():
+    """Only the phase tracker arms or disarms a guarded mapping, and only the offloader's
+    phase says whether a chunked update streams or a host view serves."""
+    found = []
+    for path, tree in _modules().items():
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and node.attr in ("armed", "active", "stepping", "_streaming", "_host_view")
+                and path != "megatron_offload/phase.py"
+            ):
+                found.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
+    assert found == []
+
+
+def test_one_component_repoints_the_optimizers_tensors():
+    """Host views, the chunked update and the state watch point the optimizer at other tensors
+    (and back) through ``adapters.holders`` alone: none assigns into a state entry, a param
+    group's list or a quantized state's attribute by itself."""
+    users = {
+        "megatron_offload/access/host_view.py",
+        "megatron_offload/chunked/update.py",
+        "megatron_offload/adapters/megatron_wrappers.py",
+    }
+    trees = _modules()
+    for path in users:
+        imported = {
+            alias.name
+            for node in ast.walk(trees[path])
+            if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("holders")
+            for alias in node.names
+        }
+        assert imported & {"Repointing", "Holder"}, path
+        for node in ast.walk(trees[path]):
+            assert not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "setattr"
+            ), f"{path}:{node.lineno}: setattr"
