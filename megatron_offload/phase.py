@@ -28,7 +28,7 @@ reads.
 ``GuardedState`` is the inner optimizer's ``state`` while an offloader is attached: a
 ``defaultdict`` whose accessors check one attribute (``armed``: the tracker while guarded,
 None otherwise). The check costs the step one Python call per state lookup (about 0.6 us;
-measured against a plain ``defaultdict`` in ``tests/unit/integration/test_state_mapping.py``);
+measured against a plain ``defaultdict`` in ``tests/integration/access/test_state_mapping.py``);
 the class of the mapping never changes. Not guarded, because they touch no tensor:
 ``len(state)`` and ``p in state`` (tensors hash by identity, and a dict compares keys by
 identity before equality, so a lookup reads no tensor data).

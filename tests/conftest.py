@@ -1,7 +1,8 @@
 """Session-wide fixtures: pools of CPU rank processes running the real megatron-core.
 
 `rank_pool` (2 ranks) and `rank_pool4` (4 ranks, started only if some test asks for it) live
-for the whole session. A test that breaks a pool (a rank dies or hangs) does not spoil the
+for the whole session, as does `isolated` (one process for test bodies that might touch released
+memory). A test that breaks a pool (a rank dies or hangs) does not spoil the
 next one: the pool's next run() starts fresh ranks.
 """
 
@@ -24,6 +25,7 @@ if REPO_ROOT not in _pythonpath.split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, _pythonpath) if p)
 
 from tests.harness.rank_pool import RankPool  # noqa: E402
+from tests.support.isolated import IsolatedProcess  # noqa: E402
 
 
 def _session_pool(world_size: int):
@@ -33,6 +35,14 @@ def _session_pool(world_size: int):
         yield pool
     finally:
         pool.close()
+
+
+@pytest.fixture(scope="session")
+def isolated():
+    """A long-lived separate process for test bodies that might touch released memory."""
+    proc = IsolatedProcess()
+    yield proc
+    proc.close()
 
 
 @pytest.fixture(scope="session")
@@ -73,7 +83,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_terminal_summary(terminalreporter):
     """Say how large the correctness matrix was, when it ran."""
-    matrix = sys.modules.get("tests.unit.integration.test_matrix")
+    matrix = sys.modules.get("tests.integration.offloader.test_matrix")
     if matrix is None:
         return
     ran = [

@@ -70,7 +70,7 @@ STATE_METHODS = (
 # STATE_METHODS and the RL helpers they are the whole contract: the suite finds, in the
 # installed megatron-core's own code, every public method that reaches the state mapping,
 # the parameter groups or the master lists, and fails on any method in none of them
-# (tests/unit/integration/test_state_contract.py).
+# (tests/unit/access/test_state_contract.py).
 SAFE_METHODS = {
     "__init__": "builds the optimizer: before any offloader exists",
     "step": "the step: the inner optimizer's step pre-hook brings every state back (and orders "

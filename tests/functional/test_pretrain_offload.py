@@ -229,7 +229,7 @@ def test_emerging_optimizer_through_the_launcher(optimizer, distributed):
     Float16OptimizerWithFloat16Params; the loss curve is bitwise that of the plain script, with
     the states offloaded at every iteration. Lion takes SOAP's path here (the same wrappers,
     plain in-place states); it is trained bitwise on that path in
-    tests/unit/integration/test_emerging_optimizers.py."""
+    tests/integration/adapters/test_emerging_optimizers.py."""
     case = runner.CASES["dp2"]
     flags = ("--bf16", "--optimizer", optimizer)
     model_flags = (

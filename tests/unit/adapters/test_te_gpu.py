@@ -180,7 +180,7 @@ def _train(
     assert isinstance(inner, te_adam)
     options = {}
     if chunked is not None:
-        from tests.unit.adapters import _jobs
+        from tests.integration.adapters import _jobs
 
         options["chunked_update_bytes"] = _jobs.chunked_budget(optimizer, chunked)
     offloader = megatron_offload.attach(optimizer, **options) if offload else None
@@ -242,7 +242,7 @@ def _train(
 
             from megatron.core import dist_checkpointing
 
-            from tests.unit.adapters.test_te_checkpoint import _load, _sharded
+            from tests.integration.adapters.test_te_checkpoint import _load, _sharded
 
             os.makedirs(checkpoint, exist_ok=True)
             dist_checkpointing.save(_sharded(chunks, optimizer), checkpoint)

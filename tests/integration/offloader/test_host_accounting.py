@@ -21,7 +21,7 @@ def accounting_job(mode):
     import megatron_offload
     from megatron_offload.device.cpu import CPUDevice
     from tests.harness import models
-    from tests.unit.integration.test_checkpoint import _chunked_options
+    from tests.integration.access.test_checkpoint import _chunked_options
 
     class CountingDevice(CPUDevice):
         def __init__(self):

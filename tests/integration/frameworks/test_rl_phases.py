@@ -92,7 +92,7 @@ def verl_job(mode: str, directory: str, real: bool = False):
     from megatron_offload.frameworks import verl
     from tests.doubles.rl_frameworks import verl_modules
     from tests.harness import models
-    from tests.unit.integration.test_checkpoint_formats import _load
+    from tests.integration.access.test_checkpoint_formats import _load
 
     if real:
         import importlib

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 # Resident snapshots and a directory every rank sees, as the DistributedOptimizer checkpoint tests take them.
-from tests.unit.integration.test_checkpoint import (
+from tests.integration.access.test_checkpoint import (
     DeviceWatch,
     _all_released,
     _final_snapshot,

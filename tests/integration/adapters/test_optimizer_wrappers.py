@@ -10,7 +10,7 @@ between steps; on the real megatron-core, on gloo CPU ranks (the shared rank poo
 
 import pytest
 
-from tests.unit.integration.test_attach_megatron import (
+from tests.integration.offloader.test_attach_megatron import (
     assert_bitwise_equal,
     assert_offloaded_between_steps,
     train_job,
@@ -130,7 +130,7 @@ ADAM_CHUNK_BYTES = 2 * 140_000  # two slots of the largest matrix's moments ([25
 
 
 def test_adam_without_distributed_optimizer_skipped_step_rl_phase_checked_device(rank_pool):
-    from tests.unit.integration.test_emerging_optimizers import (
+    from tests.integration.adapters.test_emerging_optimizers import (
         _assert_offloaded_between_steps,
         emerging_job,
     )
@@ -159,7 +159,7 @@ def test_adam_without_distributed_optimizer_skipped_step_rl_phase_checked_device
 
 
 def test_adam_without_distributed_optimizer_chunked_update(rank_pool):
-    from tests.unit.integration.test_emerging_optimizers import (
+    from tests.integration.adapters.test_emerging_optimizers import (
         _assert_offloaded_between_steps,
         emerging_job,
     )

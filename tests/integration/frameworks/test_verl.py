@@ -11,7 +11,7 @@ cannot load; its train-mode switches call the two functions by name, as the job 
 
 import pytest
 
-from tests.unit.frameworks.test_rl_phases import _all_offloaded, _same, verl_job
+from tests.integration.frameworks.test_rl_phases import _all_offloaded, _same, verl_job
 
 pytestmark = pytest.mark.verl
 

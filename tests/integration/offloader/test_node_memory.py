@@ -3,8 +3,6 @@ over-commit is refused on every rank with the figures before anything is allocat
 that has room attaches, ``host_memory_budget="auto"`` takes each rank's part, and a rank that
 would pin more than its ``ulimit -l`` is refused."""
 
-import pytest
-
 
 def _with_limits(available, memlock=None):
     from megatron_offload.engine import host_limits
@@ -89,12 +87,3 @@ def test_the_ranks_of_a_node_agree_on_their_host_memory_before_allocating(rank_p
         )
         assert "would pin" in found["memlock"] and "ulimit -l" in found["memlock"]
         assert found["auto_unlimited"] is None
-
-
-@pytest.mark.parametrize("budget", ["auto", None, 1 << 20])
-def test_the_budget_option_takes_auto(budget):
-    from megatron_offload import OffloadConfig
-
-    assert OffloadConfig(host_memory_budget=budget).host_memory_budget == budget
-    with pytest.raises(ValueError, match='"auto" or None'):
-        OffloadConfig(host_memory_budget="half")

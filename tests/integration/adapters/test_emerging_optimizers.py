@@ -17,7 +17,7 @@ import importlib.util
 import pytest
 import torch
 
-from tests.unit.integration.test_attach_megatron import assert_bitwise_equal
+from tests.integration.offloader.test_attach_megatron import assert_bitwise_equal
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("emerging_optimizers") is None,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.integration.test_chunked_refusal import (
+from tests.unit.chunked.test_refusal import (
     _build,
     _grads,
     _kinds,

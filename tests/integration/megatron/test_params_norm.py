@@ -19,7 +19,6 @@ then, so its zero is not blind.
 import argparse
 import contextlib
 
-import pytest
 import torch
 
 OFFLOAD_ARGS = dict(
@@ -66,7 +65,7 @@ def norm_job(offload: bool, precision_aware: bool = False, steps: int = 3):
     from megatron_offload.adapters import MASTER_WEIGHTS, OPTIMIZER_STATES
     from megatron_offload.megatron import training as hooks
     from tests.harness import models
-    from tests.unit.adapters import _jobs
+    from tests.integration.adapters import _jobs
 
     injected = _jobs.injected("te") if precision_aware else contextlib.nullcontext()
     overrides = _jobs.precision_aware(True, "fp32") if precision_aware else {}
@@ -181,18 +180,3 @@ def test_params_norm_reloads_nothing_on_the_precision_aware_path(rank_pool):
             ("h2d", "master_weights"): rank["masters_bytes"],
             ("h2d", "optimizer_states"): rank["moments_bytes"],
         }
-
-
-def test_resident_kinds_are_checked():
-    import functools
-
-    from megatron_offload.offloader.members import resident_selection
-
-    select = functools.partial(resident_selection, count=2)
-    assert select(None) == [("optimizer_states", "master_weights")] * 2
-    assert select("master_weights") == [("master_weights",)] * 2
-    assert select([("master_weights",), ()]) == [("master_weights",), ()]
-    with pytest.raises(ValueError, match="unknown kind"):
-        select(("moments",))
-    with pytest.raises(ValueError, match="3 selections for 2 optimizers"):
-        select([(), (), ()])

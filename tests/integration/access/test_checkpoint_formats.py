@@ -21,7 +21,7 @@ import os
 import pytest
 import torch
 
-from tests.unit.integration.test_checkpoint import (
+from tests.integration.access.test_checkpoint import (
     DeviceWatch,
     _all_released,
     _chunked_options,

@@ -15,7 +15,7 @@ import contextlib
 
 import pytest
 
-from tests.unit.adapters import _jobs
+from tests.integration.adapters import _jobs
 
 STEPS, SKIP_AT = 5, 3
 

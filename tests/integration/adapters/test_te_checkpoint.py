@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from tests.unit.integration.test_checkpoint import DeviceWatch, _all_released
+from tests.integration.access.test_checkpoint import DeviceWatch, _all_released
 
 from . import _jobs
 
