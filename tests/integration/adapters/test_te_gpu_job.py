@@ -7,7 +7,7 @@ test's own logic is known to work before it meets a GPU.
 
 import pytest
 
-from .test_te_gpu import STEPS, _assert_bitwise_and_offloaded, _run
+from tests.unit.adapters.test_te_gpu import STEPS, _assert_bitwise_and_offloaded, _run
 
 
 @pytest.mark.parametrize("remainders,moments", [(True, "fp8")])
