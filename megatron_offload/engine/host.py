@@ -39,10 +39,6 @@ class HostBudget:
         self.limit = limit
         self._held: dict[int, int] = {}
 
-    def fits(self, owner, nbytes: int) -> bool:
-        """True if ``owner`` may hold ``nbytes`` (at once) besides what the others hold."""
-        return self.limit is None or self._others(owner) + nbytes <= self.limit
-
     def _others(self, owner) -> int:
         return sum(n for key, n in self._held.items() if key != id(owner))
 
@@ -164,10 +160,6 @@ class HostArena:
         self._synchronize()
         self.device.free_host_buffer(self.retired)
         self.retired = None
-
-    def synchronize(self) -> None:
-        """Block until no copy into or out of the buffer is pending (before host writes)."""
-        self._synchronize()
 
     def _synchronize(self) -> None:
         # Rule 5: copies into or out of the arena may still be queued even when the device

@@ -234,11 +234,6 @@ class AutomaticCycle:
         self.cycles += 1
         return result
 
-    @property
-    def chunked(self) -> tuple:
-        """The chunked updates, one per engine (empty without ``chunked_update_bytes``)."""
-        return tuple(self._chunked)
-
     def extra_host_bytes(self) -> list[int]:
         """Host bytes each engine's chunked update holds beyond the engine (its undo journal)."""
         if not self._chunked:

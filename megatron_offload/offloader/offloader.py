@@ -142,11 +142,6 @@ class OptimizerStateOffloader:
         return self._cycle is not None and not self.detached
 
     @property
-    def cycle(self):
-        """The automatic cycle ``attach`` installed (None without one)."""
-        return self._cycle
-
-    @property
     def is_offloaded(self) -> bool:
         """True while some selected state has no device memory."""
         return any(engine.is_released() for engine in self.engines)
@@ -422,8 +417,7 @@ class OptimizerStateOffloader:
         self._guard.accessed(mapping, writes, name)
 
     def _before_arming(self) -> None:
-        if self._guard is not None:
-            self._guard.reinstall()
+        self._guard.reinstall()
 
     def _check_attached(self) -> None:
         if self.detached:

@@ -76,3 +76,19 @@ def test_config_refuses_bad_values_naming_the_option():
 
 def test_offload_state_error_is_a_runtime_error():
     assert issubclass(OffloadStateError, RuntimeError)
+
+
+def test_pr_2811s_name_of_the_master_weights_is_an_alias():
+    from megatron_offload.offloader.members import master_weights_option
+
+    config = OffloadConfig.from_options(offload_primary_weights=False)
+    assert config.offload_master_weights is False and config.kinds() == ("optimizer_states",)
+    assert OffloadConfig(per_optimizer={0: {"offload_primary_weights": False}}).kinds(0) == (
+        "optimizer_states",
+    )
+    with pytest.raises(TypeError, match="another name of offload_master_weights"):
+        OffloadConfig.from_options(offload_primary_weights=False, offload_master_weights=True)
+    assert master_weights_option(None, False) is False and master_weights_option(True, None)
+    assert master_weights_option(None, None) is None
+    with pytest.raises(TypeError, match="another name of offload_master_weights"):
+        master_weights_option(True, False)

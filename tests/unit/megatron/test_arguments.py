@@ -402,3 +402,26 @@ def test_namespace_from_another_parser_is_read_with_defaults():
     validate_args(argparse.Namespace())
     validate_args(argparse.Namespace(offload_optimizer_states=False))
     validate_args(argparse.Namespace(offload_optimizer_states=True, use_distributed_optimizer=True))
+
+
+@pytest.mark.parametrize(
+    "text, error",
+    [
+        ("{not json", "not JSON"),
+        ("[1, 2]", "a JSON object"),
+        ('{"experts": {}}', "optimizer indices"),
+    ],
+)
+def test_per_optimizer_flag_is_parsed_with_a_clear_error(text, error):
+    parser = add_arguments(argparse.ArgumentParser(allow_abbrev=False, exit_on_error=False))
+    with pytest.raises(argparse.ArgumentError, match=error):
+        parser.parse_args([OFFLOAD_FLAG, "--offload-per-optimizer", text])
+
+
+def test_budget_and_prefetch_flags_take_their_words_and_numbers():
+    parser = add_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    args = parser.parse_args(
+        [OFFLOAD_FLAG, "--offload-host-memory-budget", "4096", "--offload-prefetch", "step"]
+    )
+    assert config_from_args(args).host_memory_budget == 4096
+    assert config_from_args(args).prefetch == "step"
