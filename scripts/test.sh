@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
 # The test suite, as CI runs it: sets up the environments on a fresh machine, then runs
-#  1. the main suite on megatron-core 0.19.2 (Python 3.12) under coverage, every rank and
-#     isolated process included, and prints the line coverage of megatron_offload/;
-#  2. the smoke set marked `floor` on megatron-core 0.16.1 (Python 3.11);
-#  3. the smoke set and the tests marked `line` (the example pretrain script through the
+#  1. the unit and integration tests on megatron-core 0.19.2 (Python 3.12) under coverage,
+#     every rank and isolated process included, and prints the line coverage of
+#     megatron_offload/;
+#  2. the functional tests (torchrun launches of the example pretrain script) in the same
+#     environment, without coverage (their launches would cost a quarter more under it);
+#  3. the smoke set marked `floor` on megatron-core 0.16.1 (Python 3.11);
+#  4. the smoke set and the tests marked `line` (the example pretrain script through the
 #     launcher, bitwise on vs. off and against the line's golden file; the line's source
 #     patches) on megatron-core 0.18.2 and 0.17.1 (Python 3.12, the main environment's torch);
-#  4. the tests marked `bridge` (Megatron-Bridge 0.6.2's own optimizer setup, train step and
+#  5. the tests marked `bridge` (Megatron-Bridge 0.6.2's own optimizer setup, train step and
 #     checkpointing with the offload callback) in the Bridge environment, built on the main one;
-#  5. the tests marked `verl` (verl 0.9.1's own optimizer moves through the adapter) in the
+#  6. the tests marked `verl` (verl 0.9.1's own optimizer moves through the adapter) in the
 #     verl environment, built on the main one the same way;
 # and, before all of them, `ruff check` and `ruff format --check` (pyproject.toml).
-# 2 to 5 (each environment built just before its run) go one after the other beside 1,
-# which waits only for its own environment (the main suite leaves a core idle about a third of
-# the time: process starts, waits for rank processes); their output is printed after the main
-# suite's. Extra arguments go to the main pytest run.
+# 2 to 6 (each environment built just before its run) go one after the other beside 1, which
+# waits only for its own environment (1 leaves a core idle much of the time: process starts,
+# waits for rank processes); their output is printed after 1's. Extra arguments go to 1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -42,9 +44,13 @@ no_tests() {  # pytest's "no tests ran" (exit 5) is a failure too
   return 0
 }
 
-# The floor and the other lines, in the background: their status is the file's last line.
+# The functional tests, the floor and the other lines, in the background: their status is the
+# file's last line.
 (
   status=0
+  banner "functional tests (no coverage)" "$main/bin/python"
+  "$main/bin/python" -m pytest -p no:cacheprovider tests/functional -q
+  rc=$?; no_tests $rc "functional tests"; [ $rc -eq 0 ] || status=1
   if floor=$(scripts/venv.sh py311-floor); then
     banner "compatibility floor" "$floor/bin/python"
     "$floor/bin/python" -m pytest -p no:cacheprovider tests -q -m floor
@@ -79,11 +85,11 @@ no_tests() {  # pytest's "no tests ran" (exit 5) is a failure too
 lines_job=$!
 
 status=$lint_status
-banner "main suite" "$main/bin/python"
+banner "unit and integration tests" "$main/bin/python"
 "$main/bin/python" -m coverage erase
 COVERAGE_PROCESS_START="$root/.coveragerc" \
-  "$main/bin/python" -m coverage run -m pytest -p no:cacheprovider tests -q "$@"
-rc=$?; no_tests $rc "main suite"; [ $rc -eq 0 ] || status=1
+  "$main/bin/python" -m coverage run -m pytest -p no:cacheprovider tests/unit tests/integration -q "$@"
+rc=$?; no_tests $rc "unit and integration tests"; [ $rc -eq 0 ] || status=1
 echo "== line coverage of megatron_offload/ (all processes)"
 "$main/bin/python" -m coverage combine -q && "$main/bin/python" -m coverage report || status=1
 

@@ -200,7 +200,7 @@ class AutomaticCycle:
         if config.prefetch == "gradients":
             for model_config in model_configs(members):
                 if getattr(model_config, "finalize_model_grads_func", None) is not None:
-                    self._handles.append(_gradient_prefetch(model_config, offloader))
+                    self._handles.append(_gradient_prefetch_hook(model_config, offloader))
         target = offloader.optimizer
         self._had_instance_step = "step" in vars(target)
         self._previous_step = target.step
@@ -352,7 +352,7 @@ class _GradientPrefetch:
             config.finalize_model_grads_func = self._own
 
 
-def _gradient_prefetch(model_config, offloader) -> _GradientPrefetch:
+def _gradient_prefetch_hook(model_config, offloader) -> _GradientPrefetch:
     """Start the reload when the loop reduces the gradients (``prefetch="gradients"``)."""
     return _GradientPrefetch(model_config, offloader)
 

@@ -102,20 +102,7 @@ CASES = {
             "iterations 3 and 5",
         ),
         Case(
-            "tp2",
-            4,
-            (
-                "--bf16",
-                "--tensor-model-parallel-size",
-                "2",
-                "--overlap-grad-reduce",
-                "--overlap-param-gather",
-            ),
-            description="tensor parallel 2 x data parallel 2, bf16, overlapped grad reduce "
-            "and param gather",
-        ),
-        Case(
-            "pp2",
+            "tp2pp2",
             4,
             (
                 "--fp16",
@@ -123,12 +110,17 @@ CASES = {
                 "1048576",
                 "--hysteresis",
                 "1",
+                "--tensor-model-parallel-size",
+                "2",
                 "--pipeline-model-parallel-size",
                 "2",
+                "--overlap-grad-reduce",
+                "--overlap-param-gather",
             ),
             train_iters=6,
-            description="pipeline parallel 2 x data parallel 2, fp16 with dynamic loss "
-            "scaling (the first two steps overflow and are skipped)",
+            description="tensor parallel 2 x pipeline parallel 2, fp16 with dynamic loss "
+            "scaling (steps 1 and 3 overflow and are skipped), overlapped grad reduce and "
+            "param gather",
         ),
     )
 }

@@ -48,6 +48,7 @@ def _primitives():
         (ChunkedUpdate, "install"),
         (OptimizerStateOffloader, "offload"),
         (attach_module, "_backward_prefetch_hook"),
+        (attach_module, "_gradient_prefetch_hook"),
         (functools, "update_wrapper"),  # the step wrapper (and the guard's, counted in _wrap too)
         (allocator_warnings, "warn_where_frees_wait"),
     ]
@@ -117,7 +118,12 @@ def _picture(optimizer):
                 for value in dict.get(inner.state, param, {}).values():
                     if isinstance(value, torch.Tensor):
                         tensors.append(value)
+    configs = {
+        id(chunk.config): chunk.config for w in wrappers for chunk in getattr(w, "model_chunks", [])
+    }
     return {
+        # The loop's finalize_model_grads_func (prefetch="gradients" wraps it).
+        "finalize": sorted(id(c.finalize_model_grads_func) for c in configs.values()),
         "objects": [_shape(o) for o in [optimizer, *wrappers, *inners]],
         "state_types": [type(inner.state) for inner in inners],
         "tensors": [(id(t), t.untyped_storage().nbytes(), t.detach().clone()) for t in tensors],
@@ -131,6 +137,8 @@ def _differences(before, after) -> list[str]:
             changed = sorted(k for k in set(b) | set(a) if b.get(k) != a.get(k))
             if changed:
                 found.append(f"object {index}: {changed}")
+    if before["finalize"] != after["finalize"]:
+        found.append("the model config's finalize_model_grads_func")
     if before["state_types"] != after["state_types"]:
         found.append(f"state mapping types {after['state_types']}")
     for (bid, bbytes, bvalue), (aid, abytes, avalue) in zip(before["tensors"], after["tensors"]):
@@ -222,6 +230,8 @@ def test_a_failure_at_any_step_of_attach_leaves_the_optimizer_as_it_was(rank_poo
         assert any(step.endswith(".offload") for step in steps)  # states made before attach
     if mode == "prefetch":
         assert any(step.endswith("_backward_prefetch_hook") for step in steps)
+    else:  # prefetch="gradients", the default: the loop's finalize_model_grads_func is wrapped
+        assert any(step.endswith("_gradient_prefetch_hook") for step in steps)
     assert len(found["failures"]) == len(steps)
     for k, outcome, differences in found["failures"]:
         assert outcome.startswith(f"injected at call {k}:"), (k, outcome)

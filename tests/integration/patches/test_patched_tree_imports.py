@@ -51,6 +51,18 @@ _IMPORT_CHECK = textwrap.dedent("""
     else:
         raise AssertionError('the patched validate_args accepted --optimizer-cpu-offload')
 
+    # The patched OptimizerConfig's fields carry the flags' names: its offload_* fields reach
+    # the offloader's config as the flags do (get_megatron_optimizer attaches from it).
+    from megatron_offload.megatron.arguments import config_from_args
+    patched = optimizer.OptimizerConfig(
+        offload_optimizer_states=True, offload_chunked_update_bytes=1 << 18,
+        offload_max_piece_bytes=1 << 20, offload_release_master_grads=False)
+    config = config_from_args(patched)
+    assert config.chunked_update_bytes == 1 << 18 and config.max_piece_bytes == 1 << 20
+    assert config.release_master_grads is False and config.offload_master_weights is True
+    masters = config_from_args(optimizer.OptimizerConfig(offload_master_weights=True))
+    assert masters.kinds() == ('master_weights',)
+
     # 3. patch_megatron() leaves a patched tree alone.
     from megatron_offload.megatron import training as offload_training
     before = training.train
