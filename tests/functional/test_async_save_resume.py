@@ -1,52 +1,76 @@
-"""``--offload-optimizer-states`` with asynchronous checkpoint saves, and resuming from them.
+"""``--offload-optimizer-states`` with asynchronous checkpoint saves at every iteration, and
+resuming from them.
 
 examples/pretrain_gpt.py on 2 gloo ranks (bf16, DistributedOptimizer) with megatron's
 asynchronous save (``--async-save --use-persistent-ckpt-worker --async-strategy mcore``,
-``torch_dist``: the persistent writer process megatron-core 0.19 requires), saving at
-iterations 3 and 5, against the plain script (no megatron_offload hook) saving synchronously:
+``torch_dist``: the persistent writer process megatron-core 0.19 requires) at every iteration,
+in whole and chunked mode, each with and without ``--ckpt-assume-constant-structure`` (the
+writer then reuses the save plan it cached at the first save: where others lose checkpoints,
+an offload that reallocates the states makes every later checkpoint hold the first one's
+bytes). Against the plain script (no megatron_offload hook) saving synchronously at every
+iteration:
 
-* the run with offloading trains bitwise as the plain script, and each save sees the same
-  optimizer state;
+* every run trains bitwise as the plain script, and each save sees the same optimizer state;
 * no state comes back to the device for a save: the storages of the optimizer's own state
   tensors hold 0 bytes before and right after each save (all of them without offloading);
-* the checkpoints hold bit for bit the tensors the plain script writes;
-* a run resumed (with offloading) from the iteration-3 checkpoint trains iterations 4 and 5
-  bit for bit as the run that never stopped.
+* every checkpoint of every run holds bit for bit the tensors the plain script writes at the
+  same iteration;
+* runs resumed (with offloading, the constant structure on) from two of those checkpoints, of
+  two of the runs, train on bit for bit as the runs that never stopped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 
+import pytest
 import torch
 
 from tests.functional import runner
 from tests.support.checkpoints import torch_dist_tensors
 
+ITERATIONS = 3
 ASYNC_FLAGS = ("--async-save", "--use-persistent-ckpt-worker", "--async-strategy", "mcore")
-CASE = runner.Case(
-    "dp2-async",
-    2,
-    ("--bf16",) + ASYNC_FLAGS,
-    save_interval=3,
-    description="data parallel 2, bf16, asynchronous saves at iterations 3 and 5",
-)
+CONSTANT = ("--ckpt-assume-constant-structure",)
+CHUNKED = ("--offload-chunked-update-bytes", str(256 << 10))
 # The reference saves synchronously: megatron-core's asynchronous save hands a CPU state tensor
 # that is a storage of its own (torch AdamW's moments on a CPU run) to the writer without a
 # copy, so a writer slower than the next step writes that step's values (seen under load).
 # Served from the host copy, every tensor the writer gets is a copy.
 REFERENCE = runner.Case(
-    "dp2-sync",
+    "dp2-sync-every",
     2,
     ("--bf16",),
-    save_interval=3,
-    description="data parallel 2, bf16, synchronous saves at iterations 3 and 5",
+    train_iters=ITERATIONS,
+    save_interval=1,
+    description="data parallel 2, bf16, synchronous saves at every iteration",
 )
+VARIANTS = {
+    "whole": ((), ()),
+    "whole-constant": (CONSTANT, ()),
+    "chunked": ((), CHUNKED),
+    "chunked-constant": (CONSTANT, CHUNKED),
+}
+# (variant, the iteration resumed from)
+RESUMES = (("whole-constant", 1), ("chunked-constant", 2))
 
 
-def _values(run, rank):
-    return [(e["lm_loss"], e["grad_norm"], e["skipped"]) for e in run.ranks[rank]["iterations"]]
+def _case(variant: str) -> runner.Case:
+    flags, offload_flags = VARIANTS[variant]
+    return dataclasses.replace(
+        REFERENCE,
+        name=f"dp2-async-every-{variant}",
+        flags=REFERENCE.flags + ASYNC_FLAGS + flags,
+        offload_flags=offload_flags,
+        description=f"data parallel 2, bf16, asynchronous saves at every iteration ({variant})",
+    )
+
+
+def _values(run, rank, start=0):
+    entries = run.ranks[rank]["iterations"][start:]
+    return [(e["lm_loss"], e["grad_norm"], e["skipped"]) for e in entries]
 
 
 def _files(directory):
@@ -57,38 +81,80 @@ def _files(directory):
     )
 
 
-def test_async_saves_from_the_host_and_resume_bitwise(tmp_path):
-    on_dir, off_dir, resume_dir = (str(tmp_path / name) for name in ("on", "off", "resume"))
-    on = runner.run(CASE, offload=True, save_dir=on_dir)
-    off = runner.run(REFERENCE, offload=False, save_dir=off_dir)
-    for rank in range(CASE.world_size):
-        assert _values(on, rank) == _values(off, rank)
-        assert on.ranks[rank]["saves"] == off.ranks[rank]["saves"]
-        saved_on = on.ranks[rank]["save_storage_bytes"]
-        saved_off = off.ranks[rank]["save_storage_bytes"]
-        assert [s["iteration"] for s in saved_on] == [3, 5]
-        assert all(s["before"] == s["after"] == 0 for s in saved_on), saved_on
-        assert all(s["before"] == s["after"] > 0 for s in saved_off), saved_off
-    # The checkpoints: the same files, and every tensor in them bit for bit (the files' bytes
-    # also hold the run's arguments, whose --save path differs).
-    assert _files(on_dir) == _files(off_dir)
-    for iteration in ("iter_0000003", "iter_0000005"):
-        written_on = torch_dist_tensors(os.path.join(on_dir, iteration), str(tmp_path / "on.pt"))
-        written_off = torch_dist_tensors(os.path.join(off_dir, iteration), str(tmp_path / "off.pt"))
-        assert written_on.keys() == written_off.keys()
-        assert any("exp_avg_sq" in key for key in written_on) and any(
-            "fp32_param" in key or ".param" in key for key in written_on
-        ), list(written_on)
-        for key, value in written_off.items():
-            assert torch.equal(value, written_on[key]), (iteration, key)
+@pytest.fixture(scope="module")
+def expected(saved):
+    """The plain script's checkpoint tensors, by iteration, read once."""
+    root, runs = saved
+    _, directory = runs["reference"]
+    return {
+        iteration: torch_dist_tensors(
+            os.path.join(directory, f"iter_{iteration:07d}"), str(root / "ref.pt")
+        )
+        for iteration in range(1, ITERATIONS + 1)
+    }
 
-    # Resume from iteration 3 (the later checkpoint set aside).
-    shutil.copytree(on_dir, resume_dir)
-    shutil.rmtree(os.path.join(resume_dir, "iter_0000005"))
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The reference and every variant, saved at every iteration: ``{name: (run, dir)}``."""
+    root = tmp_path_factory.mktemp("saves")
+    runs = {"reference": (runner.run(REFERENCE, offload=False, save_dir=str(root / "ref")),)}
+    runs["reference"] += (str(root / "ref"),)
+    for variant in VARIANTS:
+        directory = str(root / variant)
+        runs[variant] = (runner.run(_case(variant), offload=True, save_dir=directory), directory)
+    return root, runs
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_asynchronous_save_holds_what_the_plain_script_saves(saved, expected, variant):
+    root, runs = saved
+    reference, reference_dir = runs["reference"]
+    run, directory = runs[variant]
+    for rank in range(REFERENCE.world_size):
+        assert _values(run, rank) == _values(reference, rank)
+        assert run.ranks[rank]["saves"] == reference.ranks[rank]["saves"]
+        on = run.ranks[rank]["save_storage_bytes"]
+        off = reference.ranks[rank]["save_storage_bytes"]
+        assert [s["iteration"] for s in on] == list(range(1, ITERATIONS + 1))
+        assert all(s["before"] == s["after"] == 0 for s in on), on
+        assert all(s["before"] == s["after"] > 0 for s in off), off
+        assert all(e["offloader"]["is_offloaded"] for e in run.ranks[rank]["iterations"])
+    if variant.startswith("chunked"):
+        # From the second step on the moments exist and stream through the slots in chunks.
+        assert all(e["offloader"]["update_chunks"] >= 2 for e in run.ranks[0]["iterations"][1:])
+    # The checkpoints: the same files, and every tensor in each bit for bit (the files' bytes
+    # also hold the run's arguments, whose --save path differs).
+    assert _files(directory) == _files(reference_dir)
+    for iteration in range(1, ITERATIONS + 1):
+        name = f"iter_{iteration:07d}"
+        written = torch_dist_tensors(os.path.join(directory, name), str(root / f"{variant}.pt"))
+        assert written.keys() == expected[iteration].keys()
+        assert any("exp_avg_sq" in key for key in written), list(written)
+        for key, value in expected[iteration].items():
+            assert torch.equal(value, written[key]), (variant, iteration, key)
+
+
+@pytest.mark.parametrize("variant,iteration", RESUMES, ids=[f"{v}-{i}" for v, i in RESUMES])
+def test_a_resume_from_a_saved_iteration_trains_on_bitwise(saved, variant, iteration, tmp_path):
+    _, runs = saved
+    run, directory = runs[variant]
+    resume_dir = str(tmp_path / "from")
+    shutil.copytree(directory, resume_dir)
+    for later in range(iteration + 1, ITERATIONS + 1):
+        shutil.rmtree(os.path.join(resume_dir, f"iter_{later:07d}"))
     with open(os.path.join(resume_dir, "latest_checkpointed_iteration.txt"), "w") as f:
-        f.write("3")
+        f.write(str(iteration))
+    # The resumed run only loads: it trains with the variant's offload options, saving nothing.
     resumed = runner.run(
-        CASE, offload=True, save_dir=str(tmp_path / "resumed"), extra_flags=("--load", resume_dir)
+        dataclasses.replace(
+            REFERENCE,
+            name=f"dp2-resume-{variant}",
+            save_interval=None,
+            offload_flags=VARIANTS[variant][1],
+        ),
+        offload=True,
+        extra_flags=("--load", resume_dir),
     )
-    for rank in range(CASE.world_size):
-        assert _values(resumed, rank) == _values(on, rank)[3:], rank
+    for rank in range(REFERENCE.world_size):
+        assert _values(resumed, rank) == _values(run, rank, iteration), rank

@@ -152,31 +152,6 @@ def test_memory_figures(case_name, device):
             assert all(s["before"] == s["after"] > 0 for s in saved_off), saved_off
 
 
-def test_chunked_update_flag_trains_like_the_plain_script():
-    """``--offload-chunked-update-bytes``: the states stay on the host during the step and
-    stream through slots; the loss curve and the saved optimizer state are those of the
-    plain script (and of the golden file)."""
-    case = runner.CASES["dp2"]
-    # 256 KiB: two slots of 128 KiB, several chunks for this model's ~0.6 MiB of moments
-    # per rank, and more than its largest parameter shard's moments.
-    chunked = dataclasses.replace(
-        case, name="dp2-chunked", offload_flags=("--offload-chunked-update-bytes", str(256 << 10))
-    )
-    on = runner.run(chunked, offload=True)
-    off = runner.run(case, offload=False)
-    for rank in range(case.world_size):
-        assert _values(on, rank) == _values(off, rank)
-        assert on.ranks[rank]["saves"] == off.ranks[rank]["saves"]
-        entries = on.ranks[rank]["iterations"]
-        assert all(e["offloader"]["is_offloaded"] for e in entries)
-        # From the second step on the moments exist and are streamed in several chunks;
-        # nothing but the fp32 master weights comes back whole.
-        assert all(e["offloader"]["update_chunks"] >= 2 for e in entries[1:]), entries
-    golden_values.check(
-        golden_values.trajectory(on), case.name, "cpu", sections=("iterations",), required=False
-    )
-
-
 @pytest.mark.line
 def test_refused_combination_fails_before_initialization():
     """The launcher refuses a bad command line in argument validation: one clear message,
