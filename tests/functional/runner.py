@@ -76,6 +76,11 @@ MODEL_FLAGS = [
     "1000",
     "--log-interval",
     "2",
+    # Batches are read in the training process: loader workers (spawned, importing torch
+    # again, when the asynchronous checkpoint worker sets the start method) cost seconds per
+    # run and change no value.
+    "--num-workers",
+    "0",
 ]
 
 

@@ -75,3 +75,34 @@ def test_the_hook_is_installed_once_and_restored(monkeypatch):
     assert sys.excepthook is installed and installed is not sys.__excepthook__
     errors.restore_excepthook()
     assert sys.excepthook is sys.__excepthook__
+
+
+def test_the_installed_hook_prints_a_refusal_and_passes_anything_else_on(capsys, monkeypatch):
+    seen = []
+    monkeypatch.setattr(sys, "excepthook", lambda *a: seen.append(a))
+    monkeypatch.setenv("RANK", "0")
+    errors.print_refusals_once()
+    try:
+        refusal = megatron_offload.OffloadArgumentError("use one of them")
+        sys.excepthook(type(refusal), refusal, None)
+        other = ValueError("x")
+        sys.excepthook(ValueError, other, None)
+    finally:
+        errors.restore_excepthook()
+    assert capsys.readouterr().err == "megatron-offload: OffloadArgumentError: use one of them\n"
+    assert seen == [(ValueError, other, None)]
+
+
+def test_the_rank_comes_from_the_process_group_and_a_broken_one_falls_back_to_rank(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 5)
+    assert errors._rank() == 5
+
+    def broken():
+        raise RuntimeError("the process group was destroyed")
+
+    monkeypatch.setattr(dist, "get_rank", broken)
+    assert errors._rank() == 2

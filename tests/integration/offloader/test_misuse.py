@@ -66,6 +66,19 @@ def misuse_job():
     again = megatron_offload.attach(optimizer)
     models.train_step(chunks, optimizer, config, 2)
     found["reattached_offloads"] = again.is_offloaded
+    again.detach()
+    # The attribute as Megatron-LM's own offloader leaves it (None) is put back as it was; one
+    # that someone else set after attach is left to them.
+    distrib._state_offloader = None
+    megatron_offload.attach(optimizer).detach()
+    found["none_put_back"] = (
+        "_state_offloader" in vars(distrib) and distrib._state_offloader is None
+    )
+    third = megatron_offload.attach(optimizer)
+    distrib._state_offloader = "theirs"
+    third.detach()
+    found["theirs_left"] = distrib._state_offloader == "theirs"
+    del distrib._state_offloader
     return found
 
 
@@ -207,6 +220,7 @@ def test_misuse_is_refused_with_clear_messages(rank_pool):
         assert kind == "OffloadStateError" and "detached" in message, case
     assert found["resident_after_detached_step"]
     assert found["reattached_offloads"]
+    assert found["none_put_back"] and found["theirs_left"]
 
 
 def graphs_job():
