@@ -3,9 +3,9 @@
 #  1. the unit and integration tests on megatron-core 0.19.2 (Python 3.12) under coverage,
 #     every rank and isolated process included, and prints the line coverage of
 #     megatron_offload/;
-#  2. the functional tests (torchrun launches of the example pretrain script) in the same
+#  2. the smoke set marked `floor` on megatron-core 0.16.1 (Python 3.11);
+#  3. the functional tests (torchrun launches of the example pretrain script) in the main
 #     environment, without coverage (their launches would cost a quarter more under it);
-#  3. the smoke set marked `floor` on megatron-core 0.16.1 (Python 3.11);
 #  4. the smoke set and the tests marked `line` (the example pretrain script through the
 #     launcher, bitwise on vs. off and against the line's golden file; the line's source
 #     patches) on megatron-core 0.18.2 and 0.17.1 (Python 3.12, the main environment's torch);
@@ -14,9 +14,9 @@
 #  6. the tests marked `verl` (verl 0.9.1's own optimizer moves through the adapter) in the
 #     verl environment, built on the main one the same way;
 # and, before all of them, `ruff check` and `ruff format --check` (pyproject.toml).
-# 2 to 6 (each environment built just before its run) go one after the other beside 1, which
-# waits only for its own environment (1 leaves a core idle much of the time: process starts,
-# waits for rank processes); their output is printed after 1's. Extra arguments go to 1.
+# 1 then 2 run in the foreground; 3 to 6 (each environment built just before its run) go one
+# after the other beside them (1 leaves a core idle much of the time: process starts, waits for
+# rank processes); their output is printed after 2's. Extra arguments go to 1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -44,20 +44,13 @@ no_tests() {  # pytest's "no tests ran" (exit 5) is a failure too
   return 0
 }
 
-# The functional tests, the floor and the other lines, in the background: their status is the
-# file's last line.
+# The functional tests, the other lines, Bridge and verl, in the background: their status is
+# the file's last line.
 (
   status=0
   banner "functional tests (no coverage)" "$main/bin/python"
   "$main/bin/python" -m pytest -p no:cacheprovider tests/functional -q
   rc=$?; no_tests $rc "functional tests"; [ $rc -eq 0 ] || status=1
-  if floor=$(scripts/venv.sh py311-floor); then
-    banner "compatibility floor" "$floor/bin/python"
-    "$floor/bin/python" -m pytest -p no:cacheprovider tests -q -m floor
-    rc=$?; no_tests $rc "compatibility floor"; [ $rc -eq 0 ] || status=1
-  else
-    echo "== compatibility floor: its environment could not be built (above)" >&2; status=1
-  fi
   for line in mcore-0.18 mcore-0.17; do
     if ! venv=$(scripts/venv.sh "$line"); then
       echo "== $line: its environment could not be built (above)" >&2; status=1; continue
@@ -92,6 +85,14 @@ COVERAGE_PROCESS_START="$root/.coveragerc" \
 rc=$?; no_tests $rc "unit and integration tests"; [ $rc -eq 0 ] || status=1
 echo "== line coverage of megatron_offload/ (all processes)"
 "$main/bin/python" -m coverage combine -q && "$main/bin/python" -m coverage report || status=1
+# The floor, after them: the background stream is the longer one.
+if floor=$(scripts/venv.sh py311-floor); then
+  banner "compatibility floor" "$floor/bin/python"
+  "$floor/bin/python" -m pytest -p no:cacheprovider tests -q -m floor
+  rc=$?; no_tests $rc "compatibility floor"; [ $rc -eq 0 ] || status=1
+else
+  echo "== compatibility floor: its environment could not be built (above)" >&2; status=1
+fi
 
 wait "$lines_job"
 cat "$work/lines.log"
