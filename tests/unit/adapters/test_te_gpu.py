@@ -275,14 +275,17 @@ def _train(
     }
 
 
-def _run(remainders, moments, offload, dry_run=False, chunked=None, checkpoint=None):
+def _run(remainders, moments, offload, dry_run=False, chunked=None, checkpoint=None, process=None):
+    """``gpu_job`` in a fresh process, or in ``process`` (the dry runs share one)."""
     from tests.support.isolated import IsolatedProcess
 
-    process = IsolatedProcess(timeout=600)
-    try:
+    if process is not None:
         return process.run(
             gpu_job, _free_port(), remainders, moments, offload, dry_run, chunked, checkpoint
         )
+    process = IsolatedProcess(timeout=600)
+    try:
+        return _run(remainders, moments, offload, dry_run, chunked, checkpoint, process)
     finally:
         process.close()
 
