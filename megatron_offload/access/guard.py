@@ -65,12 +65,12 @@ STATE_METHODS = (
     # gather): copies the fp32 masters into the parameter buffer outside the step.
     "prepare_model_params_for_param_sync",
 )
-# Public methods of megatron-core's optimizers (0.16-0.19) that touch the optimizer states or
-# the master weights but are not served by a host view, and why that is safe. With
-# STATE_METHODS and the RL helpers they are the whole contract: the suite finds, in the
-# installed megatron-core's own code, every public method that reaches the state mapping,
-# the parameter groups or the master lists, and fails on any method in none of them
-# (tests/unit/access/test_state_contract.py).
+# Public methods of megatron-core's optimizers (0.16-0.19, Megatron-LM main and dev) that touch
+# the optimizer states or the master weights but are not served by a host view, and why that
+# is safe. With STATE_METHODS and the RL helpers they are the whole contract: the suite finds,
+# in the megatron-core it runs (each line, the patched trees, a Megatron-LM checkout), every
+# public method that reaches the state mapping, the parameter groups or the master lists, and
+# fails on any method in none of them (tests/unit/access/test_state_contract.py).
 SAFE_METHODS = {
     "__init__": "builds the optimizer: before any offloader exists",
     "step": "the step: the inner optimizer's step pre-hook brings every state back (and orders "
@@ -90,6 +90,8 @@ SAFE_METHODS = {
     "between steps is served from the host copy",
     "param_groups": "hands out the parameter groups without reading them; the masters found "
     "there between steps are a documented limit (docs/usage.md: read them inside host_view())",
+    "load_state_dict_from_file": "(Megatron-LM dev: the layer-wise optimizer's torch-format "
+    "load) torch.load, then self.load_state_dict: the instance's served method",
 }
 # Methods routed to the offloader instead (StateAccessGuard wraps them).
 ROUTED_METHODS = ("offload_to_cpu", "restore_from_cpu")

@@ -17,6 +17,8 @@ wheel ships no ``megatron/legacy``)::
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,4 +78,29 @@ def test_stock_pretrain_gpt_trains_bitwise_like_without_offloading(case_name):
     print(
         f"{tree}: lm loss per iteration "
         + ", ".join(repr(float.fromhex(e["lm_loss"])) for e in last)
+    )
+
+
+def test_the_trees_optimizers_keep_the_state_access_contract():
+    """The tree's megatron-core optimizers: every method that touches states or masters is
+    served, routed or shown safe (tests/unit/access/test_state_contract.py, for the tree)."""
+    tree = _tree()
+    check = (
+        "import sys, megatron.core.optimizer as o\n"
+        "assert o.__file__.startswith(sys.argv[1]), o.__file__\n"
+        "from tests.support.state_contract import unclassified\n"
+        "found = unclassified()\n"
+        "assert found == {}, found\n"
+        "print('CONTRACT OK')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", check, str(tree)],
+        env=runner.environment("cpu", str(tree)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(runner.REPO),
+    )
+    assert result.returncode == 0 and "CONTRACT OK" in result.stdout, (
+        result.stdout[-3000:] + result.stderr[-3000:]
     )

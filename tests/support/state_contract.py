@@ -91,3 +91,19 @@ def touching_methods(cls) -> dict[str, str]:
     return {
         name: why for name, why in how.items() if not name.startswith("_") or name == "__init__"
     }
+
+
+def unclassified() -> dict[str, str]:
+    """``Class.method -> how`` for every method of the importable megatron-core's optimizers
+    that touches states or masters and is neither served from the host copy, routed to the
+    offloader, nor shown safe by ``megatron_offload.access.guard`` (empty when the contract
+    holds)."""
+    from megatron_offload.access import guard
+
+    classified = set(guard.STATE_METHODS) | set(guard.ROUTED_METHODS) | set(guard.SAFE_METHODS)
+    return {
+        f"{cls.__name__}.{name}": how
+        for cls in optimizer_classes()
+        for name, how in touching_methods(cls).items()
+        if name not in classified
+    }

@@ -84,6 +84,11 @@ _IMPORT_CHECK = textwrap.dedent("""
           'with _optimizer_state_offload_residency(optimizer, read_only=True):', '# Save checkpoint.')
     after(training.training_log, 'log_for_megatron(iteration)', 'timers.log(timers_to_log')
     after(training.train, 'with _optimizer_state_offload_residency():', 'if args.log_params_norm:')
+
+    # 5. The state-access contract holds for the patched optimizer package too.
+    assert optimizer.__file__.startswith(sys.argv[1]), optimizer.__file__
+    from tests.support.state_contract import unclassified
+    assert unclassified() == {}, unclassified()
     print('PATCHED TREE OK')
 """)
 
@@ -100,7 +105,7 @@ def test_patched_tree_imports(tmp_path):
         CUDA_VISIBLE_DEVICES="",
     )
     result = subprocess.run(
-        [sys.executable, "-c", _IMPORT_CHECK],
+        [sys.executable, "-c", _IMPORT_CHECK, str(tree)],
         env=env,
         cwd=tmp_path,
         capture_output=True,

@@ -5,13 +5,15 @@ offloader (``guard.ROUTED_METHODS``), or shown safe (``guard.SAFE_METHODS``, wit
 A method a later megatron-core adds fails here, naming it, until it is classified.
 
 Runs on every megatron-core line of the suite (``floor``: 0.16.1; ``line``: 0.17.1, 0.18.2;
-the main suite: 0.19.2).
+the main suite: 0.19.2), and on the Megatron trees the suite runs: the installed line patched
+with ``patches/`` (``tests/integration/patches/test_patched_tree_imports.py``) and a Megatron-LM
+checkout (``tests/functional/test_stock_script.py``).
 """
 
 import pytest
 
 from megatron_offload.access import guard
-from tests.support.state_contract import optimizer_classes, touching_methods
+from tests.support.state_contract import optimizer_classes, touching_methods, unclassified
 
 CLASSIFIED = set(guard.STATE_METHODS) | set(guard.ROUTED_METHODS) | set(guard.SAFE_METHODS)
 
@@ -21,12 +23,8 @@ CLASSIFIED = set(guard.STATE_METHODS) | set(guard.ROUTED_METHODS) | set(guard.SA
 def test_every_method_that_touches_states_or_masters_is_served_routed_or_safe():
     import megatron.core
 
-    unclassified = {}
-    for cls in optimizer_classes():
-        for name, how in touching_methods(cls).items():
-            if name not in CLASSIFIED:
-                unclassified[f"{cls.__name__}.{name}"] = how
-    assert unclassified == {}, f"megatron-core {megatron.core.__version__}: {unclassified}"
+    found = unclassified()
+    assert found == {}, f"megatron-core {megatron.core.__version__}: {found}"
     # The scan sees what it must: served, routed and safe methods of each kind.
     found = touching_methods(optimizer_classes()[0])
     assert {"state_dict", "load_state_dict", "sharded_state_dict", "offload_to_cpu", "step"} <= set(
