@@ -103,3 +103,17 @@ def restore_excepthook() -> None:
     previous = getattr(sys.excepthook, "__offload_previous__", None)
     if previous is not None:
         sys.excepthook = previous
+
+
+# Methods of Megatron-LM's unreleased offloader that the offloader does not offer, and why.
+_NOT_OFFERED = {
+    "release_gpu_memory": "offload() frees the device memory itself (once the copy has read it); drop the call.",
+    "sync_before_step": "call wait() (the same: the copy-back is ordered before the current stream).",
+}
+
+
+def no_attribute(obj, name: str) -> AttributeError:
+    """The AttributeError for ``obj.name``, saying what to do for a name upstream had."""
+    if name in _NOT_OFFERED:
+        return AttributeError(f"{type(obj).__name__} has no {name}(): {_NOT_OFFERED[name]}")
+    return AttributeError(f"{type(obj).__name__!r} object has no attribute {name!r}")

@@ -82,6 +82,9 @@ class PhaseTracker:
         self._before_arming = before_arming
         #: True while the mappings are armed: ``IDLE`` with some state off the device.
         self.guarded = False
+        #: Counts the moments the states or masters may have been written outside a step
+        #: (a ``SERVING`` or ``READING`` entry, ``changed()``): what a sleep compares.
+        self.changes = 0
 
     @property
     def view(self):
@@ -117,6 +120,7 @@ class PhaseTracker:
         stack.append(phase)
         if phase in (Phase.SERVING, Phase.READING):
             self._views.append(view)
+            self.changes += 1
         self._settle()
         return len(self._stack) - 1
 
@@ -139,7 +143,12 @@ class PhaseTracker:
         transition, which closes it (``view.close()``)."""
         self._stack.append(Phase.READING)
         self._views.append(view)
+        self.changes += 1
         self._settle()
+
+    def changed(self) -> None:
+        """The states or masters were handed out for writing outside a step."""
+        self.changes += 1
 
     def detached(self) -> None:
         """The end: reads closed, nothing guarded any more."""

@@ -26,7 +26,9 @@ SCALAR_NAMES = {
 MIN_OVER_RANKS = ("d2h_gbps", "h2d_gbps")
 
 
-def combine(per: list[dict], *, cycles: int, devices: list, host_views: dict) -> dict:
+def combine(
+    per: list[dict], *, cycles: int, devices: list, host_views: dict, sleep: dict | None = None
+) -> dict:
     """The engines' ``stats()`` (``per``) summed: counts per kind merged, the largest piece
     the largest, rates of the summed bytes and times (not a sum of rates); with the cycles,
     the NUMA figures of ``devices`` and what host views served."""
@@ -49,6 +51,9 @@ def combine(per: list[dict], *, cycles: int, devices: list, host_views: dict) ->
     total["cycles"] = cycles
     total.update(numa.figures(devices))
     total.update(host_views)
+    if sleep is not None:  # what the last sleep did with the model's own tensors
+        total.update(sleep)
+        total["host_bytes"] = total.get("host_bytes", 0) + sleep["sleep_host_bytes"]
     total["per_optimizer"] = per
     return total
 

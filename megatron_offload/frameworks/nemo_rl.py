@@ -7,7 +7,11 @@ also before anything was moved out) and before a checkpoint save; one tensor at 
 pageable, synchronous, leaving the fp32 master weights on the device. With an offloader
 attached to ``worker.optimizer``, ``install()`` turns those calls into ``phases.to_host`` and
 ``phases.to_device``: the states travel once, asynchronously, masters included, and a
-checkpoint save is served from the host copy.
+checkpoint save is served from the host copy. Its model moves
+(``move_model(model, device, move_params, move_grads)``: megatron-core's buffer moves, the
+parameters copied out and back, the gradients freed) become ``sleep()`` / ``wake()`` of the
+parts moved, for the model the attached optimizer was built for (a reference model keeps
+NeMo-RL's own move).
 
     from megatron_offload.frameworks import nemo_rl
     nemo_rl.install()   # once per worker process, before the worker's first phase
@@ -22,16 +26,18 @@ import functools
 import importlib
 
 from ..megatron.training import find_offloader
-from .phases import to_device, to_host
+from ..offloader.sleep import owner_of
+from .phases import model_to_device, model_to_host, to_device, to_host
 
 MODULE = "nemo_rl.models.policy.workers.megatron_policy_worker"
 CLASS = "MegatronPolicyWorker"
-_installed: dict = {}  # worker class -> its own move_optimizer
+_installed: dict = {}  # worker class -> its own (move_optimizer, move_model)
 
 
 def install(worker_class=None) -> None:
-    """Make ``worker_class.move_optimizer`` (NeMo-RL's ``MegatronPolicyWorker`` by default)
-    delegate to the offloader attached to ``self.optimizer``; idempotent."""
+    """Make ``worker_class.move_optimizer`` and ``move_model`` (NeMo-RL's
+    ``MegatronPolicyWorker`` by default) delegate to the offloader attached to
+    ``self.optimizer``; idempotent."""
     cls = worker_class if worker_class is not None else _worker_class()
     if cls in _installed:
         return
@@ -40,31 +46,49 @@ def install(worker_class=None) -> None:
         raise TypeError(
             f"{cls.__qualname__} has no move_optimizer of its own: not NeMo-RL's Megatron policy worker."
         )
+    own_model = cls.__dict__.get("move_model")
 
     @functools.wraps(own)
     def move_optimizer(self, device: str):
         offloader = find_offloader(getattr(self, "optimizer", None))
         if offloader is None:
             return own(self, device)
-        if device == "cpu":
-            to_host(offloader)
-        elif device == "cuda":
-            to_device(offloader)
-        else:  # as NeMo-RL's own
-            raise ValueError(
-                f"Invalid device: {device}. Only strings 'cpu' and 'cuda' are supported."
-            )
+        _check(device)
+        (to_host if device == "cpu" else to_device)(offloader)
 
     cls.move_optimizer = move_optimizer
-    _installed[cls] = own
+    if own_model is not None:
+
+        @functools.wraps(own_model)
+        def move_model(self, model, device: str, move_params=True, move_grads=True):
+            offloader = find_offloader(getattr(self, "optimizer", None))
+            if offloader is None or owner_of(model) is not offloader:  # a reference model
+                return own_model(self, model, device, move_params, move_grads)
+            _check(device)
+            parts = {"parameters": move_params, "gradients": move_grads}
+            if device == "cpu":
+                model_to_host(offloader, model, **parts)
+            else:
+                model_to_device(offloader, **parts)
+            return model
+
+        cls.move_model = move_model
+    _installed[cls] = (own, own_model)
+
+
+def _check(device: str) -> None:
+    if device not in ("cpu", "cuda"):  # as NeMo-RL's own
+        raise ValueError(f"Invalid device: {device}. Only strings 'cpu' and 'cuda' are supported.")
 
 
 def uninstall(worker_class=None) -> None:
-    """Give ``worker_class`` its own ``move_optimizer`` back."""
+    """Give ``worker_class`` its own ``move_optimizer`` and ``move_model`` back."""
     cls = worker_class if worker_class is not None else _worker_class()
     own = _installed.pop(cls, None)
     if own is not None:
-        cls.move_optimizer = own
+        cls.move_optimizer = own[0]
+        if own[1] is not None:
+            cls.move_model = own[1]
 
 
 def _worker_class():

@@ -8,7 +8,11 @@ masters (``p.data = p.data.to(...)``) and ``exp_avg`` / ``exp_avg_sq`` one ``.to
 buffers, other optimizers' states and the masters' gradients are not moved. With an
 offloader attached, ``install()`` makes both delegate (``phases.to_host`` /
 ``phases.to_device``): everything the offloader tracks leaves the device, and in train mode
-the states come back only around each step.
+the states come back only around each step. The model moves
+``offload_megatron_model_to_cpu(models)`` / ``load_megatron_model_to_gpu(models, load_grad)``
+(verl copies the parameter buffers out and back and drops the gradient buffers) become
+``sleep()`` / ``wake()`` for the model the attached optimizer was built for: the parameters
+are made again from the masters instead of copied.
 
     from megatron_offload.frameworks import verl
     verl.install()   # once per worker process, after importing verl
@@ -23,10 +27,29 @@ import importlib
 import sys
 
 from ..megatron.training import find_offloader
-from .phases import to_device, to_host
+from ..offloader.sleep import owner_of
+from .phases import model_to_device, model_to_host, to_device, to_host
 
 MODULE = "verl.utils.megatron_utils"
-NAMES = {"offload_megatron_optimizer": to_host, "load_megatron_optimizer": to_device}
+
+
+def _model_to_host(offloader, models, *args, **kwargs) -> None:
+    model_to_host(offloader, models)
+
+
+def _model_to_device(offloader, models, load_grad=True, load_frozen_params=True) -> None:
+    # Frozen parameters come back with the others (load_frozen_params=False is verl's
+    # adapter-only refit, which reads only the trainable ones: they are back too).
+    model_to_device(offloader, gradients=load_grad)
+
+
+# verl's function -> (how the offloader is found from its first argument, what it becomes)
+NAMES = {
+    "offload_megatron_optimizer": (find_offloader, to_host),
+    "load_megatron_optimizer": (find_offloader, to_device),
+    "offload_megatron_model_to_cpu": (owner_of, _model_to_host),
+    "load_megatron_model_to_gpu": (owner_of, _model_to_device),
+}
 _installed: dict = {}  # id(delegating function) -> (delegating function, verl's own)
 
 
@@ -36,12 +59,12 @@ def install(module=None) -> None:
     loaded ``verl`` module that imported them; idempotent."""
     module = module if module is not None else _module()
     replaced = {}  # id(verl's own) -> delegating function
-    for name, phase in NAMES.items():
+    for name, (finder, phase) in NAMES.items():
         own = getattr(module, name, None)
         if own is None:
             raise TypeError(f"{module.__name__} has no {name}: not verl's megatron_utils.")
         if id(own) not in _installed:  # not installed already
-            replaced[id(own)] = _delegating(own, phase)
+            replaced[id(own)] = _delegating(own, finder, phase)
     for target in _modules(module):
         for attribute, value in list(vars(target).items()):
             if id(value) in replaced and replaced[id(value)].__wrapped__ is value:
@@ -64,13 +87,13 @@ def uninstall(module=None) -> None:
         del _installed[key]
 
 
-def _delegating(own, phase):
+def _delegating(own, finder, phase):
     @functools.wraps(own)
-    def move(optimizers, *args, **kwargs):
-        offloader = find_offloader(optimizers)
+    def move(target, *args, **kwargs):
+        offloader = finder(target)  # the optimizer's, or the model's (a reference model: none)
         if offloader is None:
-            return own(optimizers, *args, **kwargs)
-        return phase(offloader)
+            return own(target, *args, **kwargs)
+        return phase(offloader, target, *args, **kwargs)
 
     return move
 

@@ -5,16 +5,10 @@ Float16OptimizerWithFloat16Params or FP32Optimizer, or a ChainedOptimizer of any
 (dense and expert optimizers in MoE models; Muon, SOAP or Lion beside AdamW;
 ``LayerWiseDistributedOptimizer``, nested chains). It keeps one ``OffloadEngine`` per served
 optimizer (``members.py``) and is reachable from each of them as ``_state_offloader``, the
-attribute name of Megatron-LM's own (unreleased) offloader. The loop points:
-
-==========================================  ==========================================
-``offload(offload_optimizer_states,         copy the selected states to the host and
-offload_master_weights)``                   free their device memory (asynchronous)
-``reload()``                                regrow and copy back (asynchronous)
-``prefetch()``                              ``reload()`` of what the step needs whole
-``wait()``                                  order the copy-back before the current stream
-``mark_optimizer_states_initialized()``     look for replaced state tensors next time
-==========================================  ==========================================
+attribute name of Megatron-LM's own (unreleased) offloader. The loop points are
+``offload()`` (copy the selected states out, free their device memory), ``reload()`` (regrow,
+copy back), ``prefetch()`` (what the step needs whole), ``wait()`` (order the copy-back
+before the current stream) and, for RL, ``sleep()`` / ``wake()`` (the model too).
 
 Every call that moves states runs in the ``MOVING`` phase (``phase.py``): the phase, not the
 call, decides whether the state mapping is guarded and ends reads served between steps.
@@ -37,8 +31,10 @@ from ..access.host_view import HostView, HostViewFigures
 from ..adapters import MASTER_WEIGHTS
 from ..config import OffloadConfig
 from ..engine import OffloadEngine, OffloadStateError
+from ..errors import no_attribute
 from ..phase import Phase, PhaseTracker
 from .members import Member, master_weights_option, members, resident_selection, selection
+from .sleep import Sleep
 
 
 class OptimizerStateOffloader:
@@ -70,6 +66,7 @@ class OptimizerStateOffloader:
         self._offload_post_hooks: dict[int, Callable] = collections.OrderedDict()
         self._marked: list[tuple[object, bool, object]] = []  # (optimizer, had one, previous)
         self._guard = None
+        self._sleep = Sleep(self)
         # All or nothing: a step that fails (a budget the arena does not fit, pinning, a wrap)
         # undoes the steps before it, and the optimizer is left exactly as it was.
         with contextlib.ExitStack() as undo:
@@ -78,6 +75,7 @@ class OptimizerStateOffloader:
             for member in self._members:
                 self._mark(member.optimizer)
             self._guard = StateAccessGuard(self)
+            self._sleep.register()
             undo.pop_all()
         self.phase.serve(self.engines)
 
@@ -102,10 +100,9 @@ class OptimizerStateOffloader:
     def register_offload_pre_hook(
         self, hook: Callable[["OptimizerStateOffloader"], None]
     ) -> RemovableHandle:
-        """Call ``hook(offloader)`` just before the states are copied out and their device
-        memory released: at every ``offload()`` and after every step of an attached
-        optimizer. Returns a handle whose ``remove()`` unregisters it (as torch's hooks).
-        (Measurement tools read the device's memory here, e.g. ``benchmarks/gpu_report``.)"""
+        """Call ``hook(offloader)`` just before states are copied out and released (every
+        ``offload()``, every step of an attached optimizer); ``remove()`` on the handle
+        unregisters it, as torch's hooks."""
         handle = RemovableHandle(self._offload_pre_hooks)
         self._offload_pre_hooks[handle.id] = hook
         return handle
@@ -160,6 +157,7 @@ class OptimizerStateOffloader:
             cycles=self._cycle.cycles if self._cycle is not None else 0,
             devices=[member.engine.device for member in self._members],
             host_views=self.host_view_figures.figures(),
+            sleep=self._sleep.figures(),
         )
 
     def summary(self) -> str:
@@ -283,10 +281,9 @@ class OptimizerStateOffloader:
         copy is kept and nothing is copied back out (a checkpoint save); otherwise the
         states are copied out again (a checkpoint load, or any in-place change).
 
-        ``kinds`` selects what comes back: ``"optimizer_states"`` and ``"master_weights"``,
-        either for every optimizer or as one selection per optimizer of a ChainedOptimizer
-        (a list as long as ``engines``). None: every kind. What is not selected stays on the
-        host (reading it still brings it back, through the state-access guard).
+        ``kinds``: ``"optimizer_states"`` and/or ``"master_weights"``, for every optimizer or
+        one selection per optimizer of a ChainedOptimizer (None: all). What is not selected
+        stays on the host (reading it still brings it back, through the guard).
         """
         self._check_attached()
         chosen_kinds = resident_selection(kinds, len(self._members))
@@ -305,6 +302,8 @@ class OptimizerStateOffloader:
                 engine.wait(chosen)  # also a copy-back started before (a prefetch)
                 if any(taken) and not read_only:
                     engine.mark_dirty(chosen)
+            if not read_only:
+                self.phase.changed()
         try:
             yield self
         finally:
@@ -334,15 +333,32 @@ class OptimizerStateOffloader:
         self._check_attached()
         return HostView(self, writes=writes)
 
-    def detach(self) -> None:
-        """Stop offloading: bring back whatever is offloaded, give back the host memory,
-        and leave a plain optimizer (its step, methods and state mapping as before attach).
+    # ------------------------------------------------------------- sleep and wake
+    def sleep(self, model=None, *, parameters: bool = True, gradients: bool = True) -> None:
+        """The training state off the device (RL rollouts; ``offloader/sleep.py``): states,
+        masters and ``parameters``, the ``gradients``. ``model``: the DDP chunks (default:
+        the optimizer's). Every rank, between steps; idempotent; a forward wakes it."""
+        self._check_attached()
+        self._sleep.sleep(model, parameters=parameters, gradients=gradients)
 
-        Callable in any state, typically after a training loop, when the step cycle has
-        offloaded the states; training after it is bitwise that of a run never offloaded.
-        """
+    def wake(self, *, parameters: bool = True, gradients: bool = True) -> None:
+        """Undo ``sleep()`` (the parts selected) on the current stream; every rank."""
+        self._sleep.wake(parameters=parameters, gradients=gradients)
+
+    def asleep(self, model=None) -> contextlib.AbstractContextManager:
+        """Asleep for the block (``with offloader.asleep(): rollout()``); nests."""
+        return self._sleep.block(model)
+
+    sleeping = property(lambda self: self._sleep.sleeping, doc="Some part is asleep.")
+
+    def detach(self) -> None:
+        """Stop offloading: bring back whatever is offloaded (awake), give back the host
+        memory, and leave a plain optimizer (its step, methods and state mapping as before
+        attach). Callable in any state; training after it is bitwise that of a run never
+        offloaded."""
         if self.detached:
             return
+        self._sleep.close()  # awake first: the parameters and gradients come back
         with self.phase.within(Phase.MOVING):
             # The host copies may be the only copies: every engine regrows and copies back
             # what it released (and waits for any copy-out still reading device memory)
@@ -369,8 +385,7 @@ class OptimizerStateOffloader:
 
     def offload_after_step(self) -> None:
         """What the automatic cycle does after each step: the configured selection copied out
-        and released; a skipped step left the host copies valid, so nothing is copied
-        (rule 6)."""
+        and released (a skipped step left the host copies valid: nothing copied, rule 6)."""
         token = self.phase.enter(Phase.MOVING)
         try:
             self._offload([member.kinds for member in self._members], skip_unchanged=True)
@@ -389,6 +404,7 @@ class OptimizerStateOffloader:
                 engine.wait()
                 if changes:
                     engine.mark_dirty()
+                    self.phase.changed()
                 if replaced:
                     engine.invalidate()
 
@@ -424,10 +440,7 @@ class OptimizerStateOffloader:
             raise OffloadStateError("this offloader was detached; attach a new one to offload.")
 
     def __getattr__(self, name: str):
-        # Only reached for names the class does not have.
-        if name in _NOT_OFFERED:
-            raise AttributeError(f"OptimizerStateOffloader has no {name}(): {_NOT_OFFERED[name]}")
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        raise no_attribute(self, name)  # only reached for names the class does not have
 
     def __str__(self) -> str:
         state = "detached" if self.detached else f"{len(self._members)} optimizer(s)"
@@ -435,10 +448,3 @@ class OptimizerStateOffloader:
 
     def __repr__(self) -> str:
         return f"OptimizerStateOffloader({', '.join(map(repr, self.engines))})"
-
-
-# Methods of Megatron-LM's unreleased offloader that this one does not offer, and why.
-_NOT_OFFERED = {
-    "release_gpu_memory": "offload() frees the device memory itself (once the copy has read it); drop the call.",
-    "sync_before_step": "call wait() (the same: the copy-back is ordered before the current stream).",
-}

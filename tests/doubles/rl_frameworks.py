@@ -65,7 +65,28 @@ class MegatronPolicyWorker:
                         f"Invalid device: {device}. Only strings 'cpu' and 'cuda' are supported."
                     )
 
+    def move_model(self, model, device: str, move_params: bool = True, move_grads: bool = True):
+        """NeMo-RL's: megatron-core's own buffer moves (parameters copied to a pinned host
+        copy and back, gradients freed and zeroed), per buffer of a DDP chunk."""
+        for buffers in (model.buffers, model.expert_parallel_buffers):
+            for buffer in buffers:
+                if device == "cpu":
+                    buffer.offload_to_cpu(move_params=move_params, move_grads=move_grads)
+                elif device == "cuda":
+                    buffer.reload_from_cpu(move_params=move_params, move_grads=move_grads)
+                else:
+                    raise ValueError(
+                        f"Invalid device: {device}. Only strings 'cpu' and 'cuda' are supported."
+                    )
+        return model
+
+    def _move_chunks(self, device, **moves) -> None:
+        self.model = [self.move_model(chunk, device, **moves) for chunk in self.model]
+
     def prepare_for_lp_inference(self, keep_train_buffers: bool = False) -> None:
+        self._move_chunks("cuda", move_grads=False)
+        if not keep_train_buffers:
+            self._move_chunks("cpu", move_params=False, move_grads=True)
         if (
             not keep_train_buffers
             and not self.optimizer_cpu_offload
@@ -74,6 +95,7 @@ class MegatronPolicyWorker:
             self.move_optimizer("cpu")
 
     def prepare_for_training(self) -> None:
+        self._move_chunks("cuda", move_grads=True, move_params=True)
         if not self.optimizer_cpu_offload:
             self.move_optimizer("cuda")
 
@@ -85,11 +107,13 @@ class MegatronPolicyWorker:
         return results
 
     def offload_before_refit(self) -> None:
+        self._move_chunks("cpu", move_params=False, move_grads=True)
         if not self.optimizer_cpu_offload and self.offload_optimizer_for_refit:
             self.move_optimizer("cpu")
 
     def offload_after_refit(self) -> None:
-        pass  # moves the model's buffers; the optimizer was moved before the refit
+        self._move_chunks("cpu")
+        self.offload_before_refit()
 
     def save_checkpoint(self, save) -> None:
         if not self.optimizer_cpu_offload:
@@ -128,15 +152,49 @@ def load_megatron_optimizer(optimizers):
             _move_moments(optimizer, "cuda")
 
 
+def offload_megatron_model_to_cpu(models):
+    for chunk in models:
+        for buffer in list(chunk.buffers) + list(chunk.expert_parallel_buffers):
+            if buffer.param_data.untyped_storage().nbytes() > 0:
+                if getattr(buffer.param_data, "cpu_data", None) is None:
+                    buffer.param_data.cpu_data = torch.empty_like(buffer.param_data, device="cpu")
+                    buffer.param_data_size = buffer.param_data.untyped_storage().size()
+                buffer.param_data.cpu_data.copy_(buffer.param_data)
+                buffer.param_data.untyped_storage().resize_(0)
+            if buffer.grad_data.untyped_storage().nbytes() > 0:
+                buffer.grad_data_size = buffer.grad_data.untyped_storage().size()
+                buffer.grad_data.untyped_storage().resize_(0)
+        for param in chunk.module.parameters():
+            if not param.requires_grad:
+                param.data = param.data.to("cpu", non_blocking=True)
+
+
+def load_megatron_model_to_gpu(models, load_grad=True, load_frozen_params=True):
+    for chunk in models:
+        for buffer in list(chunk.buffers) + list(chunk.expert_parallel_buffers):
+            if load_grad and hasattr(buffer, "grad_data_size"):
+                if buffer.grad_data.untyped_storage().size() == 0:
+                    buffer.grad_data.untyped_storage().resize_(buffer.grad_data_size)
+                buffer.grad_data.zero_()
+            if buffer.param_data.untyped_storage().size() == 0:
+                buffer.param_data.untyped_storage().resize_(buffer.param_data_size)
+                buffer.param_data.copy_(buffer.param_data.cpu_data, non_blocking=True)
+        if load_frozen_params:
+            for param in chunk.module.parameters():
+                if not param.requires_grad:
+                    param.data = param.data.to("cuda", non_blocking=True)
+
+
 def verl_modules(root: str = "verl_double"):
     """``(megatron_utils, engine)``: the stand-in module and one that imported its moves by
     name, registered in ``sys.modules`` under ``root`` (as verl's are under ``verl``)."""
     utils = types.ModuleType(f"{root}.utils.megatron_utils")
-    utils.offload_megatron_optimizer = offload_megatron_optimizer
-    utils.load_megatron_optimizer = load_megatron_optimizer
     engine = types.ModuleType(f"{root}.workers.engine")
-    engine.offload_megatron_optimizer = offload_megatron_optimizer
-    engine.load_megatron_optimizer = load_megatron_optimizer
+    for module in (utils, engine):
+        module.offload_megatron_optimizer = offload_megatron_optimizer
+        module.load_megatron_optimizer = load_megatron_optimizer
+        module.offload_megatron_model_to_cpu = offload_megatron_model_to_cpu
+        module.load_megatron_model_to_gpu = load_megatron_model_to_gpu
     for name in (root, f"{root}.utils", f"{root}.workers"):
         sys.modules.setdefault(name, types.ModuleType(name))
     sys.modules[utils.__name__] = utils

@@ -215,6 +215,7 @@ def build(
     use_distributed_optimizer: bool = True,
     layer_wise: bool = False,
     make_optimizer=None,
+    freeze: str | None = None,
 ):
     """Build (model_chunks, optimizer, config) for the current parallel_state.
 
@@ -239,6 +240,8 @@ def build(
         LayerWiseDistributedOptimizer (each rank updates whole parameters of its own).
     make_optimizer: ``make_optimizer(optimizer_config, model_chunks)`` builds the optimizer
         instead of megatron-core's ``get_megatron_optimizer`` (a framework's own setup).
+    freeze: parameters whose name contains it are frozen before DDP wraps the model (in no
+        buffer, without optimizer state: a LoRA base model's weights).
     The returned config is the model config the schedule uses; its training hooks
     (finalize_model_grads_func, grad_scale_func, no_sync_func, ...) are set as
     megatron.training.training.train() sets them.
@@ -276,6 +279,10 @@ def build(
     ]
     if dtype in ("bf16", "fp16"):
         modules = [Float16Module(config, module) for module in modules]
+    for module in modules if freeze else ():
+        for name, param in module.named_parameters():
+            if freeze in name:
+                param.requires_grad_(False)
 
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=use_distributed_optimizer,

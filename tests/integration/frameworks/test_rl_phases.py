@@ -16,11 +16,22 @@ import torch
 BUILD = dict(overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=3000)
 
 
-def _figures(offloader):
+def _figures(offloader, chunks=()):
+    model = {"parameters": 0, "gradients": 0}
+    for chunk in chunks:
+        for buffer in list(chunk.buffers) + list(chunk.expert_parallel_buffers):
+            model["parameters"] += buffer.param_data.untyped_storage().nbytes()
+            model["gradients"] += buffer.grad_data.untyped_storage().nbytes()
     if offloader is None:
-        return None
+        return model
     stats = offloader.stats()
-    return {"offloaded": stats["offloaded_bytes"], "tracked": stats["tracked_bytes"]}
+    return {
+        "offloaded": stats["offloaded_bytes"],
+        "tracked": stats["tracked_bytes"],
+        "sleeps": stats["sleeps"],
+        "rebuilt": stats["rebuilt_parameter_bytes"],
+        **model,
+    }
 
 
 def _save(directory):
@@ -61,14 +72,15 @@ def nemo_rl_job(mode: str, directory: str):
         for _ in range(2):
             for name in ("prepare_for_lp_inference", "prepare_for_training"):
                 getattr(worker, name)()
-                phases.append((name, _figures(offloader)))
+                phases.append((name, _figures(offloader, chunks)))
             results += worker.train(2)
-            phases.append(("train", _figures(offloader)))
+            phases.append(("train", _figures(offloader, chunks)))
             for name in ("offload_before_refit", "offload_after_refit"):
                 getattr(worker, name)()
-                phases.append((name, _figures(offloader)))
+                phases.append((name, _figures(offloader, chunks)))
+        worker.prepare_for_training()
         worker.save_checkpoint(_save(directory))
-        phases.append(("save_checkpoint", _figures(offloader)))
+        phases.append(("save_checkpoint", _figures(offloader, chunks)))
         results += worker.train(1)
         if offloader is not None:
             offloader.reload()
@@ -106,18 +118,22 @@ def verl_job(mode: str, directory: str, real: bool = False):
         verl.install(utils)
     phases, results, step = [], [], 0
     try:
-        engine.offload_megatron_optimizer(optimizer)  # engine init
-        phases.append(("engine init (offload)", _figures(offloader)))
+        engine.offload_megatron_model_to_cpu(chunks)  # engine init
+        engine.offload_megatron_optimizer(optimizer)
+        phases.append(("engine init (offload)", _figures(offloader, chunks)))
         for _ in range(2):
-            phases.append(("generation", _figures(offloader)))
+            phases.append(("generation", _figures(offloader, chunks)))
+            engine.load_megatron_model_to_gpu(chunks, load_grad=True)
             engine.load_megatron_optimizer(optimizer)
-            phases.append(("train mode in (load)", _figures(offloader)))
+            phases.append(("train mode in (load)", _figures(offloader, chunks)))
             for _ in range(2):
                 results.append(models.train_step(chunks, optimizer, config, step))
                 step += 1
-            phases.append(("train", _figures(offloader)))
+            phases.append(("train", _figures(offloader, chunks)))
+            utils.offload_megatron_model_to_cpu(chunks)
             utils.offload_megatron_optimizer(optimizer)
-            phases.append(("train mode out (offload)", _figures(offloader)))
+            phases.append(("train mode out (offload)", _figures(offloader, chunks)))
+        utils.load_megatron_model_to_gpu(chunks)
         models.flush_param_gather(chunks)
         _save(directory)(chunks, optimizer)
         results.append(
@@ -152,6 +168,9 @@ def _same(reference, run):
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), section
 
 
+_MODEL_OUT = ("offload_after_refit", "engine init (offload)", "train mode out (offload)")
+
+
 def _all_offloaded(rank, skip_first=False):
     phases = rank["phases"][1:] if skip_first else rank["phases"]
     return [
@@ -178,6 +197,12 @@ def test_phases_through_the_adapter_keep_the_states_offloaded_and_train_bitwise(
             name, first = rank["phases"][0]
             assert first["offloaded"] == 0, (name, first)
         assert _all_offloaded(rank, skip_first=framework == "nemo_rl") == [], rank["phases"]
+        # The model moves slept and woke: nothing of the model on the device after them, and
+        # the parameters made again from the masters rather than copied.
+        asleep = [f for name, f in rank["phases"] if name in _MODEL_OUT]
+        assert asleep and all(f["parameters"] == f["gradients"] == 0 for f in asleep)
+        assert rank["phases"][-1][1]["sleeps"] >= 2
+        assert any(f.get("rebuilt") for _, f in rank["phases"]), rank["phases"]
 
 
 def test_without_the_adapter_their_moves_undo_ours(rank_pool, shared_dir):
@@ -187,9 +212,12 @@ def test_without_the_adapter_their_moves_undo_ours(rank_pool, shared_dir):
     leaves ours on the device, so the states are resident until the first step."""
     nemo = rank_pool.run(nemo_rl_job, "unadapted", f"{shared_dir}/nemo_rl-unadapted")
     for rank in nemo:
+        # Its own model moves: megatron-core's buffer copies, no sleep.
+        assert all(f["sleeps"] == 0 for name, f in rank["phases"]), rank["phases"]
         refit = [f for name, f in rank["phases"] if name == "offload_before_refit"]
         assert refit and all(0 < f["offloaded"] < f["tracked"] for f in refit), rank["phases"]
     verl_run = rank_pool.run(verl_job, "unadapted", f"{shared_dir}/verl-unadapted")
     for rank in verl_run:
+        assert all(f["sleeps"] == 0 for name, f in rank["phases"]), rank["phases"]
         name, init = rank["phases"][0]
         assert name == "engine init (offload)" and init["offloaded"] == 0, rank["phases"]

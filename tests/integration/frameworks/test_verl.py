@@ -1,8 +1,12 @@
 """The real verl (0.9.1, in ``scripts/venv.sh verl``): its own ``offload_megatron_optimizer``
-and ``load_megatron_optimizer`` in verl's phase order on real megatron-core (2 gloo ranks),
-through the adapter: every tracked byte offloaded at every phase, training bitwise equal to
-verl's phases without offloading; without the adapter, verl's offload at engine init leaves
-the offloader's states on the device (negative control).
+and ``load_megatron_optimizer``, and its model moves ``offload_megatron_model_to_cpu`` /
+``load_megatron_model_to_gpu``, in verl's phase order on real megatron-core (2 gloo ranks),
+through the adapter: every tracked byte offloaded at every phase, the model asleep (0 bytes
+of parameters and gradients, the parameters rebuilt from the masters) after each model
+offload, training bitwise equal to verl's phases without offloading; without the adapter,
+verl's offload at engine init leaves the offloader's states on the device and its model moves
+copy the parameters (negative control). On CPU ranks verl's pinned host copy is a plain one
+(``megatron_offload_testing.cpu_megatron``).
 
 verl's ``MegatronEngine`` itself is not built here: it needs a Hugging Face model
 configuration and weights for its model (``mbridge``), which a CPU machine without network
@@ -11,7 +15,12 @@ cannot load; its train-mode switches call the two functions by name, as the job 
 
 import pytest
 
-from tests.integration.frameworks.test_rl_phases import _all_offloaded, _same, verl_job
+from tests.integration.frameworks.test_rl_phases import (
+    _MODEL_OUT,
+    _all_offloaded,
+    _same,
+    verl_job,
+)
 
 pytestmark = pytest.mark.verl
 
@@ -30,7 +39,11 @@ def test_verl_own_moves_delegate_and_train_bitwise(rank_pool, shared_dir):
     _same(reference, adapted)
     for rank in adapted:
         assert _all_offloaded(rank) == [], rank["phases"]
+        asleep = [f for name, f in rank["phases"] if name in _MODEL_OUT]
+        assert asleep and all(f["parameters"] == f["gradients"] == 0 for f in asleep)
+        assert any(f["rebuilt"] for f in asleep), rank["phases"]
     unadapted = rank_pool.run(verl_job, "unadapted", f"{shared_dir}/unadapted", True)
     for rank in unadapted:
+        assert all(f["sleeps"] == 0 for _, f in rank["phases"]), rank["phases"]
         name, init = rank["phases"][0]
         assert name == "engine init (offload)" and init["offloaded"] == 0, rank["phases"]
