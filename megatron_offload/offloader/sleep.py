@@ -23,6 +23,7 @@ instead, with a warning saying why.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 import weakref
 
@@ -239,15 +240,25 @@ class Sleep:
 
     # ------------------------------------------------------------------ internals
     def _watch_forward(self) -> None:
-        """A forward wakes the model first: the parameters, and the gradients unless no
-        gradient will be made (inference)."""
-        if not self._hooks:
-            self._hooks = [
-                chunk.register_forward_pre_hook(self._wake_hook) for chunk in self._chunks
-            ]
+        """What touches the model wakes it first: a forward (the parameters, and the
+        gradients unless none will be made: inference), and ``zero_grad_buffer()``, which
+        megatron-core's training step calls before the forward (everything)."""
+        if self._hooks:
+            return
+        for chunk in self._chunks:
+            self._hooks.append(chunk.register_forward_pre_hook(self._wake_hook))
+            self._hooks.append(_InstanceWrap(chunk, "zero_grad_buffer", self._waking))
 
     def _wake_hook(self, module, args) -> None:
         self.wake(gradients=torch.is_grad_enabled())
+
+    def _waking(self, method):
+        @functools.wraps(method)
+        def woken(*args, **kwargs):
+            self.wake()
+            return method(*args, **kwargs)
+
+        return woken
 
     def _rebuilders_among(self, found) -> list:
         """The distributed optimizers whose parameters every rank of their data-parallel
@@ -337,3 +348,19 @@ def owner_of(model):
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     owners = {id(o): o for o in map(_owner, chunks)}
     return next(iter(owners.values())) if len(owners) == 1 and chunks else None
+
+
+class _InstanceWrap:
+    """``obj.name`` replaced by ``wrap(obj.name)`` on the instance until ``remove()``."""
+
+    def __init__(self, obj, name: str, wrap) -> None:
+        self._obj, self._name = obj, name
+        self._had = name in vars(obj)
+        self._previous = vars(obj).get(name)
+        setattr(obj, name, wrap(getattr(obj, name)))
+
+    def remove(self) -> None:
+        if self._had:
+            setattr(self._obj, self._name, self._previous)
+        else:
+            vars(self._obj).pop(self._name, None)
