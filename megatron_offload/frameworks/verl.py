@@ -50,6 +50,8 @@ NAMES = {
     "offload_megatron_model_to_cpu": (owner_of, _model_to_host),
     "load_megatron_model_to_gpu": (owner_of, _model_to_device),
 }
+# The model moves are delegated where the module has them.
+OPTIONAL = ("offload_megatron_model_to_cpu", "load_megatron_model_to_gpu")
 _installed: dict = {}  # id(delegating function) -> (delegating function, verl's own)
 
 
@@ -61,6 +63,8 @@ def install(module=None) -> None:
     replaced = {}  # id(verl's own) -> delegating function
     for name, (finder, phase) in NAMES.items():
         own = getattr(module, name, None)
+        if own is None and name in OPTIONAL:
+            continue
         if own is None:
             raise TypeError(f"{module.__name__} has no {name}: not verl's megatron_utils.")
         if id(own) not in _installed:  # not installed already

@@ -282,6 +282,8 @@ def install_real_names():
     utils = types.ModuleType("verl.utils.megatron_utils")
     utils.offload_megatron_optimizer = offload_megatron_optimizer
     utils.load_megatron_optimizer = load_megatron_optimizer
+    utils.offload_megatron_model_to_cpu = offload_megatron_model_to_cpu
+    utils.load_megatron_model_to_gpu = load_megatron_model_to_gpu
     base = types.ModuleType("verl.workers.engine.base")
     base.EngineRegistry = EngineRegistry
     impl = types.ModuleType(_ENGINE_MODULE)
