@@ -83,7 +83,8 @@ class PhaseTracker:
         #: True while the mappings are armed: ``IDLE`` with some state off the device.
         self.guarded = False
         #: Counts the moments the states or masters may have been written outside a step
-        #: (a ``SERVING`` or ``READING`` entry, ``changed()``): what a sleep compares.
+        #: (``changed()``: a host view that may write, ``resident()`` without ``read_only``):
+        #: what a sleep compares.
         self.changes = 0
 
     @property
@@ -120,7 +121,6 @@ class PhaseTracker:
         stack.append(phase)
         if phase in (Phase.SERVING, Phase.READING):
             self._views.append(view)
-            self.changes += 1
         self._settle()
         return len(self._stack) - 1
 
@@ -143,7 +143,6 @@ class PhaseTracker:
         transition, which closes it (``view.close()``)."""
         self._stack.append(Phase.READING)
         self._views.append(view)
-        self.changes += 1
         self._settle()
 
     def changed(self) -> None:

@@ -125,9 +125,6 @@ class _CudaOnCpuMode(TorchFunctionMode):
       Needed: without it DistributedOptimizer.__init__ fails creating its flags.
     - `Tensor.to('cuda')` / `Tensor.cuda()` return the CPU tensor (dist_checkpointing's
       exchange_utils, the DistributedOptimizer's checkpoint gather, GradScaler.load_state_dict).
-    - `Tensor.pin_memory()` returns a plain host copy and `pin_memory=True` in factories is
-      dropped (pinning needs a CUDA driver): the host copies of megatron-core's own buffer
-      moves (`offload_to_cpu`) and verl's model moves, which RL frameworks call.
     - `Tensor.type()` reports 'torch.cuda.FloatTensor' etc. Needed: DistributedOptimizer and
       MixedPrecisionOptimizer dispatch on `param.type()` against the CUDA names and raise
       TypeError for anything else; clip_grads asserts it for fp32 grads.
@@ -146,15 +143,30 @@ class _CudaOnCpuMode(TorchFunctionMode):
         if func is torch.Tensor.cuda:
             # A real .cuda() returns the tensor itself when it already lives on the device.
             return args[0]
-        if func is torch.Tensor.pin_memory:
-            return args[0].clone()
-        if kwargs.get("pin_memory"):
-            kwargs["pin_memory"] = False  # torch.empty(..., pin_memory=True): verl's host copy
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu") + tuple(args[2:])
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = "cpu"
         return func(*args, **kwargs)
+
+
+class _PlainPinning(TorchFunctionMode):
+    """``Tensor.pin_memory()`` returns a plain host copy and ``pin_memory=True`` in factories
+    is dropped: pinning needs a CUDA driver."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs) if kwargs else {}
+        if func is torch.Tensor.pin_memory:
+            return args[0].clone()
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        return func(*args, **kwargs)
+
+
+def plain_pinning():
+    """For the block, host copies that a GPU process would pin are plain ones (the RL
+    frameworks' own model moves: megatron-core's ``offload_to_cpu``, verl's host buffers)."""
+    return _PlainPinning()
 
 
 def _cpu_get_rng_state(device="cuda"):

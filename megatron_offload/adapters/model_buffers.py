@@ -117,10 +117,10 @@ def storages(chunks, rebuilders) -> list[ModelStorage]:
                 add(buffer.param_data, PARAMETERS, owner.get(id(buffer)) if half else None)
             else:  # without the distributed optimizer each parameter has its own storage
                 for param in buffer.params:
-                    add(param.data, PARAMETERS)
+                    add(param, PARAMETERS)  # the parameter itself: the same object every time
         for param in chunk.parameters():
             if not param.requires_grad:
-                add(param.data, PARAMETERS)
+                add(param, PARAMETERS)
     return list(found.values())
 
 

@@ -3,7 +3,8 @@ the offloader sleeps and regained when it wakes.
 
 Each storage is either dropped (its bytes are not needed: gradients, which are zeroed before
 the next backward, and parameters made again from the masters) or copied to a host buffer of
-its own first (kept from one sleep to the next, counted in ``host_bytes``). All copies run on
+its own first (kept from one sleep to the next while the storage is copied, counted in
+``host_bytes``). All copies run on
 the caller's stream, which is the stream that uses the parameters, so nothing else needs
 ordering: the D2H runs after the work that last wrote the storage, the memory is given back
 behind it on the same stream, and a wake's H2D is queued behind the regrowth.
@@ -78,6 +79,12 @@ class ModelMemory:
         for entry in held:
             self.device.release(entry.tensor)
         self._held = held
+        copied = {id(tensor) for tensor, copy, _ in entries if copy}
+        unused = [key for key in self._buffers if key not in copied]
+        if unused:  # storages rebuilt this time: their host buffers are not held on
+            self.device.synchronize()  # the last wake's copies from them are done
+            for key in unused:
+                self.device.free_host_buffer(self._buffers.pop(key)[1])
         self.copied_bytes = sum(entry.nbytes for entry in held if entry.copied)
         self.dropped_bytes = sum(entry.nbytes for entry in held if not entry.copied)
 

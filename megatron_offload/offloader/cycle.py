@@ -214,8 +214,6 @@ class AutomaticCycle:
     def _step(self, *args, **kwargs):
         """One iteration's optimizer step: reload, update, offload."""
         offloader = self._offloader
-        if offloader.sleeping:
-            offloader.wake()  # the step reads the gradients and writes the parameters
         # The step reads the optimizer's state mapping itself, at full speed, and a chunked
         # update reads it while its states are still on the host: STEPPING is not guarded.
         # Entering it ends reads served since the last step (their writes are in the host

@@ -99,7 +99,9 @@ class Sleep:
             for chunk in getattr(wrapper, "model_chunks", None) or ()
             if hasattr(chunk, "buffers")  # a DDP chunk
         ]
-        _OWNERS.update(dict.fromkeys(chunks, self._offloader))  # all or nothing
+        # All or nothing; a weak reference: the model must not keep a dropped offloader alive
+        # (its finalizers give its host memory back).
+        _OWNERS.update(dict.fromkeys(chunks, weakref.ref(self._offloader)))
 
     # -------------------------------------------------------------------- the moves
     def sleep(self, model=None, *, parameters: bool = True, gradients: bool = True) -> None:
@@ -228,7 +230,7 @@ class Sleep:
     def close(self) -> None:
         self.wake()
         for chunk, owner in list(_OWNERS.items()):
-            if owner is self._offloader:
+            if owner() is self._offloader:
                 del _OWNERS[chunk]
         if self._recording is not None:
             self._recording.remove()
@@ -241,13 +243,15 @@ class Sleep:
     # ------------------------------------------------------------------ internals
     def _watch_forward(self) -> None:
         """What touches the model wakes it first: a forward (the parameters, and the
-        gradients unless none will be made: inference), and ``zero_grad_buffer()``, which
-        megatron-core's training step calls before the forward (everything)."""
+        gradients unless none will be made: inference), ``zero_grad_buffer()``, which
+        megatron-core's training step calls before the forward, and the optimizer's step
+        (everything). Installed while asleep only: awake, they cost nothing."""
         if self._hooks:
             return
         for chunk in self._chunks:
             self._hooks.append(chunk.register_forward_pre_hook(self._wake_hook))
             self._hooks.append(_InstanceWrap(chunk, "zero_grad_buffer", self._waking))
+        self._hooks.append(_InstanceWrap(self._offloader.optimizer, "step", self._waking))
 
     def _wake_hook(self, module, args) -> None:
         self.wake(gradients=torch.is_grad_enabled())
@@ -337,9 +341,10 @@ def _nbytes(storages) -> int:
 
 def _owner(chunk):
     try:
-        return _OWNERS.get(chunk)
+        owner = _OWNERS.get(chunk)
     except TypeError:  # not weakly referable: not a chunk of ours
         return None
+    return owner() if owner is not None else None
 
 
 def owner_of(model):

@@ -67,7 +67,15 @@ class MegatronPolicyWorker:
 
     def move_model(self, model, device: str, move_params: bool = True, move_grads: bool = True):
         """NeMo-RL's: megatron-core's own buffer moves (parameters copied to a pinned host
-        copy and back, gradients freed and zeroed), per buffer of a DDP chunk."""
+        copy and back, gradients freed and zeroed), per buffer of a DDP chunk. (Pinning is a
+        plain copy on CPU ranks.)"""
+        from megatron_offload_testing.cpu_megatron import plain_pinning
+
+        with plain_pinning():
+            self._move_buffers(model, device, move_params, move_grads)
+        return model
+
+    def _move_buffers(self, model, device, move_params, move_grads) -> None:
         for buffers in (model.buffers, model.expert_parallel_buffers):
             for buffer in buffers:
                 if device == "cpu":
@@ -78,7 +86,6 @@ class MegatronPolicyWorker:
                     raise ValueError(
                         f"Invalid device: {device}. Only strings 'cpu' and 'cuda' are supported."
                     )
-        return model
 
     def _move_chunks(self, device, **moves) -> None:
         self.model = [self.move_model(chunk, device, **moves) for chunk in self.model]

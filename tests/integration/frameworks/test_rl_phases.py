@@ -102,6 +102,7 @@ def verl_job(mode: str, directory: str, real: bool = False):
     ``verl.utils.megatron_utils`` (the ``verl`` environment), else the stand-in."""
     import megatron_offload
     from megatron_offload.frameworks import verl
+    from megatron_offload_testing.cpu_megatron import plain_pinning
     from tests.doubles.rl_frameworks import verl_modules
     from tests.harness import models
     from tests.integration.access.test_checkpoint_formats import _load
@@ -118,22 +119,26 @@ def verl_job(mode: str, directory: str, real: bool = False):
         verl.install(utils)
     phases, results, step = [], [], 0
     try:
-        engine.offload_megatron_model_to_cpu(chunks)  # engine init
+        with plain_pinning():  # verl's own moves pin their host copies (not on CPU ranks)
+            engine.offload_megatron_model_to_cpu(chunks)  # engine init
         engine.offload_megatron_optimizer(optimizer)
         phases.append(("engine init (offload)", _figures(offloader, chunks)))
         for _ in range(2):
             phases.append(("generation", _figures(offloader, chunks)))
-            engine.load_megatron_model_to_gpu(chunks, load_grad=True)
+            with plain_pinning():
+                engine.load_megatron_model_to_gpu(chunks, load_grad=True)
             engine.load_megatron_optimizer(optimizer)
             phases.append(("train mode in (load)", _figures(offloader, chunks)))
             for _ in range(2):
                 results.append(models.train_step(chunks, optimizer, config, step))
                 step += 1
             phases.append(("train", _figures(offloader, chunks)))
-            utils.offload_megatron_model_to_cpu(chunks)
+            with plain_pinning():
+                utils.offload_megatron_model_to_cpu(chunks)
             utils.offload_megatron_optimizer(optimizer)
             phases.append(("train mode out (offload)", _figures(offloader, chunks)))
-        utils.load_megatron_model_to_gpu(chunks)
+        with plain_pinning():
+            utils.load_megatron_model_to_gpu(chunks)
         models.flush_param_gather(chunks)
         _save(directory)(chunks, optimizer)
         results.append(

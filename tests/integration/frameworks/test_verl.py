@@ -6,7 +6,7 @@ of parameters and gradients, the parameters rebuilt from the masters) after each
 offload, training bitwise equal to verl's phases without offloading; without the adapter,
 verl's offload at engine init leaves the offloader's states on the device and its model moves
 copy the parameters (negative control). On CPU ranks verl's pinned host copy is a plain one
-(``megatron_offload_testing.cpu_megatron``).
+(``megatron_offload_testing.cpu_megatron.plain_pinning``).
 
 verl's ``MegatronEngine`` itself is not built here: it needs a Hugging Face model
 configuration and weights for its model (``mbridge``), which a CPU machine without network

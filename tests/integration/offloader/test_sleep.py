@@ -201,6 +201,8 @@ def test_sleep_trains_bitwise_with_nothing_on_the_device(rank_pool, case):
                 assert (copied > 0) == (case == "frozen")
                 assert stats["rebuilt_parameter_bytes"] > 0
             assert stats["dropped_gradient_bytes"] == cycle["awake"]["gradients"]
+            # One host buffer per copied storage, kept while it is copied, none else.
+            assert stats["sleep_host_bytes"] == copied
             if case == "automatic":
                 # The states and masters left after the step; the masters come back for the
                 # cast and are released again without a copy.
@@ -297,7 +299,16 @@ def order_job(mode: str):
         offloader.detach()  # wakes first
         facts.append(offloader.sleeping)
     results.append(models.train_step(chunks, optimizer, config, 3))
-    return {"results": results, "facts": facts, "snapshot": models.snapshot(chunks, optimizer)}
+    snapshot = models.snapshot(chunks, optimizer)
+    if offloader is not None:
+        # A step called straight on a sleeping optimizer wakes it first (its gradients are the
+        # zeroed ones: sleep dropped them), also without attach's cycle.
+        offloader = megatron_offload.OptimizerStateOffloader(optimizer)
+        offloader.sleep()
+        optimizer.step()
+        facts.append(offloader.sleeping)
+        offloader.detach()
+    return {"results": results, "facts": facts, "snapshot": snapshot}
 
 
 def _inference_batch(config):
@@ -319,7 +330,7 @@ def test_sleep_and_wake_in_any_order_with_the_step(rank_pool):
         asleep_after_first, after_step, inside, inner_exit, outer_exit = run["facts"][:5]
         assert asleep_after_first and not after_step
         assert inside == dict.fromkeys(inside, 0) and inner_exit and not outer_exit
-        dropped, after_inference, refusal, after_detach = run["facts"][5:]
+        dropped, after_inference, refusal, after_detach, after_step = run["facts"][5:]
         assert dropped == 0 and after_inference == 0
         assert len(refusal) == 1 and "call it between steps" in refusal[0]
-        assert after_detach is False
+        assert after_detach is False and after_step is False
