@@ -59,9 +59,12 @@ def nemo_rl_job(mode: str, directory: str):
     from megatron_offload.frameworks import nemo_rl
     from tests.doubles.rl_frameworks import MegatronPolicyWorker
     from tests.harness import models
+    from tests.support.fresh_memory import poison_regrowth
 
     chunks, optimizer, config = models.build("gpt", "bf16", **BUILD)
     offloader = megatron_offload.attach(optimizer) if mode != "reference" else None
+    if offloader is not None:
+        poison_regrowth(offloader)
     worker = MegatronPolicyWorker(chunks, optimizer, config, models.train_step)
     if mode == "adapted":
         nemo_rl.install(MegatronPolicyWorker)
@@ -106,6 +109,7 @@ def verl_job(mode: str, directory: str, real: bool = False):
     from tests.doubles.rl_frameworks import verl_modules
     from tests.harness import models
     from tests.integration.access.test_checkpoint_formats import _load
+    from tests.support.fresh_memory import poison_regrowth
 
     if real:
         import importlib
@@ -115,6 +119,8 @@ def verl_job(mode: str, directory: str, real: bool = False):
         utils, engine = verl_modules()
     chunks, optimizer, config = models.build("gpt", "bf16", **BUILD)
     offloader = megatron_offload.attach(optimizer) if mode != "reference" else None
+    if offloader is not None:
+        poison_regrowth(offloader)
     if mode == "adapted":
         verl.install(utils)
     phases, results, step = [], [], 0

@@ -57,7 +57,11 @@ def _device_bytes(chunks, optimizer) -> dict:
 
 
 def _counting(offloader) -> list:
-    """Count the bytes of every copy through the offloader's devices (the link, on a GPU)."""
+    """Count the bytes of every copy through the offloader's devices (the link, on a GPU);
+    regrown memory holds garbage (``poison_regrowth``)."""
+    from tests.support.fresh_memory import poison_regrowth
+
+    poison_regrowth(offloader)
     counted = [0]
     for device in {id(e.device): e.device for e in offloader.engines}.values():
         copy = device.copy
@@ -254,9 +258,12 @@ def order_job(mode: str):
     import megatron_offload
     from megatron_offload.errors import OffloadStateError
     from tests.harness import models
+    from tests.support.fresh_memory import poison_regrowth
 
     chunks, optimizer, config = models.build("gpt", "bf16")
     offloader = megatron_offload.attach(optimizer) if mode != "reference" else None
+    if offloader is not None:
+        poison_regrowth(offloader)
     results, facts = [], []
     results.append(models.train_step(chunks, optimizer, config, 0))
     if offloader is not None:
