@@ -18,6 +18,8 @@
 # 1 then 2 run in the foreground; 3 to 6 (each environment built just before its run) go one
 # after the other beside them (1 leaves a core idle much of the time: process starts, waits for
 # rank processes); their output is printed after 2's. Extra arguments go to 1.
+# It ends with one line per stage (passed or failed, with pytest's FAILED/ERROR lines), so the
+# last lines of a log say what failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -34,8 +36,9 @@ if lint=$(scripts/venv.sh lint); then
   "$lint/bin/ruff" check . || lint_status=1
   "$lint/bin/ruff" format --check . || lint_status=1
 else
-  echo "== ruff: its environment could not be built (above)" >&2; lint_status=1
+  echo "== ruff: its environment could not be built (above)" >&2; lint_status=2
 fi
+outcome "ruff check and format --check" $lint_status >> "$work/summary"
 
 banner() {  # name python
   echo "== $1: $("$2" -c 'import megatron.core, sys; print("megatron-core", megatron.core.__version__, "python", sys.version.split()[0])')"
@@ -43,6 +46,9 @@ banner() {  # name python
 no_tests() {  # pytest's "no tests ran" (exit 5) is a failure too
   [ "$1" -eq 5 ] && echo "== $2: no tests were collected: failing" >&2
   return 0
+}
+outcome() {  # stage rc: one line for the summary at the end
+  if [ "$2" -eq 0 ]; then echo "passed: $1"; else echo "FAILED: $1 (exit $2)"; fi
 }
 
 # The functional tests, the other lines, Bridge and verl, in the background: their status is
@@ -52,30 +58,35 @@ no_tests() {  # pytest's "no tests ran" (exit 5) is a failure too
   banner "functional tests (no coverage)" "$main/bin/python"
   "$main/bin/python" -m pytest -p no:cacheprovider tests/functional -q
   rc=$?; no_tests $rc "functional tests"; [ $rc -eq 0 ] || status=1
+  outcome "functional tests" $rc >> "$work/lines-summary"
   # 0.18 (a patch set of its own) runs the line tests too; 0.17, like the floor, the smoke set.
   for line in mcore-0.18:"floor or line" mcore-0.17:floor; do
     marks=${line#*:}; line=${line%%:*}
     if ! venv=$(scripts/venv.sh "$line"); then
-      echo "== $line: its environment could not be built (above)" >&2; status=1; continue
+      echo "== $line: its environment could not be built (above)" >&2; status=1
+      outcome "$line: its environment" 1 >> "$work/lines-summary"; continue
     fi
     banner "megatron-core line" "$venv/bin/python"
     "$venv/bin/python" -m pytest -p no:cacheprovider tests -q -m "$marks"
     rc=$?; no_tests $rc "megatron-core line"; [ $rc -eq 0 ] || status=1
+    outcome "$line: -m \"$marks\"" $rc >> "$work/lines-summary"
   done
   if bridge=$(scripts/venv.sh bridge); then
     banner "Megatron-Bridge $("$bridge/bin/python" -c 'from importlib.metadata import version; print(version("megatron-bridge"))')" "$bridge/bin/python"
     "$bridge/bin/python" -m pytest -p no:cacheprovider tests -q -m bridge
     rc=$?; no_tests $rc "Megatron-Bridge"; [ $rc -eq 0 ] || status=1
   else
-    echo "== Megatron-Bridge: its environment could not be built (above)" >&2; status=1
+    echo "== Megatron-Bridge: its environment could not be built (above)" >&2; status=1; rc=1
   fi
+  outcome "Megatron-Bridge: -m bridge" $rc >> "$work/lines-summary"
   if verl_env=$(scripts/venv.sh verl); then
     banner "verl $("$verl_env/bin/python" -c 'from importlib.metadata import version; print(version("verl"))')" "$verl_env/bin/python"
     "$verl_env/bin/python" -m pytest -p no:cacheprovider tests -q -m verl
     rc=$?; no_tests $rc "verl"; [ $rc -eq 0 ] || status=1
   else
-    echo "== verl: its environment could not be built (above)" >&2; status=1
+    echo "== verl: its environment could not be built (above)" >&2; status=1; rc=1
   fi
+  outcome "verl: -m verl" $rc >> "$work/lines-summary"
   echo "$status" > "$work/lines-status"
 ) > "$work/lines.log" 2>&1 &
 lines_job=$!
@@ -84,20 +95,32 @@ status=$lint_status
 banner "unit and integration tests" "$main/bin/python"
 "$main/bin/python" -m coverage erase
 COVERAGE_PROCESS_START="$root/.coveragerc" \
-  "$main/bin/python" -m coverage run -m pytest -p no:cacheprovider tests/unit tests/integration -q "$@"
-rc=$?; no_tests $rc "unit and integration tests"; [ $rc -eq 0 ] || status=1
+  "$main/bin/python" -m coverage run -m pytest -p no:cacheprovider tests/unit tests/integration -q "$@" \
+  2>&1 | tee "$work/main.log"
+rc=${PIPESTATUS[0]}; no_tests $rc "unit and integration tests"; [ $rc -eq 0 ] || status=1
+outcome "unit and integration tests" $rc >> "$work/summary"
 echo "== line coverage of megatron_offload/ (all processes)"
-"$main/bin/python" -m coverage combine -q && "$main/bin/python" -m coverage report || status=1
+"$main/bin/python" -m coverage combine -q && "$main/bin/python" -m coverage report
+rc=$?; [ $rc -eq 0 ] || status=1
+outcome "coverage report" $rc >> "$work/summary"
 # The floor, after them: the background stream is the longer one.
 if floor=$(scripts/venv.sh py311-floor); then
   banner "compatibility floor" "$floor/bin/python"
-  "$floor/bin/python" -m pytest -p no:cacheprovider tests -q -m floor
-  rc=$?; no_tests $rc "compatibility floor"; [ $rc -eq 0 ] || status=1
+  "$floor/bin/python" -m pytest -p no:cacheprovider tests -q -m floor 2>&1 | tee "$work/floor.log"
+  rc=${PIPESTATUS[0]}; no_tests $rc "compatibility floor"; [ $rc -eq 0 ] || status=1
 else
-  echo "== compatibility floor: its environment could not be built (above)" >&2; status=1
+  echo "== compatibility floor: its environment could not be built (above)" >&2; status=1; rc=1
 fi
+outcome "py311-floor: -m floor" $rc >> "$work/summary"
 
 wait "$lines_job"
 cat "$work/lines.log"
 [ "$(cat "$work/lines-status" 2>/dev/null)" = 0 ] || status=1
+echo "== summary"
+cat "$work/summary" "$work/lines-summary" 2>/dev/null
+# pytest's own lines for what failed, from every stage's output
+cat "$work/main.log" "$work/floor.log" "$work/lines.log" 2>/dev/null | grep -E '^(FAILED|ERROR) ' \
+  | cut -c1-300
+[ -s "$work/lines-summary" ] || {
+  echo "FAILED: the functional tests, lines, Bridge and verl did not report"; status=1; }
 exit $status
