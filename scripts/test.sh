@@ -29,6 +29,10 @@ trap 'rm -rf "$work"' EXIT
 main=$(scripts/venv.sh py312) || exit 1
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
 
+outcome() {  # stage rc: one line for the summary at the end
+  if [ "$2" -eq 0 ]; then echo "passed: $1"; else echo "FAILED: $1 (exit $2)"; fi
+}
+
 # Lint and formatting (pyproject.toml), first: they take a second.
 lint_status=0
 if lint=$(scripts/venv.sh lint); then
@@ -40,15 +44,13 @@ else
 fi
 outcome "ruff check and format --check" $lint_status >> "$work/summary"
 
-banner() {  # name python
-  echo "== $1: $("$2" -c 'import megatron.core, sys; print("megatron-core", megatron.core.__version__, "python", sys.version.split()[0])')"
+banner() {  # name python (the installed distribution's version: importing megatron.core
+  # to ask it costs 8 s of a core)
+  echo "== $1: $("$2" -c 'import sys; from importlib.metadata import version; print("megatron-core", version("megatron-core"), "python", sys.version.split()[0])')"
 }
 no_tests() {  # pytest's "no tests ran" (exit 5) is a failure too
   [ "$1" -eq 5 ] && echo "== $2: no tests were collected: failing" >&2
   return 0
-}
-outcome() {  # stage rc: one line for the summary at the end
-  if [ "$2" -eq 0 ]; then echo "passed: $1"; else echo "FAILED: $1 (exit $2)"; fi
 }
 
 # The functional tests, the other lines, Bridge and verl, in the background: their status is

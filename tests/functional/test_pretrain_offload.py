@@ -213,7 +213,10 @@ def test_emerging_optimizer_through_the_launcher(optimizer, distributed):
         if distributed
         else [flag for flag in runner.MODEL_FLAGS if flag != "--use-distributed-optimizer"]
     )
-    variant = dataclasses.replace(case, name=f"dp2-{optimizer}", flags=flags, save_interval=None)
+    # Three iterations: the first creates the states, the next two reload and offload them.
+    variant = dataclasses.replace(
+        case, name=f"dp2-{optimizer}", flags=flags, save_interval=None, train_iters=3
+    )
     original = runner.MODEL_FLAGS
     runner.MODEL_FLAGS = model_flags
     try:
@@ -224,5 +227,5 @@ def test_emerging_optimizer_through_the_launcher(optimizer, distributed):
     for rank in range(case.world_size):
         assert _values(on, rank) == _values(off, rank)
         entries = on.ranks[rank]["iterations"]
-        assert len(entries) == case.train_iters
+        assert len(entries) == variant.train_iters
         assert all(e["offloader"]["is_offloaded"] for e in entries)

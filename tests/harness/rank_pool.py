@@ -287,7 +287,7 @@ def _free_stranded(gc) -> None:
     gc.collect()
 
 
-def _rank_main(rank, world_size, port, conn, log_path, env, pg_timeout_s):
+def _rank_main(rank, world_size, port, conn, log_path, env, pg_timeout_s, megatron=True):
     if log_path:
         _redirect_output(log_path)
     os.environ.update(env)
@@ -314,13 +314,14 @@ def _rank_main(rank, world_size, port, conn, log_path, env, pg_timeout_s):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    from megatron_offload_testing import cpu_megatron
+    if megatron:
+        from megatron_offload_testing import cpu_megatron
 
-    cpu_megatron.install()
-    # Import the heavy megatron-core modules now, while the parent waits for 'ready' anyway.
-    import megatron.core.distributed  # noqa: F401
-    import megatron.core.optimizer  # noqa: F401
-    import megatron.core.pipeline_parallel  # noqa: F401
+        cpu_megatron.install()
+        # Import the heavy megatron-core modules now, while the parent waits for 'ready' anyway.
+        import megatron.core.distributed  # noqa: F401
+        import megatron.core.optimizer  # noqa: F401
+        import megatron.core.pipeline_parallel  # noqa: F401
 
     dist.init_process_group(
         backend="gloo",
@@ -349,7 +350,8 @@ def _rank_main(rank, world_size, port, conn, log_path, env, pg_timeout_s):
         try:
             _import_job_module(module_name, module_file, parent_path)
             fn, args, kwargs = pickle.loads(payload)
-            _setup_job(options)
+            if megatron:
+                _setup_job(options)
             _JOB_INFO.update(options, rank=rank, world_size=world_size, job_id=job_id)
             result = fn(*args, **kwargs)
             try:
@@ -364,7 +366,10 @@ def _rank_main(rank, world_size, port, conn, log_path, env, pg_timeout_s):
         # Nothing of the job may outlive it (teardown frees its models).
         fn = args = kwargs = result = None
         try:
-            _teardown_job()
+            if megatron:
+                _teardown_job()
+            else:
+                _JOB_INFO.clear()
         except BaseException:
             if reply[0] == "ok":
                 reply = ("error", job_id, "teardown failed:\n" + traceback.format_exc())
@@ -414,6 +419,7 @@ class RankPool:
         start_timeout: float = START_TIMEOUT,
         env: dict | None = None,
         capture_output: bool = True,
+        megatron: bool = True,
     ):
         """
         world_size: number of ranks (2 or 4 are what the tests use).
@@ -421,6 +427,9 @@ class RankPool:
         env: extra environment for the ranks, applied before torch is imported.
         capture_output: send each rank's stdout/stderr to a log file (`log_paths`) whose tail
             is quoted when a rank dies or hangs; False leaves them on the parent's streams.
+        megatron: False starts ranks that import torch only (no megatron-core, no model
+            parallel state around jobs): for tests of the pool itself, which start and break
+            pools of their own and would pay megatron-core's imports at every start.
         """
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -429,6 +438,7 @@ class RankPool:
         self.start_timeout = start_timeout
         self.env = {**RANK_ENV, **(env or {})}
         self.capture_output = capture_output
+        self.megatron = megatron
         self.start_time_s: float | None = None
         self.starts = 0
         self._ctx = mp.get_context("spawn")
@@ -481,7 +491,16 @@ class RankPool:
             log_path = self.log_paths[rank] if self.capture_output else None
             proc = self._ctx.Process(
                 target=_rank_main,
-                args=(rank, self.world_size, port, child_conn, log_path, self.env, pg_timeout),
+                args=(
+                    rank,
+                    self.world_size,
+                    port,
+                    child_conn,
+                    log_path,
+                    self.env,
+                    pg_timeout,
+                    self.megatron,
+                ),
                 name=f"rank{rank}",
                 # Not daemonic: jobs may start processes of their own (dist_checkpointing's
                 # writer uses a multiprocessing Manager). close() (also run at exit) ends them.

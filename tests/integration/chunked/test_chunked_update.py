@@ -31,7 +31,6 @@ def chunked_job(
     kind=None,
     overrides=None,
     build=None,
-    plant=None,
     options=None,
     attach_at=0,
     drop_grads=None,
@@ -49,22 +48,10 @@ def chunked_job(
         after its update; the training loop then runs the same iteration again.
     """
     import megatron_offload
-    from megatron_offload.chunked import update as chunked_module
     from tests.harness import models
     from tests.support.checked import check_devices, checked_device_options
     from tests.support.footprint import record_peaks, whole_state_bytes
 
-    if plant == "group-step-not-restored":
-        original = chunked_module.ChunkedUpdate._call
-
-        def call(self, params, **kw):
-            # Bug: every call starts from the step count the previous call left.
-            self._base_steps = {
-                id(g): g.get("step", chunked_module._ABSENT) for g in self.inner.param_groups
-            }
-            return original(self, params, **kw)
-
-        chunked_module.ChunkedUpdate._call = call
     context = _jobs.injected(kind) if kind else contextlib.nullcontext()
     with context:
         chunks, optimizer, config = models.build(
@@ -370,15 +357,36 @@ def test_a_state_created_late_joins_the_streamed_ones(rank_pool):
         assert tracked[1] < tracked[2] == tracked[-1]  # the late states joined at step 2
 
 
+def planted_group_step_job(*args, **kwargs):
+    """``chunked_job`` with a bug planted for the job's length: every update call starts from
+    the step count the previous call left (the ranks are shared: the plant must not outlive
+    the job)."""
+    from unittest import mock
+
+    from megatron_offload.chunked import update as chunked_module
+
+    original = chunked_module.ChunkedUpdate._call
+
+    def call(self, params, **kw):
+        self._base_steps = {
+            id(g): g.get("step", chunked_module._ABSENT) for g in self.inner.param_groups
+        }
+        return original(self, params, **kw)
+
+    with mock.patch.object(chunked_module.ChunkedUpdate, "_call", call):
+        return chunked_job(*args, **kwargs)
+
+
 def test_planted_group_step_bug_is_caught(rank_pool):
     """Negative control: letting the group step advance per call changes TE's bias correction."""
     job = dict(chunk_fraction=0.25, kind="te", build=dict(num_layers=4))
     reference = rank_pool.run(chunked_job, "mlp", "bf16", offload=False, **job)
-    planted = rank_pool.run(chunked_job, "mlp", "bf16", plant="group-step-not-restored", **job)
-    rank_pool.restart()  # the plant lives in the rank processes
+    planted = rank_pool.run(planted_group_step_job, "mlp", "bf16", **job)
+    again = rank_pool.run(chunked_job, "mlp", "bf16", **job)  # the plant is gone with its job
     with pytest.raises(AssertionError):
         _assert_bitwise(reference, planted)
     assert all(max(f["update_chunks"] for f in rank["figures"]) >= 2 for rank in planted)
+    _assert_bitwise(reference, again)
 
 
 @pytest.mark.parametrize(

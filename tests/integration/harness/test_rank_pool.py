@@ -10,7 +10,19 @@ from tests.harness.rank_pool import RankJobError, RankPoolBroken
 
 # What the other lines' tests rely on runs on every line (``floor``); the pool's own
 # robustness (dead ranks, timeouts, orphans, four ranks) does not depend on megatron-core
-# and runs in the main suite only.
+# and runs in the main suite only, on pools of its own whose ranks import torch alone: they are
+# broken on purpose and restarted, which costs a shared pool megatron-core's imports each time.
+
+
+@pytest.fixture
+def light_pool():
+    from tests.harness.rank_pool import RankPool
+
+    pool = RankPool(world_size=2, megatron=False)
+    try:
+        yield pool
+    finally:
+        pool.close()
 
 
 # ------------------------------------------------------------------- rank-side jobs
@@ -73,6 +85,12 @@ def start_child_job():
 
 def pid_job():
     return os.getpid()
+
+
+def megatron_imported():
+    import sys
+
+    return "megatron.core" in sys.modules
 
 
 def train_job(model, dtype, steps, micro_batches=1, **build_kw):
@@ -139,6 +157,7 @@ def test_results_round_trip_per_rank(rank_pool):
     assert (again[0]["tp"], again[0]["dp"]) == (1, 2)
     assert torch.equal(again[0]["draw"], results[0]["draw"])
     assert torch.equal(again[0]["draw"], again[1]["draw"])
+    assert rank_pool.run(megatron_imported) == [True, True]  # what a light pool leaves out
 
 
 @pytest.mark.floor
@@ -155,18 +174,20 @@ def test_exception_on_one_rank_carries_its_traceback(rank_pool):
     assert rank_pool.run(pid_job) == pids
 
 
-def test_dead_rank_breaks_the_pool_and_the_next_run_starts_fresh(rank_pool):
-    pids = rank_pool.run(pid_job)
+def test_dead_rank_breaks_the_pool_and_the_next_run_starts_fresh(light_pool):
+    assert light_pool.run(megatron_imported) == [False, False]
+    pids = light_pool.run(pid_job)
     with pytest.raises(RankPoolBroken) as info:
-        rank_pool.run(exit_on_rank, 1, 139, timeout=60)
+        light_pool.run(exit_on_rank, 1, 139, timeout=60)
     text = str(info.value)
     assert "rank 1" in text and "exit code 139" in text
     assert "fresh pool" in text
-    assert rank_pool.broken
-    new_pids = rank_pool.run(pid_job)
-    assert not rank_pool.broken
+    assert light_pool.broken
+    new_pids = light_pool.run(pid_job)
+    assert not light_pool.broken
     assert not set(new_pids) & set(pids)
-    assert rank_pool.run(raise_on_rank, -1) == ["fine", "fine"]
+    assert light_pool.run(raise_on_rank, -1) == ["fine", "fine"]
+    assert light_pool.starts == 2
 
 
 def _alive(pid):
@@ -185,7 +206,7 @@ def test_nothing_a_job_started_outlives_the_pool(how):
 
     from tests.harness.rank_pool import RankPool
 
-    pool = RankPool(world_size=2)
+    pool = RankPool(world_size=2, megatron=False)
     try:
         children = pool.run(start_child_job)
         assert all(_alive(pid) for pid in children)
@@ -202,10 +223,11 @@ def test_nothing_a_job_started_outlives_the_pool(how):
     assert not any(_alive(pid) for pid in children), children
 
 
-def test_job_timeout_breaks_the_pool(rank_pool):
+def test_job_timeout_breaks_the_pool(light_pool):
     with pytest.raises(RankPoolBroken, match=r"timed out after 2 s"):
-        rank_pool.run(sleep_forever, timeout=2)
-    assert rank_pool.run(raise_on_rank, -1) == ["fine", "fine"]
+        light_pool.run(sleep_forever, timeout=2)
+    assert light_pool.run(raise_on_rank, -1) == ["fine", "fine"]
+    assert light_pool.starts == 2
 
 
 @pytest.mark.floor
