@@ -249,12 +249,16 @@ def _teardown_job() -> None:
     # group references), so that `groups` holds the last references.
     gc.collect()
     _release_groups(groups)
-    if _thread_count() > _BASELINE_THREADS.setdefault("count", _thread_count()):
+    count = _thread_count()
+    if count > _BASELINE_THREADS.setdefault("count", count):
         _free_stranded(gc)  # a full scan of the collector's objects: only when something stayed
+        count = _thread_count()
+    _BASELINE_THREADS["count"] = min(count, _BASELINE_THREADS["count"])
 
 
-# The rank's thread count after its first job's teardown: a job whose objects keep their
-# process groups alive leaves more.
+# The fewest threads the rank had after a job's teardown: a job whose objects keep their
+# process groups alive leaves more. (The first teardown's count alone may include what the
+# first job left behind, which would then never be freed.)
 _BASELINE_THREADS: dict = {}
 
 

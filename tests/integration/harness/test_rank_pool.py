@@ -306,10 +306,14 @@ def test_jobs_leave_no_process_groups_or_threads_behind(rank_pool):
     """An fp32 model with the distributed optimizer outlives its job (autograd's nodes keep
     its hooks, and so the DDP wrapper, alive) and held its process groups, three gloo threads
     each: a few hundred jobs left each rank with a thousand threads. The pool empties such
-    leftovers at every teardown; the groups and threads stay what one job needs."""
+    leftovers at every teardown; the groups and threads stay what one job needs. (No more after
+    three jobs than before them: the shared ranks may still hold, before, what an earlier
+    test's job left, which a teardown then frees.)"""
     rank_pool.run(fp32_training_job)
     before = rank_pool.run(threads_job)
     for _ in range(3):
         rank_pool.run(fp32_training_job)
     after = rank_pool.run(threads_job)
-    assert after == before, (before, after)
+    for rank_before, rank_after in zip(before, after):
+        assert all(a <= b for a, b in zip(rank_after, rank_before)), (before, after)
+    assert all(groups == after[0][0] for groups, _, _ in after), after
