@@ -4,12 +4,10 @@ resuming from them.
 examples/pretrain_gpt.py on 2 gloo ranks (bf16, DistributedOptimizer) with megatron's
 asynchronous save (``--async-save --use-persistent-ckpt-worker --async-strategy mcore``,
 ``torch_dist``: the persistent writer process megatron-core 0.19 requires) at every iteration,
-in whole mode with and without ``--ckpt-assume-constant-structure`` and in chunked mode with
-it (the writer then reuses the save plan it cached at the first save: where others lose
-checkpoints, an offload that reallocates the states makes every later checkpoint hold the
-first one's bytes). Chunked mode without it, saved asynchronously once, is
-``tests/integration/access/test_checkpoint.py``'s ``bf16-async-checked-chunked``: a launch
-here costs two ranks' and two writers' start-up, some 25 s of a core. Against the plain script (no megatron_offload hook) saving synchronously at every
+in whole and chunked mode, each with and without ``--ckpt-assume-constant-structure`` (the
+writer then reuses the save plan it cached at the first save: where others lose checkpoints,
+an offload that reallocates the states makes every later checkpoint hold the first one's
+bytes). Against the plain script (no megatron_offload hook) saving synchronously at every
 iteration:
 
 * every run trains bitwise as the plain script, and each save sees the same optimizer state;
@@ -52,6 +50,7 @@ REFERENCE = runner.Case(
 VARIANTS = {
     "whole": ((), ()),
     "whole-constant": (CONSTANT, ()),
+    "chunked": ((), CHUNKED),
     "chunked-constant": (CONSTANT, CHUNKED),
 }
 # (variant, the iteration resumed from)
