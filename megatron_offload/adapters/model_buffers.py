@@ -89,16 +89,23 @@ def shard_pairs(wrapper) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def matches_masters(wrapper) -> bool:
-    """True when every 16-bit parameter shard of this rank is bit for bit its master cast
-    (the masters must have device memory). One host synchronization, not one per parameter:
-    it runs after every step once the model has slept."""
+def masters_match(wrapper) -> torch.Tensor | None:
+    """Whether every 16-bit parameter shard of this rank is bit for bit its master cast (the
+    masters must have device memory), as a device tensor, without waiting for it: it runs at
+    the offload after every step once the model has slept, and is read only at a sleep.
+    None where the rank holds no shard."""
     equal = None
     for model, master in shard_pairs(wrapper):
         # The bits, not the values: -0.0 and NaN payloads must come back as they were.
         cast = master.to(model.dtype)
         same = torch.eq(model.view(torch.int16), cast.view(torch.int16)).all()
         equal = same if equal is None else equal & same
+    return equal
+
+
+def matches_masters(wrapper) -> bool:
+    """``masters_match`` read on the host (one synchronization)."""
+    equal = masters_match(wrapper)
     return True if equal is None else bool(equal)
 
 

@@ -13,8 +13,9 @@ cast only and are released again without a copy.
 
 A rebuild is exact only while the parameters still equal their masters cast. That is
 checked, never assumed: directly while the masters have device memory, else against a
-fingerprint (two 31-bit modular checksums of the rank's parameter shards, taken at the last
-offload that found them equal to the masters) that nothing may have written since (a
+fingerprint (two 31-bit modular checksums of the rank's parameter shards, and whether they
+equalled the masters, taken at the last offload that found the masters on the device: device
+work only, read on the host at the next sleep) that nothing may have written since (a
 checkpoint load, a read or write served from the host copy, ``resident()``). Where the check
 fails on any rank of the data-parallel group, every rank copies that optimizer's parameters
 instead, with a warning saying why.
@@ -51,6 +52,11 @@ def fingerprint(tensors) -> tuple[int, int]:
     """Two checksums of the bits of 16-bit ``tensors``, in order (each element weighted by
     its position, so moved or swapped values count): integer arithmetic, the same on any
     device, in chunks of a million elements."""
+    return tuple(int(value) for value in checksums(tensors).tolist())
+
+
+def checksums(tensors) -> torch.Tensor:
+    """``fingerprint`` as an int64 tensor of two on the tensors' device, not waited for."""
     sums = None
     offset = 0
     for tensor in tensors:
@@ -62,7 +68,7 @@ def fingerprint(tensors) -> tuple[int, int]:
             parts = torch.stack([((index * k) % _P * bits % _P).sum() % _P for k in _MULTIPLIERS])
             sums = parts if sums is None else (sums + parts) % _P
         offset += flat.numel()
-    return (0, 0) if sums is None else tuple(int(value) for value in sums.tolist())
+    return torch.zeros(2, dtype=torch.int64) if sums is None else sums
 
 
 class Sleep:
@@ -75,7 +81,8 @@ class Sleep:
         self._taken: list[tuple[str, ...]] = []
         self._hooks: list = []
         self._recording = None  # the offload pre-hook taking fingerprints, once slept
-        self._fingerprints: dict[int, tuple] = {}  # id(wrapper) -> (changes, checksums)
+        # id(wrapper) -> (changes, equal to the masters, checksums): device tensors
+        self._fingerprints: dict[int, tuple] = {}
         #: True while the parameters (and the states and masters) are asleep.
         self.asleep = False
         #: True while the gradient buffers are given up (with the parameters, or alone).
@@ -304,21 +311,30 @@ class Sleep:
                 "the masters were on the host before the first sleep, so nothing showed that "
                 "the parameters equal them (checked after every step from now on)"
             )
-        if recorded[0] != self._offloader.phase.changes:
+        changes, equal, sums = recorded
+        if changes != self._offloader.phase.changes:
             return "the states or masters were served for writing since the last step"
         models = (model for model, _ in buffers.shard_pairs(wrapper))
-        return None if recorded[1] == fingerprint(models) else changed
+        now = checksums(models).to(sums.device)
+        return None if (equal is None or bool(equal)) and torch.equal(sums, now) else changed
 
     def _record(self, offloader) -> None:
         """Offload pre-hook: while the masters still have device memory, note whether the
-        parameters equal them cast, and a fingerprint of the parameters if so."""
+        parameters equal them cast, and a fingerprint of the parameters. Queued on the
+        current stream before the offload that follows (so before the masters' memory is
+        given back) and never waited for here: this runs after every step, and a host
+        synchronization would stall the next iteration's launches; a sleep reads it."""
         for member in offloader.members:
             wrapper = member.optimizer
             if member.engine.is_released((MASTER_WEIGHTS,)):
                 continue  # an earlier record stands, or none
-            if buffers.rebuild_refusal(wrapper) is None and buffers.matches_masters(wrapper):
+            if buffers.rebuild_refusal(wrapper) is None:
                 models = (model for model, _ in buffers.shard_pairs(wrapper))
-                self._fingerprints[id(wrapper)] = (offloader.phase.changes, fingerprint(models))
+                self._fingerprints[id(wrapper)] = (
+                    offloader.phase.changes,
+                    buffers.masters_match(wrapper),
+                    checksums(models),
+                )
             else:
                 self._fingerprints.pop(id(wrapper), None)
 
