@@ -118,6 +118,14 @@ class OffloadConfig:
     with cuda-python, never taken from torch's stream pool that ProcessGroupNCCL shares; see
     ``megatron_offload/device/accelerator.py``)."""
 
+    require_pinned_memory: bool = False
+    """Refuse to offload into pageable host memory. By default, where host memory cannot be
+    pinned (a rank would pin more than its ``ulimit -l`` or its container's memlock limit, or
+    pinning fails), the host buffers fall back to pageable memory with one warning: every
+    copy to or from them is then synchronous with the host, so offloading no longer overlaps
+    computation (``stats()["pinned_host_bytes"]`` says what is pinned). True refuses instead,
+    before anything is allocated, as a run that must overlap its copies wants."""
+
     per_optimizer: dict[int, dict[str, bool]] | None = None
     """Overrides of ``offload_optimizer_states`` / ``offload_master_weights`` for single
     optimizers of a ChainedOptimizer, by index in ``chained_optimizers`` (nested chains such
@@ -147,6 +155,7 @@ class OffloadConfig:
             "offload_master_weights",
             "release_master_grads",
             "chunked_update_undo",
+            "require_pinned_memory",
         ):
             value = getattr(self, name)
             if not isinstance(value, bool):

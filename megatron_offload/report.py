@@ -31,7 +31,7 @@ def combine(
 ) -> dict:
     """The engines' ``stats()`` (``per``) summed: counts per kind merged, the largest piece
     the largest, rates of the summed bytes and times (not a sum of rates); with the cycles,
-    the NUMA figures of ``devices`` and what host views served."""
+    the pinned bytes and NUMA figures of ``devices`` and what host views served."""
     total: dict = {}
     for key in per[0] if per else {}:
         if isinstance(per[0][key], dict):  # counts per kind (``pieces``)
@@ -49,6 +49,10 @@ def combine(
             total.get(f"{direction}_timed_bytes", 0), total.get(f"{direction}_ms", 0.0)
         )
     total["cycles"] = cycles
+    # What of host_bytes is pinned (the rest fell back to pageable memory, or the device pins
+    # nothing: a CPU).
+    unique = {id(device): device for device in devices}.values()
+    total["pinned_host_bytes"] = sum(device.pinned_bytes() for device in unique)
     total.update(numa.figures(devices))
     total.update(host_views)
     if sleep is not None:  # what the last sleep did with the model's own tensors

@@ -43,6 +43,7 @@ class AcceleratorDevice(Device):
         #: Whether the last host buffer's pages were bound to that node, and if not, why.
         self.numa_bound = False
         self.numa_note = ""
+        self._fallback_said = False  # the pageable fallback warns once per device
 
     # ----------------------------------------------------------------- memory
     def piece_bound(self) -> int | None:
@@ -52,9 +53,13 @@ class AcceleratorDevice(Device):
     def frees_wait_for_copies(self) -> bool:
         return self.torch_device.type == "cuda" and allocator.backend() == "cudaMallocAsync"
 
-    #: What a failed pin does: False (the default) raises a clear error; True warns and
-    #: returns pageable memory, whose copies are then synchronous with the host.
+    #: What a failed pin does: False (the default) raises a clear error; True warns (once)
+    #: and returns pageable memory, whose copies are then synchronous with the host
+    #: (``attach`` sets it unless ``require_pinned_memory``).
     pageable_fallback = False
+    #: False: host buffers are pageable from the start (the node check found ``ulimit -l``
+    #: too low for what this rank would pin, and warned).
+    pinning = True
     #: Threads that fault in the pages of a new host buffer (``pinned.pin``).
     pin_threads = pinned.DEFAULT_THREADS
 
@@ -70,7 +75,7 @@ class AcceleratorDevice(Device):
         span = -(-nbytes // page) * page
         whole = pinned.shared_host_buffer(span)
         buffer = whole[:nbytes]
-        if not nbytes:
+        if not nbytes or not self.pinning:
             return buffer
         # Bound to the accelerator's NUMA node before any page is touched (numa.py).
         place = self._placement()
@@ -109,14 +114,18 @@ class AcceleratorDevice(Device):
             )
             if not self.pageable_fallback:
                 raise RuntimeError(
-                    message + ", or set AcceleratorDevice.pageable_fallback = True."
+                    message + ", or let it fall back to pageable memory "
+                    "(require_pinned_memory=False, AcceleratorDevice.pageable_fallback)."
                 ) from error
-            warnings.warn(
-                message + ". Falling back to pageable memory: every copy to or from it is "
-                "synchronous with the host, so offloading no longer overlaps computation.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            if not self._fallback_said:
+                warnings.warn(
+                    message + ". Falling back to pageable memory: every copy to or from it is "
+                    "synchronous with the host, so offloading no longer overlaps computation "
+                    "(require_pinned_memory=True refuses instead).",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                self._fallback_said = True
             return buffer
         self._pinned[buffer.data_ptr()] = (whole, ranges)  # the mapping stays until unregistered
         return buffer
@@ -207,6 +216,15 @@ class AcceleratorDevice(Device):
 
     def memory_allocated(self):
         return self._module.memory_allocated(self.torch_device)
+
+    def pinned_bytes(self) -> int:
+        return sum(whole.numel() for whole, _ in self._pinned.values())
+
+    def memory_free(self):
+        try:
+            return int(self._module.mem_get_info(self.torch_device)[0])
+        except Exception:  # noqa: BLE001 - a figure for a message, never a second failure
+            return None
 
 
 def current_device(device_type: str | None = None) -> torch.device:

@@ -135,5 +135,15 @@ class Device(abc.ABC):
         """Bytes the device allocator holds for tensors, or None where unknown."""
         return None
 
+    def pinned_bytes(self) -> int:
+        """Bytes of the host buffers made by ``host_buffer`` that are pinned now (the rest of
+        what the engines hold is pageable)."""
+        return 0
+
+    def memory_free(self) -> int | None:
+        """Bytes the device could still give (its driver's figure), or None where unknown:
+        what an out-of-memory error reports."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.torch_device})"

@@ -137,12 +137,20 @@ _FIELD_FLAGS = {
         dict(type=int, default=None, metavar="N"),
         "CUDA priority of the offloader's copy streams (default 0, the lowest; negative: higher).",
     ),
+    "require_pinned_memory": (
+        dict(action="store_true"),
+        "Refuse to start where host memory cannot be pinned (ulimit -l, the container's memlock "
+        "limit) instead of falling back to pageable memory, whose copies are synchronous.",
+    ),
     "per_optimizer": (
         dict(type=_per_optimizer, default=None, metavar="JSON"),
         'Selections per optimizer of the chain, e.g. \'{"1": {"offload_master_weights": false}}\'.',
     ),
 }
 assert set(_FIELD_FLAGS) == {f.name for f in fields(OffloadConfig)} - set(NOT_FLAGS)
+_STORE_TRUE = {
+    name for name, (kwargs, _) in _FIELD_FLAGS.items() if kwargs.get("action") == "store_true"
+}
 
 
 def _flags() -> list:
@@ -191,7 +199,7 @@ def _given(args) -> list[str]:
         if name == "offload_optimizer_states" or value is None:
             continue
         if value is False:
-            if name != "chunked_update_undo":  # a store_true left off
+            if name not in _STORE_TRUE:  # a store_true left off
                 given.append(f"--no-{flag(name)[2:]}")
         else:
             given.append(flag(name))

@@ -117,8 +117,12 @@ def members(optimizer, config: OffloadConfig, undo: contextlib.ExitStack) -> lis
     )
     made = []
     for index, wrapper in served:
+        device = factory(wrappers.device_of(wrapper))
+        if device.is_accelerator:
+            # A pin that fails falls back to pageable memory with a warning, unless refused.
+            device.pageable_fallback = not config.require_pinned_memory
         engine = OffloadEngine(
-            factory(wrappers.device_of(wrapper)),
+            device,
             functools.partial(wrappers.collect, wrapper),
             name=f"optimizer {index} ({type(wrapper).__name__} of "
             f"{type(wrapper.optimizer).__name__})",
@@ -138,19 +142,18 @@ def members(optimizer, config: OffloadConfig, undo: contextlib.ExitStack) -> lis
         made.append(Member(index, wrapper, engine, config.kinds(index)))
     expected = [wrappers.expected(member.optimizer) for member in made]
     # Every rank of the node together, before any rank allocates (node_memory.py).
-    budget.limit = node_memory.agree(
+    budget.limit, pin = node_memory.agree(
         sum(m.engine.host_need(wanted) for m, wanted in zip(made, expected)),
-        pins=any(_pins(m.engine.device) for m in made),
+        pins=any(m.engine.device.is_accelerator for m in made),
         budget=config.host_memory_budget,
+        fallback=not config.require_pinned_memory,
     )
+    if not pin:
+        for member in made:
+            member.engine.device.pinning = False  # over ulimit -l: pageable (warned)
     for member, wanted in zip(made, expected):
         member.engine.reserve_host(wanted)
     return made
-
-
-def _pins(device) -> bool:
-    """True where host buffers are pinned (counted against ``ulimit -l``)."""
-    return bool(device.is_accelerator) and not getattr(device, "pageable_fallback", False)
 
 
 def master_weights_option(value: bool | None, primary: bool | None) -> bool | None:
@@ -198,3 +201,28 @@ def resident_selection(kinds, count: int) -> list[tuple[str, ...]]:
             )
         selection.append(chosen)
     return selection
+
+
+class Marks:
+    """The offloader reachable from each served optimizer as ``_state_offloader`` (the
+    attribute of Megatron-LM's own unreleased offloader); ``remove`` puts back what was
+    there."""
+
+    def __init__(self, offloader) -> None:
+        self._offloader = offloader
+        self._marked = []  # (optimizer, had one, previous)
+
+    def mark(self, wrapper) -> None:
+        had = "_state_offloader" in vars(wrapper)
+        self._marked.append((wrapper, had, vars(wrapper).get("_state_offloader")))
+        wrapper._state_offloader = self._offloader
+
+    def remove(self) -> None:
+        for wrapper, had, previous in reversed(self._marked):
+            if getattr(wrapper, "_state_offloader", None) is not self._offloader:
+                continue
+            if had:
+                wrapper._state_offloader = previous
+            else:
+                del wrapper._state_offloader
+        self._marked = []

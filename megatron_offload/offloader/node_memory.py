@@ -17,14 +17,19 @@ parameters gets more).
 from __future__ import annotations
 
 import socket
+import warnings
 
 from ..engine import host_limits
 from ..errors import NodeMemoryError
 
 
-def agree(need: int, *, pins: bool, budget: int | str | None) -> int | None:
+def agree(
+    need: int, *, pins: bool, budget: int | str | None, fallback: bool = False
+) -> tuple[int | None, bool]:
     """Refuse an over-commit on every rank; return this rank's budget (``"auto"``: its part
-    of what its node can give; otherwise ``budget`` as given)."""
+    of what its node can give; otherwise ``budget`` as given) and whether it pins its host
+    memory: a rank that would pin more than its ``ulimit -l`` is refused, or with
+    ``fallback`` uses pageable memory (one warning says what that costs)."""
     limits = host_limits.read()
     mine = (
         socket.gethostname(),
@@ -48,7 +53,7 @@ def agree(need: int, *, pins: bool, budget: int | str | None) -> int | None:
                 f"({members[0][4]})"
             )
         for index, rank_need, _, memlock, _ in members:
-            if memlock is not None and rank_need > memlock:
+            if memlock is not None and rank_need > memlock and not fallback:
                 problems.append(
                     f"rank {index} on {host} would pin {rank_need:,} bytes, over its locked-memory "
                     f"limit of {memlock:,} (ulimit -l)"
@@ -61,15 +66,27 @@ def agree(need: int, *, pins: bool, budget: int | str | None) -> int | None:
             "offload_master_weights=False), run fewer ranks per node, give the container more "
             "memory, or raise the locked-memory limit (ulimit -l unlimited)."
         )
+    memlock = limits.memlock if pins else None
+    pin = memlock is None or need <= memlock
+    if not pin:
+        warnings.warn(
+            f"megatron-offload: this rank would pin {need:,} bytes of host memory, over its "
+            f"locked-memory limit of {memlock:,} (ulimit -l): its host memory is pageable, and "
+            "every copy to or from it is synchronous with the host (offloading no longer "
+            "overlaps computation). Raise the limit (ulimit -l unlimited, or the container's "
+            "memlock limit) to pin it; require_pinned_memory=True refuses instead.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
     if budget != "auto":
-        return budget
+        return budget, pin
     host = rows[rank][0]
     members = nodes[host]
     available = min((member[2] for member in members if member[2] is not None), default=None)
     if available is None:
-        return None  # nothing limits this node
+        return None, pin  # nothing limits this node
     total = sum(member[1] for member in members)
-    return available if total == 0 else available * need // total
+    return (available if total == 0 else available * need // total), pin
 
 
 def _gather(row) -> tuple[list, int]:

@@ -1,7 +1,8 @@
 """The node-wide host-memory check at attach, with fake limits on 2 ranks of one node: an
 over-commit is refused on every rank with the figures before anything is allocated, a node
 that has room attaches, ``host_memory_budget="auto"`` takes each rank's part, and a rank that
-would pin more than its ``ulimit -l`` is refused."""
+would pin more than its ``ulimit -l`` falls back to pageable memory with one warning (refused
+with ``require_pinned_memory``)."""
 
 
 def _with_limits(available, memlock=None):
@@ -53,11 +54,19 @@ def node_job():
     finally:
         restore()
 
+    import warnings
+
     restore = _with_limits(None, memlock=need - 1)
     try:
         node_memory.agree(need, pins=True, budget=None)
     except megatron_offload.HostMemoryBudgetError as error:
         found["memlock"] = str(error)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            found["fallback"] = node_memory.agree(need, pins=True, budget=None, fallback=True)
+        found["fallback_warnings"] = [str(w.message) for w in caught]
+        found["pinned_within"] = node_memory.agree(need - 1, pins=True, budget=7, fallback=True)
     finally:
         restore()
     restore = _with_limits(None)
@@ -86,4 +95,9 @@ def test_the_ranks_of_a_node_agree_on_their_host_memory_before_allocating(rank_p
             == found["need"]
         )
         assert "would pin" in found["memlock"] and "ulimit -l" in found["memlock"]
-        assert found["auto_unlimited"] is None
+        # The default falls back to pageable memory, with one warning saying what it costs.
+        assert found["fallback"] == (None, False)
+        (warning,) = found["fallback_warnings"]
+        assert "pageable" in warning and "synchronous" in warning and "ulimit -l" in warning
+        assert found["pinned_within"] == (7, True)
+        assert found["auto_unlimited"] == (None, True)

@@ -253,3 +253,22 @@ def test_a_failed_pin_can_fall_back_to_pageable_memory_with_a_warning(fake_cuda)
     calls = len(state["registry"].calls)
     device.free_host_buffer(buffer)  # pageable: nothing to unregister
     assert len(state["registry"].calls) == calls
+    assert device.pinned_bytes() == 0
+    state["registry"].fail_at = set(range(100))  # every later pin fails: no second warning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        device.host_buffer(5000)
+    assert not caught
+
+
+def test_a_device_told_not_to_pin_makes_pageable_buffers_and_counts_what_it_pinned(fake_cuda):
+    _, _, state = fake_cuda
+    device = AcceleratorDevice(torch.device("cuda", 0))
+    pinned_buffer = device.host_buffer(10_000)
+    assert device.pinned_bytes() >= 10_000 and len(state["registry"].calls) == 1
+    device.pinning = False  # the node check found ulimit -l too low (and warned)
+    pageable = device.host_buffer(20_000)
+    assert pageable.numel() == 20_000 and len(state["registry"].calls) == 1
+    assert device.pinned_bytes() < 20_000
+    device.free_host_buffer(pinned_buffer)
+    assert device.pinned_bytes() == 0

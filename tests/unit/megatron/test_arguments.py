@@ -62,7 +62,7 @@ def test_every_field_is_a_flag_named_as_the_field():
         action = parser._option_string_actions[option]
         assert action.help and len(action.help) > 40, option
         assert action.dest == dest(name) == option[2:].replace("-", "_")
-        if name not in ("offload_optimizer_states", "chunked_update_undo"):
+        if name not in ("offload_optimizer_states", "chunked_update_undo", "require_pinned_memory"):
             assert getattr(args, dest(name)) is None  # not given: the field's default
     assert parser._option_string_actions[LOG_FLAG].dest == "offload_log_stats"
     assert flag("offload_fraction") == "--offload-fraction"
@@ -83,6 +83,7 @@ GIVEN = {
     "chunked_update_undo": ([UNDO_FLAG, CHUNKED_FLAG, "4096"], True),
     "max_piece_bytes": ([PIECE_FLAG, "1048576"], 1 << 20),
     "stream_priority": (["--offload-stream-priority", "-1"], -1),
+    "require_pinned_memory": (["--offload-require-pinned-memory"], True),
     "per_optimizer": (
         ["--offload-per-optimizer", '{"1": {"offload_master_weights": false}}'],
         {1: {"offload_master_weights": False}},
