@@ -6,12 +6,14 @@
 
 The package is layered: ``device`` (the only code that knows accelerators), ``engine``
 (moves a set of tensors), ``adapters`` (finds the tensors of each optimizer kind) and
-``integration`` (attach, the per-step cycle, Megatron-facing API) and ``frameworks`` (the
-adapters that make NeMo-RL's and verl's own optimizer moves delegate to the offloader).
+``offloader`` (attach, the per-step cycle, sleep and wake), ``access`` and ``chunked``,
+``megatron`` (flags, megatron.training's hooks) and ``frameworks`` (Megatron-Bridge's
+callback; NeMo-RL's and verl's own moves delegated to the offloader).
 """
 
 from .config import OffloadConfig
 from .errors import (
+    DeviceMemoryError,
     HostMemoryBudgetError,
     NodeMemoryError,
     OffloadArgumentError,
@@ -27,6 +29,7 @@ from .offloader import OptimizerStateOffloader, attach
 __version__ = "0.1.0"
 
 __all__ = [
+    "DeviceMemoryError",
     "HostMemoryBudgetError",
     "NodeMemoryError",
     "OffloadArgumentError",

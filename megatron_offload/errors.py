@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 import sys
 
+import torch
+
 
 class OffloadError(Exception):
     """Base class of the exceptions megatron-offload raises."""
@@ -48,6 +50,41 @@ class NodeMemoryError(HostMemoryBudgetError):
 class OffloadStateError(OffloadError, RuntimeError):
     """An offload operation was called in a state where it cannot be honoured (for example
     after ``detach()``)."""
+
+
+class DeviceMemoryError(OffloadError, torch.OutOfMemoryError):
+    """An operation could not get the device memory it needed (another process, an inference
+    engine, still holds it). What the operation had allocated was given back: the optimizer
+    and the model are as before the call, and the same call works once memory is free. A
+    ``torch.OutOfMemoryError``, so handlers written for torch's own keep working."""
+
+    def __init__(self, operation: str, *, needed: int, free: int | None) -> None:
+        self.operation, self.needed, self.free = operation, needed, free
+        where = "" if free is None else f"; the device has {_gib(free)} free"
+        super().__init__(
+            f"{operation} needed {_gib(needed)} of device memory and could not get it{where}. "
+            "Nothing it allocated is kept and nothing was lost: call it again once that "
+            "memory is free (an inference engine still releasing it, a cache to empty)."
+        )
+
+
+def out_of_memory(error: BaseException, device, operation: str, needed: int) -> BaseException:
+    """What to raise for ``error``, met by ``operation`` while allocating ``needed`` bytes of
+    device memory, after undoing what it allocated: a ``DeviceMemoryError`` (chained to the
+    allocator's own) for an out-of-memory, ``error`` itself for anything else."""
+    if isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "alloc" in str(error).lower()
+    ):
+        if isinstance(error, DeviceMemoryError):
+            return error
+        raised = DeviceMemoryError(operation, needed=needed, free=device.memory_free())
+        raised.__cause__ = error
+        return raised
+    return error
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.3f} GiB ({nbytes} bytes)"
 
 
 class SlotSizeError(OffloadError, ValueError):

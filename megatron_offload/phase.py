@@ -32,6 +32,17 @@ measured against a plain ``defaultdict`` in ``tests/integration/access/test_stat
 the class of the mapping never changes. Not guarded, because they touch no tensor:
 ``len(state)`` and ``p in state`` (tensors hash by identity, and a dict compares keys by
 identity before equality, so a lookup reads no tensor data).
+
+``UpdateGate`` is what every update of a served optimizer passes first, whichever entry point
+steps it: megatron-core steps through the wrapper's ``step()``, its ``step_with_ready_grads()``
+or the inner optimizer's own ``step()`` (megatron-core's own Lion test does; so may a
+framework), and each runs the inner optimizer's step, so one step pre-hook there
+(``torch.optim``'s ``register_step_pre_hook``) sees every update, with attach's cycle or
+without it. Inside a host view the update is refused before anything is written (the states
+are their host copies there); a sleeping model wakes (the step writes the parameters); reads
+served between steps end (a transition: what they wrote is in the host copy), everything comes
+back but what a chunked update streams, the copy-back is ordered before the update (rule 4 of
+the copy protocol), and the host copies go stale.
 """
 
 from __future__ import annotations
@@ -39,9 +50,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import enum
+import functools
 from typing import Callable, Iterator, Sequence
 
 from .engine.pieces import Place
+from .errors import OffloadStateError
 
 
 class Phase(enum.Enum):
@@ -82,10 +95,6 @@ class PhaseTracker:
         self._before_arming = before_arming
         #: True while the mappings are armed: ``IDLE`` with some state off the device.
         self.guarded = False
-        #: Counts the moments the states or masters may have been written outside a step
-        #: (``changed()``: a host view that may write, ``resident()`` without ``read_only``):
-        #: what a sleep compares.
-        self.changes = 0
 
     @property
     def view(self):
@@ -144,10 +153,6 @@ class PhaseTracker:
         self._stack.append(Phase.READING)
         self._views.append(view)
         self._settle()
-
-    def changed(self) -> None:
-        """The states or masters were handed out for writing outside a step."""
-        self.changes += 1
 
     def detached(self) -> None:
         """The end: reads closed, nothing guarded any more."""
@@ -211,6 +216,60 @@ class PhaseTracker:
             self._on_access(mapping, writes, name)
         finally:
             self._settle()
+
+
+class UpdateGate:
+    """The step pre-hook of every served inner optimizer; ``remove`` takes them away.
+
+    Args:
+        phase: the offloader's phase.
+        members: the served optimizers (``Member``: optimizer, engine).
+        sleep: the offloader's ``Sleep`` (woken before an update).
+    """
+
+    def __init__(self, phase: "PhaseTracker", members: Sequence, sleep) -> None:
+        self._phase, self._members, self._sleep = phase, members, sleep
+        #: The chunked update of each member, in order (attach's cycle sets them), or none.
+        self.chunked: list = []
+        self._handles = []
+        try:
+            for index, member in enumerate(members):
+                hook = functools.partial(self.before_update, index)
+                self._handles.append(member.optimizer.optimizer.register_step_pre_hook(hook))
+        except BaseException:
+            self.remove()  # all or nothing
+            raise
+
+    def before_update(self, index: int, optimizer, args, kwargs) -> None:
+        """The ``index``-th member's inner optimizer is about to update."""
+        phase = self._phase
+        if phase.current is Phase.SERVING:
+            raise OffloadStateError(
+                "an optimizer step inside host_view() (or inside a checkpoint method): the "
+                "states are their host copies there and the update would compute on them. "
+                "Step after the block."
+            )
+        sleep = self._sleep
+        if sleep.asleep or sleep.gradients_dropped:
+            sleep.wake()  # the parameters and gradients the step writes come back
+        streaming = bool(self.chunked) and phase.current in (Phase.STEPPING, Phase.STREAMING)
+        engine = self._members[index].engine
+        token = phase.enter(Phase.MOVING)
+        try:
+            # Nothing to copy if the step prefetched; else nobody did (a step called on the
+            # inner optimizer directly, or without attach's cycle).
+            engine.reload(streamed=not streaming)
+            # Rule 4: the update must not start before the copy-back of what it reads.
+            engine.wait()
+            engine.mark_dirty()
+        finally:
+            phase.leave(token)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.chunked = []
 
 
 class _PlainState(collections.defaultdict):

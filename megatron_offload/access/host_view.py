@@ -227,8 +227,6 @@ class HostView:
         return None
 
     def _restore(self, writes: bool) -> None:
-        if writes:  # the states or masters may have been written outside a step
-            self._offloader.phase.changed()
         figures = self._offloader.host_view_figures
         for served in self._served:
             if writes:

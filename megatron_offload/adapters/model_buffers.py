@@ -89,24 +89,40 @@ def shard_pairs(wrapper) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def masters_match(wrapper) -> torch.Tensor | None:
-    """Whether every 16-bit parameter shard of this rank is bit for bit its master cast (the
-    masters must have device memory), as a device tensor, without waiting for it: it runs at
-    the offload after every step once the model has slept, and is read only at a sleep.
-    None where the rank holds no shard."""
-    equal = None
-    for model, master in shard_pairs(wrapper):
-        # The bits, not the values: -0.0 and NaN payloads must come back as they were.
-        cast = master.to(model.dtype)
-        same = torch.eq(model.view(torch.int16), cast.view(torch.int16)).all()
-        equal = same if equal is None else equal & same
-    return equal
-
-
 def matches_masters(wrapper) -> bool:
-    """``masters_match`` read on the host (one synchronization)."""
-    equal = masters_match(wrapper)
-    return True if equal is None else bool(equal)
+    """Whether every 16-bit parameter shard of this rank is bit for bit its master cast: the
+    bits, not the values (-0.0 and NaN payloads must come back as they were). Where a master
+    is on the host (its host copy, served by a host view) the shard is copied there to be
+    compared: at a sleep, never on the step's path."""
+    for model, master in shard_pairs(wrapper):
+        cast = master.to(model.dtype)
+        if not torch.equal(model.to(cast.device).view(torch.int16), cast.view(torch.int16)):
+            return False
+    return True
+
+
+#: TransformerConfig settings under which CUDA graphs replay the model's buffers' addresses.
+GRAPH_SETTINGS = ("cuda_graph_impl", "enable_cuda_graph", "external_cuda_graph")
+
+
+def graph_capture(chunks) -> str | None:
+    """The CUDA-graph setting of the chunks' model config that captures the addresses of the
+    parameter and gradient buffers (``cuda_graph_impl`` "local", "transformer_engine",
+    "full_iteration", or the older ``enable_cuda_graph`` / ``external_cuda_graph``), or None."""
+    for chunk in chunks:
+        module = chunk
+        while module is not None:
+            config = getattr(module, "config", None)
+            if config is not None:
+                impl = getattr(config, "cuda_graph_impl", "none") or "none"
+                if impl != "none":
+                    return f"cuda_graph_impl={impl!r}"
+                for flag in GRAPH_SETTINGS[1:]:
+                    if getattr(config, flag, False):
+                        return f"{flag}=True"
+                break
+            module = getattr(module, "module", None)
+    return None
 
 
 def storages(chunks, rebuilders) -> list[ModelStorage]:

@@ -19,6 +19,7 @@ from typing import Callable, Iterable
 import torch
 
 from ..device import Device
+from ..errors import OffloadStateError
 from .adopted import Adopted
 from .figures import piece_figures
 from .host import HostBudget
@@ -188,5 +189,20 @@ class OffloadEngine(CopyProtocol):
 
     def close(self) -> None:
         """Bring everything back to the device, free the host arena, forget the tensors."""
-        super().close()
+        if self.closed:
+            return
+        if any(g.place is Place.RELEASED for g in self.pieces):
+            raise OffloadStateError(
+                f"{self.name}: cannot close while states are released; reload() first."
+            )
+        self.wait()
+        for piece in self.pieces:
+            piece.d2h_event = None
+            piece.host = None
+        self.host.free()
+        self.retire()
+        forget = getattr(self.fingerprint, "forget", None)
+        if forget is not None:
+            forget()  # it may hold the caller's containers
+        self.fingerprint = None
         self._layout.forget()

@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from ..device import Device
-from ..errors import OffloadStateError
+from ..errors import OffloadStateError, out_of_memory
 from .figures import CopyTimes, CycleStats
 from .host import HostArena, HostBudget
 from .labels import (
@@ -275,14 +275,23 @@ class CopyProtocol:
         # Rule 7: regrown on the home stream (whose pool the memory goes back to when it is
         # released again); ``wait`` announces any other stream that uses it.
         home = self._home_stream if self._home_stream is not None else current
-        with self.device.use_stream(home):
-            for piece in released:
-                if piece.flat is not None:
-                    self.device.regrow(piece.flat, piece.nbytes)
-                else:
-                    piece.consolidate(self.device.empty(piece.numel, piece.dtype))
-                piece.alloc_stream = home
-                piece.used_on = []
+        grown = []
+        try:  # all or nothing: an out-of-memory gives back what was regrown before it
+            with self.device.use_stream(home):
+                for piece in released:
+                    if piece.flat is not None:
+                        self.device.regrow(piece.flat, piece.nbytes)
+                    else:
+                        piece.consolidate(self.device.empty(piece.numel, piece.dtype))
+                    grown.append(piece)
+        except BaseException as error:
+            for piece in grown:  # nothing was queued on this memory: still RELEASED
+                self.device.release(piece.flat)
+            needed = sum(g.nbytes for g in released)
+            raise out_of_memory(error, self.device, f"{self.name}: reload", needed)
+        for piece in released:
+            piece.alloc_stream = home
+            piece.used_on = []
         side = self._h2d_stream if self._h2d_stream is not None else self.side_stream("h2d")
         # The regrown blocks may have been used by work still queued on the home stream (the
         # allocator reuses memory in stream order), and the host copy must be complete.
@@ -349,31 +358,17 @@ class CopyProtocol:
             if not (on_device and piece.place is Place.RELEASED):
                 piece.host_valid = False
 
-    def close(self) -> None:
-        """Bring everything back to the device and free the host arena."""
-        if self._closed:
-            return
-        if any(g.place is Place.RELEASED for g in self.pieces):
-            raise OffloadStateError(
-                f"{self.name}: cannot close while states are released; reload() first."
-            )
-        self.wait()
-        for piece in self.pieces:
-            piece.d2h_event = None
-            piece.host = None
-        self.host.free()
-        # Memory announced to the D2H stream outlives this engine where a piece was offloaded
-        # and never released (its storage stays with the optimizer) or where other owners kept
-        # a storage: the allocator records an event on the stream when that memory is freed.
+    def retire(self) -> None:
+        """The end of ``close``: the pieces forgotten, the side streams retired, nothing more
+        offloaded. Memory announced to the D2H stream outlives the engine where a piece was
+        offloaded and never released (its storage stays with the optimizer) or where other
+        owners kept a storage: the allocator records an event on the stream when that memory
+        is freed, so that stream lives on."""
         announced = self._announced_elsewhere or any(g.announced for g in self.pieces)
         for stream, named in ((self._d2h_stream, announced), (self._h2d_stream, False)):
             if stream is not None:
                 self.device.retire_stream(stream, announced=named)
         self.pieces = ()
-        forget = getattr(self.fingerprint, "forget", None)
-        if forget is not None:
-            forget()  # it may hold the caller's containers
-        self.fingerprint = None
         self._closed = True
 
     # ------------------------------------------------------------------ layouts

@@ -28,6 +28,7 @@ import gc
 import warnings
 
 from ..adapters import megatron_wrappers as wrappers
+from ..adapters.model_buffers import graph_capture
 from ..chunked.update import ChunkedUpdate
 from ..config import OffloadConfig
 from ..errors import OffloadArgumentError
@@ -191,16 +192,24 @@ class AutomaticCycle:
                 # States made before attach (the precision-aware path creates them with the
                 # optimizer) go to the host now, so that the first update streams them too.
                 offloader.offload()
-        for index, member in enumerate(members):
-            chunked = self._chunked[index] if self._chunked else None
-            hook = functools.partial(_before_inner_step, member.engine, chunked, offloader.phase)
-            self._handles.append(member.optimizer.optimizer.register_step_pre_hook(hook))
         if prefetch_trigger is not None:
             self._handles.append(_backward_prefetch_hook(offloader, prefetch_trigger))
         if config.prefetch == "gradients":
             for model_config in model_configs(members):
-                if getattr(model_config, "finalize_model_grads_func", None) is not None:
-                    self._handles.append(_gradient_prefetch_hook(model_config, offloader))
+                if getattr(model_config, "finalize_model_grads_func", None) is None:
+                    continue
+                if getattr(model_config, "cuda_graph_impl", "none") == "full_iteration":
+                    # The whole forward and backward, the gradient finalize included, is one
+                    # captured graph: a reload started there would be recorded into it (and
+                    # its memory taken from the graph's pool). The step starts it instead.
+                    warnings.warn(
+                        'attach(prefetch="gradients"): under cuda_graph_impl="full_iteration" '
+                        "the gradient finalize runs inside the captured graph, so the reload "
+                        "starts at step() instead.",
+                        stacklevel=4,
+                    )
+                    continue
+                self._handles.append(_gradient_prefetch_hook(model_config, offloader))
         target = offloader.optimizer
         self._had_instance_step = "step" in vars(target)
         self._previous_step = target.step
@@ -227,12 +236,22 @@ class AutomaticCycle:
             for chunked in self._chunked:
                 chunked.stream.clear_figures()
             result = self._previous_step(*args, **kwargs)
-        finally:
+        except BaseException:
+            # A step that raised (an out-of-memory in the update, an interrupt) leaves the
+            # states where a finished step does: off the device, what it wrote copied out.
             offloader.phase.leave(token)
+            offloader.offload_after_step()
+            raise
+        offloader.phase.leave(token)
         # Rule 6: a skipped step left the states as they were copied last time.
         offloader.offload_after_step()
         self.cycles += 1
         return result
+
+    @property
+    def chunked_updates(self) -> list:
+        """The chunked update of each served optimizer, in order (empty without one)."""
+        return list(self._chunked)
 
     def extra_host_bytes(self) -> list[int]:
         """Host bytes each engine's chunked update holds beyond the engine (its undo journal)."""
@@ -253,26 +272,22 @@ class AutomaticCycle:
             del target.step
 
 
-# TransformerConfig.cuda_graph_impl values that capture layers' forward and backward.
-_LAYER_GRAPHS = ("local", "transformer_engine")
-
-
 def _refuse_backward_prefetch_under_cuda_graphs(optimizer, config: OffloadConfig) -> None:
     """``prefetch`` as a fraction of the backward pass hooks a parameter's gradient
     accumulator, which a replayed CUDA graph of the layers never calls: the reload would
     silently move to the step. Refused before anything is touched."""
     if config.prefetch in ("step", "gradients"):
         return
-    for wrapper in megatron_optimizers(optimizer):
-        for chunk in getattr(wrapper, "model_chunks", None) or ():
-            model_config = getattr(chunk, "config", None)
-            impl = getattr(model_config, "cuda_graph_impl", "none")
-            if impl in _LAYER_GRAPHS or getattr(model_config, "enable_cuda_graph", False):
-                raise OffloadArgumentError(
-                    f"prefetch={config.prefetch!r} starts the reload from a hook on the backward "
-                    f"pass, which the model's CUDA graphs (cuda_graph_impl={impl!r}) replay without "
-                    'calling: use prefetch="gradients" (the default) or "step" with CUDA-graphed layers.'
-                )
+    chunks = [
+        c for w in megatron_optimizers(optimizer) for c in getattr(w, "model_chunks", None) or ()
+    ]
+    graphs = graph_capture(chunks)
+    if graphs is not None:
+        raise OffloadArgumentError(
+            f"prefetch={config.prefetch!r} starts the reload from a hook on the backward pass, "
+            f"which the model's CUDA graphs ({graphs}) replay without calling: use "
+            'prefetch="gradients" (the default) or "step" with CUDA-graphed layers.'
+        )
 
 
 def _prefetch_trigger(served, fraction: float):
@@ -366,15 +381,3 @@ class _KeepAlive:
     def remove(self) -> None:
         self._handle.remove()
         self._owner = None
-
-
-def _before_inner_step(engine, chunked, phase, optimizer, args, kwargs) -> None:
-    """Inner optimizer step pre-hook: the update reads every state, so all must be here
-    (but those a chunked update streams, which it brings into slots itself)."""
-    streaming = chunked is not None and phase.current in (Phase.STEPPING, Phase.STREAMING)
-    # Nothing to do if the step prefetched; else nobody did (a step called on the inner
-    # optimizer directly).
-    engine.reload(streamed=not streaming)
-    # Rule 4: the update must not start before the copy-back of what it reads.
-    engine.wait()
-    engine.mark_dirty()

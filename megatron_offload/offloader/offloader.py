@@ -32,8 +32,15 @@ from ..adapters import MASTER_WEIGHTS
 from ..config import OffloadConfig
 from ..engine import OffloadEngine, OffloadStateError
 from ..errors import no_attribute
-from ..phase import Phase, PhaseTracker
-from .members import Member, master_weights_option, members, resident_selection, selection
+from ..phase import Phase, PhaseTracker, UpdateGate
+from .members import (
+    Marks,
+    Member,
+    master_weights_option,
+    members,
+    resident_selection,
+    selection,
+)
 from .sleep import Sleep
 
 
@@ -64,37 +71,25 @@ class OptimizerStateOffloader:
         self._cycle = None  # the automatic cycle, once attach() installs one
         self._offload_pre_hooks: dict[int, Callable] = collections.OrderedDict()
         self._offload_post_hooks: dict[int, Callable] = collections.OrderedDict()
-        self._marked: list[tuple[object, bool, object]] = []  # (optimizer, had one, previous)
+        self._marks = None  # ``_state_offloader`` on each served optimizer (members.py)
         self._guard = None
+        self._gate = None  # every update's pre-hook (phase.py)
         self._sleep = Sleep(self)
         # All or nothing: a step that fails (a budget the arena does not fit, pinning, a wrap)
         # undoes the steps before it, and the optimizer is left exactly as it was.
         with contextlib.ExitStack() as undo:
             self._members = members(optimizer, self.config, undo)
-            undo.callback(self._unmark)
+            self._marks = Marks(self)
+            undo.callback(self._marks.remove)
             for member in self._members:
-                self._mark(member.optimizer)
+                self._marks.mark(member.optimizer)
             self._guard = StateAccessGuard(self)
+            undo.callback(self._guard.remove)
+            self._gate = UpdateGate(self.phase, self._members, self._sleep)
+            undo.callback(self._gate.remove)
             self._sleep.register()
             undo.pop_all()
         self.phase.serve(self.engines)
-
-    def _mark(self, wrapper) -> None:
-        """Make this offloader reachable as ``_state_offloader`` (the name of Megatron-LM's
-        own unreleased offloader); ``_unmark`` puts back what was there."""
-        had = "_state_offloader" in vars(wrapper)
-        self._marked.append((wrapper, had, vars(wrapper).get("_state_offloader")))
-        wrapper._state_offloader = self
-
-    def _unmark(self) -> None:
-        for wrapper, had, previous in reversed(self._marked):
-            if getattr(wrapper, "_state_offloader", None) is not self:
-                continue
-            if had:
-                wrapper._state_offloader = previous
-            else:
-                del wrapper._state_offloader
-        self._marked = []
 
     # --------------------------------------------------------------- hooks
     def register_offload_pre_hook(
@@ -302,8 +297,6 @@ class OptimizerStateOffloader:
                 engine.wait(chosen)  # also a copy-back started before (a prefetch)
                 if any(taken) and not read_only:
                     engine.mark_dirty(chosen)
-            if not read_only:
-                self.phase.changed()
         try:
             yield self
         finally:
@@ -371,10 +364,11 @@ class OptimizerStateOffloader:
         if self._cycle is not None:
             self._cycle.remove()
             self._cycle = None
+        self._gate.remove()
         self._guard.remove()
         for engine in self.engines:
             engine.close()
-        self._unmark()
+        self._marks.remove()
         self.detached = True
         self.phase.detached()
 
@@ -382,6 +376,7 @@ class OptimizerStateOffloader:
     def run_by(self, cycle) -> None:
         """``attach``'s cycle drives this offloader from now on (``detach`` removes it)."""
         self._cycle = cycle
+        self._gate.chunked = list(cycle.chunked_updates)  # streamed by them during a step
 
     def offload_after_step(self) -> None:
         """What the automatic cycle does after each step: the configured selection copied out
@@ -404,7 +399,6 @@ class OptimizerStateOffloader:
                 engine.wait()
                 if changes:
                     engine.mark_dirty()
-                    self.phase.changed()
                 if replaced:
                     engine.invalidate()
 

@@ -12,13 +12,24 @@ chunks all-gather the buffers). Masters the step cycle keeps on the host come ba
 cast only and are released again without a copy.
 
 A rebuild is exact only while the parameters still equal their masters cast. That is
-checked, never assumed: directly while the masters have device memory, else against a
-fingerprint (two 31-bit modular checksums of the rank's parameter shards, and whether they
-equalled the masters, taken at the last offload that found the masters on the device: device
-work only, read on the host at the next sleep) that nothing may have written since (a
-checkpoint load, a read or write served from the host copy, ``resident()``). Where the check
-fails on any rank of the data-parallel group, every rank copies that optimizer's parameters
-instead, with a warning saying why.
+checked at each sleep, never assumed, and costs the steps nothing: each parameter shard is
+compared bit for bit with its master cast, on the device while the masters have device memory,
+else on the host against the masters' host copies (the shards copied out for it: a host
+synchronization at the sleep, none on the step's path). Where the check fails on any rank of
+the data-parallel group, every rank copies that optimizer's parameters instead, with a warning
+saying why.
+
+All or nothing: sleep allocates (the host copies of the parameters it cannot rebuild) before
+it gives anything up; wake regrows everything before it copies, casts or gathers, gives back
+what it regrew when any allocation fails, and agrees with the other ranks of each rebuilding
+optimizer's data-parallel group before the all-gather, so that one rank's out-of-memory is
+every rank's ``DeviceMemoryError`` and nobody waits in a collective. The same call works again
+once the memory is free.
+
+Under CUDA graphs (the model's ``cuda_graph_impl`` or ``enable_cuda_graph``) the graphs replay
+the addresses of the parameter and gradient buffers they captured: sleep keeps those buffers
+where they are, with their bytes, and moves only the optimizer states and masters (a warning
+says so once).
 """
 
 from __future__ import annotations
@@ -30,45 +41,19 @@ import weakref
 
 import torch
 
+from ..access.host_view import HostView
 from ..adapters import MASTER_WEIGHTS, OPTIMIZER_STATES
 from ..adapters import model_buffers as buffers
 from ..adapters.megatron_wrappers import device_of
 from ..device import device_for
 from ..engine.model_memory import ModelMemory
-from ..errors import OffloadStateError
+from ..errors import DeviceMemoryError, OffloadStateError
 from ..phase import Phase
 from .members import is_stub, megatron_optimizers
 
 # Each DDP chunk a distributed optimizer was built for -> the offloader serving that optimizer
 # (frameworks whose model moves are given the model only find it here).
 _OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-_P = 2**31 - 1  # a prime: the checksums are sums modulo it
-_MULTIPLIERS = (1_000_003, 998_244_353)
-_CHUNK = 1 << 20
-
-
-def fingerprint(tensors) -> tuple[int, int]:
-    """Two checksums of the bits of 16-bit ``tensors``, in order (each element weighted by
-    its position, so moved or swapped values count): integer arithmetic, the same on any
-    device, in chunks of a million elements."""
-    return tuple(int(value) for value in checksums(tensors).tolist())
-
-
-def checksums(tensors) -> torch.Tensor:
-    """``fingerprint`` as an int64 tensor of two on the tensors' device, not waited for."""
-    sums = None
-    offset = 0
-    for tensor in tensors:
-        flat = tensor.reshape(-1).view(torch.int16)
-        for start in range(0, flat.numel(), _CHUNK):
-            bits = flat[start : start + _CHUNK].to(torch.int64) + 32769  # 1 .. 65536
-            index = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64)
-            index = (index + offset + start) % _P + 1
-            parts = torch.stack([((index * k) % _P * bits % _P).sum() % _P for k in _MULTIPLIERS])
-            sums = parts if sums is None else (sums + parts) % _P
-        offset += flat.numel()
-    return torch.zeros(2, dtype=torch.int64) if sums is None else sums
 
 
 class Sleep:
@@ -80,9 +65,7 @@ class Sleep:
         self._rebuilders: list = []
         self._taken: list[tuple[str, ...]] = []
         self._hooks: list = []
-        self._recording = None  # the offload pre-hook taking fingerprints, once slept
-        # id(wrapper) -> (changes, equal to the masters, checksums): device tensors
-        self._fingerprints: dict[int, tuple] = {}
+        self._graphs_said = False
         #: True while the parameters (and the states and masters) are asleep.
         self.asleep = False
         #: True while the gradient buffers are given up (with the parameters, or alone).
@@ -132,18 +115,36 @@ class Sleep:
                 "sleep() found no model chunks: the optimizer is not a DistributedOptimizer "
                 "built for them. Pass them: sleep(model=model_chunks)."
             )
-        self._chunks = chunks
-        if parameters and self._recording is None:
-            self._recording = offloader.register_offload_pre_hook(self._record)
-        rebuilders = self._rebuilders_among(found) if parameters else []
-        storages = buffers.storages(chunks, rebuilders)
-        grads = [s for s in storages if s.kind == buffers.GRADIENTS]
-        params = [s for s in storages if s.kind == buffers.PARAMETERS]
+        graphs = buffers.graph_capture(chunks)
+        if graphs is not None and not self._graphs_said:
+            warnings.warn(
+                f"sleep(): the model's CUDA graphs ({graphs}) replay the addresses of the "
+                "parameter and gradient buffers they captured, so those stay on the device "
+                "with their bytes; only the optimizer states and master weights leave.",
+                stacklevel=3,
+            )
+            self._graphs_said = True
+        rebuilders = self._rebuilders_among(found) if parameters and graphs is None else []
+        storages = buffers.storages(chunks, rebuilders) if graphs is None else []
+        grads = [s for s in storages if s.kind == buffers.GRADIENTS] if gradients else []
+        params = [s for s in storages if s.kind == buffers.PARAMETERS] if parameters else []
         device = offloader.engines[0].device if offloader.engines else None
-        if gradients and grads:
-            self._grads = self._grads or ModelMemory(device or device_for(grads[0].tensor.device))
+        budget = offloader.engines[0].budget if offloader.engines else None
+        entries = [(s.tensor, s.rebuilder is None, False) for s in params]
+        if params:
+            self._params = self._params or ModelMemory(
+                device or device_for(params[0].tensor.device), budget=budget, name="wake()"
+            )
+            # All or nothing: the only allocation of a sleep comes before anything is given up.
+            self._params.prepare(entries)
+        self._chunks = chunks
+        if grads:
+            self._grads = self._grads or ModelMemory(
+                device or device_for(grads[0].tensor.device), name="wake()"
+            )
             self._figures["dropped_gradient_bytes"] = _nbytes(grads)
             self._grads.release([(s.tensor, False, True) for s in grads])  # zeroed on waking
+        if gradients:
             self.gradients_dropped = True
             self._watch_forward()
         if not parameters:
@@ -159,31 +160,57 @@ class Sleep:
         self._figures["copied_parameter_bytes"] = _nbytes(copied)
         self._figures["rebuilt_parameter_bytes"] = _nbytes(params) - _nbytes(copied)
         if params:
-            self._params = self._params or ModelMemory(
-                device or device_for(params[0].tensor.device)
-            )
-            self._params.release([(s.tensor, s.rebuilder is None, False) for s in params])
+            self._params.release(entries)
         self._rebuilders = rebuilders
         self._watch_forward()
         self.asleep = True
         self.sleeps += 1
 
     def wake(self, *, parameters: bool = True, gradients: bool = True) -> None:
-        if gradients and self.gradients_dropped:
-            if self._grads is not None:
+        gradients = gradients and self.gradients_dropped
+        parameters = parameters and self.asleep
+        if not (parameters or gradients):
+            return
+        # Every allocation first, all or nothing; then the copies, the cast, the all-gather.
+        undo = []
+        try:
+            if gradients and self._grads is not None:
                 self._grads.regrow()  # zeroed, as before a backward
+                undo.append(self._grads.unregrow)
+            if parameters:
+                borrowed = self._regrow_parameters(undo)
+            failure = None
+        except BaseException as error:  # an out-of-memory above all; undone below either way
+            failure = error
+        if parameters and self._rebuilders:
+            # The all-gather below is collective: a rank that could not get its memory must
+            # not leave the others waiting in it.
+            agreed = all(_agreed(failure is None, w) for w in self._rebuilders)
+            if failure is None and not agreed:
+                failure = DeviceMemoryError(
+                    "wake() on another rank of the data-parallel group", needed=0, free=None
+                )
+        if failure is not None:
+            for step in reversed(undo):
+                step()
+            raise failure
+        if gradients:
             self.gradients_dropped = False
-        if parameters and self.asleep:
-            self._wake_parameters()
+        if parameters:
+            self._finish_parameters(borrowed)
         if not (self.asleep or self.gradients_dropped):
             for handle in self._hooks:
                 handle.remove()
             self._hooks = []
 
-    def _wake_parameters(self) -> None:
+    def _regrow_parameters(self, undo: list) -> list:
+        """Regrow the parameters and reload what sleep took (and the masters a rebuild casts
+        from), each step undone by ``undo`` if a later one fails; returns the engines whose
+        masters were borrowed for the cast."""
         offloader = self._offloader
         if self._params is not None:
             self._params.regrow()  # the copied ones get their bytes back
+            undo.append(self._params.unregrow)
         # What the step cycle keeps on the host between steps stays there (the next step
         # brings it back); masters among it come back for the cast only.
         configured = offloader.configured_kinds if offloader.automatic else None
@@ -203,8 +230,15 @@ class Sleep:
             for engine, kinds in zip(offloader.engines, back):
                 if kinds:
                     engine.reload(kinds)
+                    undo.append(functools.partial(_give_back, offloader, engine, kinds))
             for engine in borrowed:
                 engine.reload((MASTER_WEIGHTS,))
+                undo.append(functools.partial(_give_back, offloader, engine, (MASTER_WEIGHTS,)))
+        return borrowed
+
+    def _finish_parameters(self, borrowed: list) -> None:
+        offloader = self._offloader
+        with offloader.phase.within(Phase.MOVING):
             for engine in offloader.engines:
                 engine.wait()  # ordered before the current stream, which casts and steps
             if self._rebuilders:
@@ -234,14 +268,25 @@ class Sleep:
             "sleep_host_bytes": sum(held),
         }
 
+    def host_need(self, model=None) -> int:
+        """Host bytes a sleep would hold now (the parameters it cannot rebuild, supposing it
+        rebuilds every 16-bit buffer of a distributed optimizer): what the node check adds."""
+        found = megatron_optimizers(self._offloader.optimizer)
+        try:
+            chunks = buffers.model_chunks(found, model)
+        except TypeError:
+            return 0
+        if not chunks or buffers.graph_capture(chunks) is not None:
+            return 0
+        rebuilders = [w for w in found if not is_stub(w) and buffers.rebuild_refusal(w) is None]
+        params = [s for s in buffers.storages(chunks, rebuilders) if s.kind == buffers.PARAMETERS]
+        return ModelMemory.host_need([(s.tensor, s.rebuilder is None, False) for s in params])
+
     def close(self) -> None:
         self.wake()
         for chunk, owner in list(_OWNERS.items()):
             if owner() is self._offloader:
                 del _OWNERS[chunk]
-        if self._recording is not None:
-            self._recording.remove()
-            self._recording = None
         for memory in (self._params, self._grads):
             if memory is not None:
                 memory.close()
@@ -274,7 +319,6 @@ class Sleep:
     def _rebuilders_among(self, found) -> list:
         """The distributed optimizers whose parameters every rank of their data-parallel
         group can make again from the masters (a collective per optimizer)."""
-        served = {id(member.optimizer): member.engine for member in self._offloader.members}
         rebuilders = []
         for wrapper in found:
             if is_stub(wrapper):
@@ -283,7 +327,7 @@ class Sleep:
             if why is not None and not buffers.is_distributed(wrapper):
                 continue  # nothing to agree on: its parameters are copied on every rank
             if why is None:
-                why = self._inexact(wrapper, served.get(id(wrapper)))
+                why = self._inexact(wrapper)
             if not _agreed(why is None, wrapper) and why is None:
                 why = "another rank of its data-parallel group cannot rebuild"
             if why is None:
@@ -296,47 +340,25 @@ class Sleep:
                 )
         return rebuilders
 
-    def _inexact(self, wrapper, engine) -> str | None:
-        """Why a rebuild of ``wrapper``'s parameters would not be exact, or None."""
-        changed = (
+    def _inexact(self, wrapper) -> str | None:
+        """Why a rebuild of ``wrapper``'s parameters would not be exact, or None: each shard
+        compared with its master cast, where the masters are (their host copies, inside a
+        host view, where the step cycle released them)."""
+        with HostView(self._offloader, writes=False):
+            equal = buffers.matches_masters(wrapper)
+        if equal:
+            return None
+        return (
             "its parameters changed since the last step (a weight load that did not go through "
             "the optimizer?); after such a load, optimizer.reload_model_params() makes them the "
             "masters again"
         )
-        if engine is None or not engine.is_released((MASTER_WEIGHTS,)):
-            return None if buffers.matches_masters(wrapper) else changed  # masters on device
-        recorded = self._fingerprints.get(id(wrapper))
-        if recorded is None:
-            return (
-                "the masters were on the host before the first sleep, so nothing showed that "
-                "the parameters equal them (checked after every step from now on)"
-            )
-        changes, equal, sums = recorded
-        if changes != self._offloader.phase.changes:
-            return "the states or masters were served for writing since the last step"
-        models = (model for model, _ in buffers.shard_pairs(wrapper))
-        now = checksums(models).to(sums.device)
-        return None if (equal is None or bool(equal)) and torch.equal(sums, now) else changed
 
-    def _record(self, offloader) -> None:
-        """Offload pre-hook: while the masters still have device memory, note whether the
-        parameters equal them cast, and a fingerprint of the parameters. Queued on the
-        current stream before the offload that follows (so before the masters' memory is
-        given back) and never waited for here: this runs after every step, and a host
-        synchronization would stall the next iteration's launches; a sleep reads it."""
-        for member in offloader.members:
-            wrapper = member.optimizer
-            if member.engine.is_released((MASTER_WEIGHTS,)):
-                continue  # an earlier record stands, or none
-            if buffers.rebuild_refusal(wrapper) is None:
-                models = (model for model, _ in buffers.shard_pairs(wrapper))
-                self._fingerprints[id(wrapper)] = (
-                    offloader.phase.changes,
-                    buffers.masters_match(wrapper),
-                    checksums(models),
-                )
-            else:
-                self._fingerprints.pop(id(wrapper), None)
+
+def _give_back(offloader, engine, kinds) -> None:
+    """Undo a wake's reload of ``kinds``: released again without a copy (rule 6)."""
+    with offloader.phase.within(Phase.MOVING):
+        engine.offload(kinds, skip_unchanged=True, release=True)
 
 
 def _agreed(able: bool, wrapper) -> bool:

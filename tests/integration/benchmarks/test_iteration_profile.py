@@ -35,7 +35,7 @@ def test_one_iteration_stays_within_the_files_functions_and_calls_goals():
             "offload",
             "reload",
             "wait",
-            "_before_inner_step",
+            "before_update",
             "finalize_model_grads",
         } <= names
         assert figures["offloaded"] > 0

@@ -1,9 +1,10 @@
-"""``ModelMemory`` (the model's storages given up while asleep) and the parameter
-fingerprint a sleep compares, on the CPU device. Storages are released, so the bodies run in
-the isolated process."""
+"""``ModelMemory`` (the model's storages given up while asleep), on the CPU device: what
+comes back, what is held on the host, and all or nothing when an allocation fails. Storages
+are released, so the bodies run in the isolated process."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 
@@ -24,7 +25,7 @@ def release_and_regrow() -> dict:
     view = params[4:8].view(2, 2)  # a parameter viewing the buffer
     grads = torch.full((6,), 3.0)
     rebuilt = torch.ones(5, dtype=torch.bfloat16)
-    memory = ModelMemory(device)
+    memory = ModelMemory(device, name="wake()")
     facts = {}
     for cycle in range(2):
         memory.release([(params, True, False), (grads, False, True), (rebuilt, False, False)])
@@ -50,25 +51,48 @@ def test_copied_storages_come_back_dropped_ones_zeroed_where_asked(isolated):
         assert facts[f"released {cycle}"] == [0, 0, 0, 0]
         assert facts[f"regrown {cycle}"] == [24, 24]
         assert facts[f"params {cycle}"] and facts[f"view {cycle}"] and facts[f"grads {cycle}"]
-        # Only the copied storage crosses, out and back; its host buffer is kept.
-        assert facts[f"figures {cycle}"] == (24, 24 + 10, 24)
+        # Only the copied storage crosses, out and back; its host buffer (aligned) is kept.
+        assert facts[f"figures {cycle}"] == (24, 24 + 10, 32)
     assert facts["copied 0"] == 24 and facts["copied 1"] == 24 * 3
 
 
-def test_the_fingerprint_sees_any_change_of_bits_or_places():
-    from megatron_offload.offloader.sleep import fingerprint
+def regrow_failing_at(k: int) -> dict:
+    from megatron_offload.device.cpu import CPUDevice
+    from megatron_offload.engine.model_memory import ModelMemory
+    from megatron_offload.errors import DeviceMemoryError
+    from tests.support.faults import AllocationFaults
 
-    torch.manual_seed(0)
-    shards = [torch.randn(3000, dtype=torch.bfloat16), torch.randn(17, dtype=torch.bfloat16)]
-    base = fingerprint(shards)
-    assert base == fingerprint([s.clone() for s in shards])
-    assert base != fingerprint(list(reversed(shards)))
-    flipped = shards[0].clone()
-    flipped.view(torch.int16)[1234] ^= 1  # the lowest bit of one element
-    assert base != fingerprint([flipped, shards[1]])
-    swapped = shards[0].clone()
-    swapped[[10, 11]] = swapped[[11, 10]]
-    assert shards[0][10] != shards[0][11] and base != fingerprint([swapped, shards[1]])
-    big = torch.randn((1 << 20) + 5, dtype=torch.bfloat16)  # over one chunk
-    assert fingerprint([big]) != fingerprint([big[:-1]])
-    assert fingerprint([]) == (0, 0)
+    params = torch.arange(12, dtype=torch.bfloat16)
+    grads = torch.full((6,), 3.0)
+    rebuilt = torch.ones(5, dtype=torch.bfloat16)
+    memory = ModelMemory(CPUDevice(), name="wake()")
+    memory.release([(params, True, False), (grads, False, True), (rebuilt, False, False)])
+    facts = {}
+    with AllocationFaults(fail_at=k):
+        try:
+            memory.regrow()
+            facts["raised"] = None
+        except DeviceMemoryError as error:
+            facts["raised"] = str(error)
+    sizes = [t.untyped_storage().nbytes() for t in (params, grads, rebuilt)]
+    facts["after fault"] = sizes
+    facts["released"] = memory.released
+    memory.regrow()  # again, memory free
+    facts["again"] = [t.untyped_storage().nbytes() for t in (params, grads, rebuilt)]
+    facts["params"] = torch.equal(params, torch.arange(12, dtype=torch.bfloat16))
+    facts["grads"] = torch.equal(grads, torch.zeros(6))
+    memory.unregrow()  # undone: given up again, the host copy kept
+    facts["unregrown"] = [t.untyped_storage().nbytes() for t in (params, grads, rebuilt)]
+    memory.regrow()
+    facts["params again"] = torch.equal(params, torch.arange(12, dtype=torch.bfloat16))
+    memory.close()
+    return facts
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_a_regrow_that_fails_gives_back_what_it_regrew_and_works_again(isolated, k):
+    facts = isolated.run(regrow_failing_at, k)
+    assert "needed" in facts["raised"] and "call it again" in facts["raised"], facts["raised"]
+    assert facts["after fault"] == [0, 0, 0] and facts["released"]
+    assert facts["again"] == [24, 24, 10] and facts["params"] and facts["grads"]
+    assert facts["unregrown"] == [0, 0, 0] and facts["params again"]

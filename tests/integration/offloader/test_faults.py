@@ -1,0 +1,240 @@
+"""Faults off the happy path, injected at the boundary with torch (``tests/support/faults.py``:
+a device allocation that fails, an update that raises part-way), on real megatron-core (gloo
+ranks; a touched released tensor kills the rank and fails the test with its exit code).
+
+For every allocation of a reload, of a step's prefetch and of a wake: the operation raises a
+``DeviceMemoryError`` that says what it needed and to call again, nothing it allocated stays
+held (the raw storages of states, masters, parameters and gradients are what they were before
+the call), ``stats()`` says so, the same call made again works, and training after it is
+bitwise that of a run that never failed. An update that raises part-way leaves the states off
+the device, what it wrote copied out, and training goes on bitwise as the plain run that
+failed the same way. On two ranks, a wake that fails on one rank fails on both, with no hang.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.integration.offloader.test_sleep import _device_bytes, _same
+
+STEPS = 3
+PIECES = {"max_piece_bytes": 1 << 17}  # several pieces per kind: faults between them
+
+
+def _points(count: int) -> list[int]:
+    """Which allocations fail: the first, the second, one in the middle and the last."""
+    return sorted({k for k in (1, 2, count // 2, count) if k >= 1})
+
+
+def _build(freeze=None):
+    from tests.harness import models
+
+    return models.build("gpt", "bf16", freeze=freeze)
+
+
+def _finish(chunks, optimizer, config, offloader, results, steps=STEPS):
+    from tests.harness import models
+
+    for step in range(len(results), steps):
+        results.append(models.train_step(chunks, optimizer, config, step))
+    if offloader is not None:
+        offloader.detach()
+    return {"results": results, "snapshot": models.snapshot(chunks, optimizer)}
+
+
+def reference_job(fail_update_at=None, steps=STEPS):
+    """The plain run (optionally with its step-1 update failing at the same place)."""
+    from tests.harness import models
+    from tests.support.faults import FailingUpdate
+
+    chunks, optimizer, config = _build()
+    results = [models.train_step(chunks, optimizer, config, 0)]
+    if fail_update_at is not None:
+        with FailingUpdate(fail_update_at), pytest.raises(RuntimeError, match="injected"):
+            models.train_step(chunks, optimizer, config, 1)
+        results.append(None)  # the failed iteration
+    return _finish(chunks, optimizer, config, None, results, steps)
+
+
+def _count(call) -> int:
+    from tests.support.faults import AllocationFaults
+
+    with AllocationFaults() as faults:
+        call()
+    return faults.count
+
+
+def reload_fault_job(where: str):
+    """``where``: "reload" (``offloader.reload()``, retried once it failed) or "step" (the
+    step's own prefetch: each iteration's ``optimizer.step()`` fails once, at another
+    allocation, and is called again). Failing allocations: ``_points``."""
+    import megatron_offload
+    from megatron_offload.errors import DeviceMemoryError
+    from tests.harness import models
+    from tests.support.faults import AllocationFaults
+    from tests.support.fresh_memory import poison_regrowth
+
+    chunks, optimizer, config = _build()
+    offloader = megatron_offload.attach(optimizer, prefetch="step", **PIECES)
+    poison_regrowth(offloader)
+    results = [models.train_step(chunks, optimizer, config, 0)]
+    released = _device_bytes(chunks, optimizer)
+    count = _count(offloader.reload)
+    offloader.offload()
+    faults = []
+
+    def failing_once(call, k):
+        with AllocationFaults(fail_at=k):
+            try:
+                call()
+                raise AssertionError(f"allocation {k} of {count} was not the offloader's")
+            except DeviceMemoryError as error:
+                faults.append(
+                    {
+                        "raised": str(error),
+                        "device": _device_bytes(chunks, optimizer),
+                        "resident": offloader.stats()["resident_bytes"],
+                        "offloaded": offloader.is_offloaded,
+                    }
+                )
+        return call()  # the same call, with the memory free
+
+    points = _points(count)
+    if where == "reload":
+        for k in points:
+            failing_once(offloader.reload, k)
+            offloader.offload()
+    else:
+        attached_step = optimizer.step
+        for k in points:
+            optimizer.step = lambda k=k: failing_once(attached_step, k)
+            results.append(models.train_step(chunks, optimizer, config, len(results)))
+        optimizer.step = attached_step
+    steps = len(results) + 2
+    return {
+        "count": count,
+        "faults": faults,
+        "released": released,
+        "steps": steps,
+        **_finish(chunks, optimizer, config, offloader, results, steps),
+    }
+
+
+@pytest.mark.parametrize("where", ["reload", "step"])
+def test_an_out_of_memory_at_any_allocation_of_a_reload_holds_nothing(rank_pool, where):
+    runs = rank_pool.run(reload_fault_job, where)
+    references = rank_pool.run(reference_job, steps=runs[0]["steps"])
+    for reference, run in zip(references, runs):
+        assert run["count"] >= 3, run["count"]  # several pieces: faults between them
+        assert len(run["faults"]) == len(_points(run["count"]))
+        for fault in run["faults"]:
+            assert "needed" in fault["raised"] and "call it again" in fault["raised"], fault
+            # Nothing the failed reload regrew is held: states and masters are as released.
+            assert fault["device"] == run["released"], (fault["device"], run["released"])
+            assert fault["resident"] == 0 and fault["offloaded"]
+        assert _same(reference, run)
+
+
+def update_fault_job(fail_at: int):
+    """The step-1 update raises part-way under attach's cycle; the loop goes on."""
+    import megatron_offload
+    from tests.harness import models
+    from tests.support.faults import FailingUpdate
+
+    chunks, optimizer, config = _build()
+    offloader = megatron_offload.attach(optimizer, **PIECES)
+    results = [models.train_step(chunks, optimizer, config, 0)]
+    with FailingUpdate(fail_at), pytest.raises(RuntimeError, match="injected"):
+        models.train_step(chunks, optimizer, config, 1)
+    after = {
+        "device": _device_bytes(chunks, optimizer),
+        "resident": offloader.stats()["resident_bytes"],
+    }
+    results.append(None)  # the failed iteration
+    return {"after": after, **_finish(chunks, optimizer, config, offloader, results)}
+
+
+def test_an_update_that_raises_part_way_leaves_the_states_off_the_device(rank_pool):
+    fail_at = 3  # the third parameter's update: some updated, the rest not
+    references = rank_pool.run(reference_job, fail_update_at=fail_at)
+    runs = rank_pool.run(update_fault_job, fail_at)
+    for reference, run in zip(references, runs):
+        after = run["after"]
+        assert after["resident"] == 0
+        assert after["device"]["states"] == after["device"]["masters"] == 0, after
+        assert _same(reference, run)  # what it wrote was copied out, not lost
+
+
+def wake_fault_job(failing_rank: int | None = None):
+    """Sleep after step 0, then a wake failing at each of its allocations in turn (on
+    ``failing_rank`` only, or on every rank), then a wake that works and the next steps."""
+    import megatron_offload
+    from megatron_offload.errors import DeviceMemoryError
+    from tests.harness import models
+    from tests.support.faults import AllocationFaults
+    from tests.support.fresh_memory import poison_regrowth
+
+    rank = torch.distributed.get_rank()
+    chunks, optimizer, config = _build(freeze="position_embeddings")
+    offloader = megatron_offload.attach(optimizer, **PIECES)
+    poison_regrowth(offloader)
+    results = [models.train_step(chunks, optimizer, config, 0)]
+    offloader.sleep()
+    asleep = _device_bytes(chunks, optimizer)
+    count = _count(offloader.wake)
+    offloader.sleep()
+    faults = []
+    for k in _points(count):
+        mine = failing_rank is None or failing_rank == rank
+        with AllocationFaults(fail_at=k if mine else None):
+            try:
+                offloader.wake()
+                raised = None
+            except DeviceMemoryError as error:
+                raised = str(error)
+        faults.append(
+            {
+                "raised": raised,
+                "device": _device_bytes(chunks, optimizer),
+                "sleeping": offloader.sleeping,
+                "stats_asleep": offloader.stats()["asleep"],
+            }
+        )
+        if raised is None:
+            offloader.sleep()  # the wake went through (an allocation not its own): again
+    offloader.wake()
+    return {
+        "count": count,
+        "faults": faults,
+        "asleep": asleep,
+        **_finish(chunks, optimizer, config, offloader, results),
+    }
+
+
+def frozen_reference_job():
+    from tests.harness import models
+
+    chunks, optimizer, config = _build(freeze="position_embeddings")
+    results = [models.train_step(chunks, optimizer, config, 0)]
+    return _finish(chunks, optimizer, config, None, results)
+
+
+@pytest.mark.parametrize("failing", ["every rank", "rank 1"])
+def test_a_wake_that_meets_an_out_of_memory_keeps_everything_and_works_again(rank_pool, failing):
+    references = rank_pool.run(frozen_reference_job)
+    runs = rank_pool.run(wake_fault_job, None if failing == "every rank" else 1)
+    for rank, (reference, run) in enumerate(zip(references, runs)):
+        assert run["count"] >= 4, run["count"]  # gradients, parameters, masters' pieces
+        failed = [fault for fault in run["faults"] if fault["raised"] is not None]
+        assert len(failed) == len(_points(run["count"])), run["faults"]
+        for fault in failed:
+            # Every rank raises (the all-gather is never entered by one rank alone); the
+            # other rank's message says where the memory was missing.
+            if failing == "rank 1" and rank == 0:
+                assert "another rank" in fault["raised"], fault["raised"]
+            else:
+                assert "needed" in fault["raised"] and "call it again" in fault["raised"]
+            assert fault["device"] == run["asleep"], (fault["device"], run["asleep"])
+            assert fault["sleeping"] and fault["stats_asleep"]
+        assert _same(reference, run)
