@@ -275,8 +275,9 @@ class CopyProtocol:
         # Rule 7: regrown on the home stream (whose pool the memory goes back to when it is
         # released again); ``wait`` announces any other stream that uses it.
         home = self._home_stream if self._home_stream is not None else current
-        grown = []
-        try:  # all or nothing: an out-of-memory gives back what was regrown before it
+        grown, issued = [], []
+        side = self._h2d_stream if self._h2d_stream is not None else self.side_stream("h2d")
+        try:  # all or nothing: a failure (out of memory, an interrupt) gives back what it made
             with self.device.use_stream(home):
                 for piece in released:
                     if piece.flat is not None:
@@ -284,29 +285,32 @@ class CopyProtocol:
                     else:
                         piece.consolidate(self.device.empty(piece.numel, piece.dtype))
                     grown.append(piece)
+            # The regrown blocks may have been used by work still queued on the home stream
+            # (the allocator reuses memory in stream order), and the host copy must be complete.
+            self.device.wait_stream(side, home, label=H2D_AFTER_ALLOCATION)
+            for piece in released:
+                if piece.d2h_event is not None:
+                    self.device.wait_event(side, piece.d2h_event, label=H2D_AFTER_D2H)
+            with self.device.use_stream(side):
+                timed = self.device.record_event(side, timing=True)  # after the waits
+                for piece in released:
+                    self.device.copy(piece.flat, piece.host)
+                    issued.append(piece)
+                    self.last.h2d_copies += 1
+                    self.last.h2d_bytes += piece.nbytes
+                    # One event per piece: a reader waits for the pieces it uses.
+                    piece.h2d_event = self.device.record_event(side, timing=piece is released[-1])
         except BaseException as error:
-            for piece in grown:  # nothing was queued on this memory: still RELEASED
+            for piece in issued:  # Rule 2: the H2D queued on the side stream still writes it
+                self.device.record_stream(piece.flat, side, label=USE_RECORD_STREAM)
+                piece.h2d_event = None
+            for piece in grown:  # still RELEASED: the host copy is the only one
                 self.device.release(piece.flat)
             needed = sum(g.nbytes for g in released)
             raise out_of_memory(error, self.device, f"{self.name}: reload", needed)
         for piece in released:
             piece.alloc_stream = home
             piece.used_on = []
-        side = self._h2d_stream if self._h2d_stream is not None else self.side_stream("h2d")
-        # The regrown blocks may have been used by work still queued on the home stream (the
-        # allocator reuses memory in stream order), and the host copy must be complete.
-        self.device.wait_stream(side, home, label=H2D_AFTER_ALLOCATION)
-        for piece in released:
-            if piece.d2h_event is not None:
-                self.device.wait_event(side, piece.d2h_event, label=H2D_AFTER_D2H)
-        with self.device.use_stream(side):
-            timed = self.device.record_event(side, timing=True)  # after the waits
-            for piece in released:
-                self.device.copy(piece.flat, piece.host)
-                self.last.h2d_copies += 1
-                self.last.h2d_bytes += piece.nbytes
-                # One event per piece: a reader waits for the pieces it uses.
-                piece.h2d_event = self.device.record_event(side, timing=piece is released[-1])
         self.host.last_h2d = released[-1].h2d_event
         self.times.pending["h2d"].append((timed, released[-1].h2d_event, self.last.h2d_bytes))
         for piece in released:

@@ -46,27 +46,75 @@ class AllocationFaults:
         torch.UntypedStorage.resize_, torch.empty = self._saved
 
 
-class FailingUpdate:
-    """Inside the block, the ``fail_at``-th in-place ``addcdiv_`` (the last operation of Adam's
-    update of one parameter, in torch's single-tensor AdamW) raises: an update that stops
-    part-way, some parameters updated and the rest not."""
+class Failing:
+    """Inside the block, the ``fail_at``-th call (from 1) of ``owner.name`` raises ``error``
+    instead of running: an update that stops part-way (``torch.Tensor.addcdiv_``, the last
+    operation of Adam's update of one parameter in torch's single-tensor AdamW), an interrupt
+    inside a copy (``torch.Tensor.copy_``)."""
 
-    def __init__(self, fail_at: int) -> None:
-        self.fail_at = fail_at
+    def __init__(self, owner, name: str, fail_at: int, error: BaseException) -> None:
+        self.owner, self.name, self.fail_at, self.error = owner, name, fail_at, error
         self.count = 0
 
-    def __enter__(self) -> "FailingUpdate":
-        self._saved = torch.Tensor.addcdiv_
+    def __enter__(self) -> "Failing":
+        self._saved = getattr(self.owner, self.name)
         saved, faults = self._saved, self
 
-        def addcdiv_(tensor, *args, **kwargs):
+        def failing(*args, **kwargs):
             faults.count += 1
             if faults.count == faults.fail_at:
-                raise RuntimeError("the update failed part-way (injected)")
-            return saved(tensor, *args, **kwargs)
+                raise faults.error
+            return saved(*args, **kwargs)
 
-        torch.Tensor.addcdiv_ = addcdiv_
+        setattr(self.owner, self.name, failing)
         return self
 
     def __exit__(self, *exc) -> None:
-        torch.Tensor.addcdiv_ = self._saved
+        setattr(self.owner, self.name, self._saved)
+
+
+def failing_update(fail_at: int) -> Failing:
+    """The ``fail_at``-th parameter's Adam update raises (torch's single-tensor AdamW)."""
+    return Failing(torch.Tensor, "addcdiv_", fail_at, RuntimeError("the update failed (injected)"))
+
+
+def interrupted_copy(fail_at: int) -> Failing:
+    """The ``fail_at``-th ``copy_`` is interrupted (Ctrl-C, a signal turned into an error)."""
+    return Failing(torch.Tensor, "copy_", fail_at, KeyboardInterrupt("injected"))
+
+
+class FullDisk:
+    """Inside the block, every file opened for writing under ``directory`` is a real file whose
+    writes fail with ``OSError(ENOSPC)``, as on a full disk."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = str(directory)
+        self.failed = 0
+
+    def __enter__(self) -> "FullDisk":
+        import builtins
+        import errno
+        import io
+        import os
+
+        self._saved = builtins.open
+        saved, faults = self._saved, self
+
+        class _Full(io.FileIO):
+            def write(self, data):
+                faults.failed += 1
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def open_(file, mode="r", *args, **kwargs):
+            path = os.fspath(file) if isinstance(file, (str, os.PathLike)) else ""
+            if path.startswith(faults.directory) and "b" in mode and "w" in mode:
+                return io.BufferedWriter(_Full(path, "w"))
+            return saved(file, mode, *args, **kwargs)
+
+        builtins.open = open_
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import builtins
+
+        builtins.open = self._saved

@@ -46,12 +46,12 @@ def _finish(chunks, optimizer, config, offloader, results, steps=STEPS):
 def reference_job(fail_update_at=None, steps=STEPS):
     """The plain run (optionally with its step-1 update failing at the same place)."""
     from tests.harness import models
-    from tests.support.faults import FailingUpdate
+    from tests.support.faults import failing_update
 
     chunks, optimizer, config = _build()
     results = [models.train_step(chunks, optimizer, config, 0)]
     if fail_update_at is not None:
-        with FailingUpdate(fail_update_at), pytest.raises(RuntimeError, match="injected"):
+        with failing_update(fail_update_at), pytest.raises(RuntimeError, match="injected"):
             models.train_step(chunks, optimizer, config, 1)
         results.append(None)  # the failed iteration
     return _finish(chunks, optimizer, config, None, results, steps)
@@ -140,12 +140,12 @@ def update_fault_job(fail_at: int):
     """The step-1 update raises part-way under attach's cycle; the loop goes on."""
     import megatron_offload
     from tests.harness import models
-    from tests.support.faults import FailingUpdate
+    from tests.support.faults import failing_update
 
     chunks, optimizer, config = _build()
     offloader = megatron_offload.attach(optimizer, **PIECES)
     results = [models.train_step(chunks, optimizer, config, 0)]
-    with FailingUpdate(fail_at), pytest.raises(RuntimeError, match="injected"):
+    with failing_update(fail_at), pytest.raises(RuntimeError, match="injected"):
         models.train_step(chunks, optimizer, config, 1)
     after = {
         "device": _device_bytes(chunks, optimizer),
@@ -237,4 +237,125 @@ def test_a_wake_that_meets_an_out_of_memory_keeps_everything_and_works_again(ran
                 assert "needed" in fault["raised"] and "call it again" in fault["raised"]
             assert fault["device"] == run["asleep"], (fault["device"], run["asleep"])
             assert fault["sleeping"] and fault["stats_asleep"]
+        assert _same(reference, run)
+
+
+def full_disk_job(offload: bool, directory: str):
+    """A synchronous save while offloaded meets a full disk: it raises on every rank, the
+    states stay offloaded with their host copy intact, training goes on, and a save made again
+    resumes bitwise."""
+    import megatron_offload
+    from tests.harness import models
+    from tests.integration.access.test_checkpoint import _load, _save, _shared_directory
+    from tests.support.faults import FullDisk
+
+    failed = _shared_directory(directory + "/failed")
+    saved = _shared_directory(directory + "/saved")
+    chunks, optimizer, config = models.build("mlp", "bf16")
+    offloader = megatron_offload.attach(optimizer) if offload else None
+    results = [models.train_step(chunks, optimizer, config, step) for step in range(2)]
+    found = {}
+    if offload:
+        before = _device_bytes_mlp(optimizer)
+        with FullDisk(failed) as disk:
+            try:
+                _save(chunks, optimizer, failed, async_save=False)
+                found["raised"] = None
+            except BaseException as error:  # torch.distributed.checkpoint raises a BaseException
+                found["raised"] = f"{type(error).__name__}: {error}"
+        found["writes_failed"] = disk.failed
+        found["still_offloaded"] = offloader.is_offloaded and _device_bytes_mlp(optimizer) == before
+    _save(chunks, optimizer, saved, async_save=False)
+    results += [models.train_step(chunks, optimizer, config, step) for step in range(2, 4)]
+    if offloader is not None:
+        offloader.detach()
+    found["snapshot"] = models.snapshot(chunks, optimizer)
+    torch.manual_seed(99)
+    chunks, optimizer, config = models.build("mlp", "bf16")
+    offloader = megatron_offload.attach(optimizer) if offload else None
+    _load(chunks, optimizer, saved, offload)
+    resumed = [models.train_step(chunks, optimizer, config, step) for step in range(2, 4)]
+    if offloader is not None:
+        offloader.detach()
+    found.update(
+        results=results, resumed=resumed, resumed_snapshot=models.snapshot(chunks, optimizer)
+    )
+    torch.distributed.barrier()
+    return found
+
+
+def _device_bytes_mlp(optimizer) -> int:
+    from tests.harness import models
+
+    total = 0
+    for wrapper in models.megatron_optimizers(optimizer):
+        for state in dict.values(wrapper.optimizer.state):
+            for value in dict.values(state):
+                if isinstance(value, torch.Tensor) and value.numel() > 1:
+                    total += value.untyped_storage().nbytes()
+    return total
+
+
+def test_a_full_disk_during_a_save_while_offloaded_loses_nothing(rank_pool, tmp_path):
+    references = rank_pool.run(full_disk_job, False, str(tmp_path / "plain"))
+    runs = rank_pool.run(full_disk_job, True, str(tmp_path / "offload"))
+    for reference, run in zip(references, runs):
+        assert run["raised"] is not None and run["writes_failed"] > 0, run["raised"]
+        assert run["still_offloaded"]
+        assert run["results"] == reference["results"]
+        assert run["resumed"] == reference["resumed"] == reference["results"][2:]
+        for snapshot in ("snapshot", "resumed_snapshot"):
+            for section in ("params", "optimizer"):
+                for key, value in reference[snapshot][section].items():
+                    assert torch.equal(value, run[snapshot][section][key]), (snapshot, key)
+
+
+def interrupt_job():
+    """``offload()`` and ``reload()`` interrupted at each of their copies in turn: nothing is
+    left regrown or half-moved, the same call works again, training goes on bitwise."""
+    import megatron_offload
+    from tests.harness import models
+    from tests.support.faults import interrupted_copy
+    from tests.support.fresh_memory import poison_regrowth
+
+    chunks, optimizer, config = _build()
+    offloader = megatron_offload.OptimizerStateOffloader(optimizer, **PIECES)
+    poison_regrowth(offloader)
+    results = [models.train_step(chunks, optimizer, config, 0)]
+    offloader.offload()
+    offloader.reload()
+    offloader.wait()  # consolidated: one copy per piece from now on
+    resident = _device_bytes(chunks, optimizer)
+    offloader.offload()
+    released = _device_bytes(chunks, optimizer)
+    pieces = sum(offloader.stats()["pieces"].values())
+    found = {"pieces": pieces, "reload": [], "offload": []}
+    for k in _points(pieces):
+        with interrupted_copy(k):
+            try:
+                offloader.reload()
+            except KeyboardInterrupt:
+                found["reload"].append(_device_bytes(chunks, optimizer) == released)
+        offloader.reload()
+        offloader.wait()
+        with interrupted_copy(k):
+            try:
+                offloader.offload()
+            except KeyboardInterrupt:
+                found["offload"].append(offloader.stats()["resident_bytes"] > 0)
+        offloader.offload()
+        found.setdefault("offloaded", []).append(_device_bytes(chunks, optimizer) == released)
+    found["resident"] = resident != released
+    return {**found, **_finish(chunks, optimizer, config, offloader, results)}
+
+
+def test_an_interrupt_inside_a_copy_leaves_a_state_the_same_call_completes(rank_pool):
+    references = rank_pool.run(reference_job)
+    runs = rank_pool.run(interrupt_job)
+    for reference, run in zip(references, runs):
+        points = len(_points(run["pieces"]))
+        assert run["pieces"] >= 3 and run["resident"]
+        assert run["reload"] == [True] * points  # nothing regrown is held
+        assert run["offload"] == [True] * points  # what was not copied stayed on the device
+        assert run["offloaded"] == [True] * points  # and the same call moved it
         assert _same(reference, run)

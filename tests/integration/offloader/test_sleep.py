@@ -269,3 +269,44 @@ def test_four_ranks_with_expert_buffers_and_a_frozen_parameter(rank_pool4):
             assert copied > 0 and stats["rebuilt_parameter_bytes"] > 0  # frozen, and the rest
             link = stats["tracked_bytes"] + copied
             assert cycle["sleep_bytes"] == cycle["wake_bytes"] == link
+
+
+def budget_job():
+    """A budget that holds the arena but not sleep's copies of the frozen parameter: the sleep
+    is refused before anything is given up; a budget with room sleeps, and the copies count."""
+    import megatron_offload
+    from tests.harness import models
+
+    chunks, optimizer, config = models.build("gpt", "bf16", freeze="position_embeddings")
+    models.train_step(chunks, optimizer, config, 0)
+    probe = megatron_offload.attach(optimizer)
+    arena = probe.stats()["host_bytes"]
+    probe.detach()
+    found = {}
+    offloader = megatron_offload.attach(optimizer, host_memory_budget=arena)
+    models.train_step(chunks, optimizer, config, 1)
+    before = _device_bytes(chunks, optimizer)
+    try:
+        offloader.sleep()
+    except megatron_offload.HostMemoryBudgetError as error:
+        found["refused"] = str(error)
+    found["untouched"] = _device_bytes(chunks, optimizer) == before
+    found["sleeping"] = offloader.sleeping
+    found["host_bytes"] = offloader.stats()["host_bytes"]
+    offloader.detach()
+    offloader = megatron_offload.attach(optimizer, host_memory_budget=2 * arena + (1 << 20))
+    offloader.sleep()
+    stats = offloader.stats()
+    found["slept"] = (stats["sleep_host_bytes"], stats["host_bytes"], arena)
+    offloader.wake()
+    offloader.detach()
+    return found
+
+
+def test_a_budget_too_small_for_sleep_is_refused_before_anything_is_given_up(rank_pool):
+    for found in rank_pool.run(budget_job):
+        assert "host_memory_budget" in found["refused"], found
+        assert found["untouched"] and not found["sleeping"]
+        sleep_bytes, host_bytes, arena = found["slept"]
+        assert found["host_bytes"] == arena  # the refused sleep holds nothing more
+        assert sleep_bytes > 0 and host_bytes == arena + sleep_bytes
