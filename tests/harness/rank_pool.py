@@ -67,6 +67,9 @@ REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
 # Float results depend on the thread count (reduction order), so every rank is single-threaded.
 RANK_ENV = {
+    # The ranks model a CPU machine (gloo, the CPU harness), on a GPU machine too: a test
+    # that needs the GPU runs in the test process itself.
+    "CUDA_VISIBLE_DEVICES": "",
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
     "TORCH_COMPILE_DISABLE": "1",

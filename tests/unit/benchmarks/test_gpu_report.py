@@ -350,7 +350,7 @@ def test_commands_one_gpu_plain_several_with_torchrun():
 
 
 def test_without_a_gpu_the_report_exits_2_and_says_so():
-    assert not torch.cuda.is_available()
+    # The report's process sees no GPU, on a machine with one too.
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu_report"],
