@@ -225,17 +225,26 @@ class UpdateGate:
         phase: the offloader's phase.
         members: the served optimizers (``Member``: optimizer, engine).
         sleep: the offloader's ``Sleep`` (woken before an update).
+        interceptions: the offloader's ``Interceptions``, which installs the hooks.
     """
 
-    def __init__(self, phase: "PhaseTracker", members: Sequence, sleep) -> None:
+    def __init__(self, phase: "PhaseTracker", members: Sequence, sleep, interceptions) -> None:
         self._phase, self._members, self._sleep = phase, members, sleep
         #: The chunked update of each member, in order (attach's cycle sets them), or none.
         self.chunked: list = []
         self._handles = []
         try:
             for index, member in enumerate(members):
+                inner = member.optimizer.optimizer
                 hook = functools.partial(self.before_update, index)
-                self._handles.append(member.optimizer.optimizer.register_step_pre_hook(hook))
+                self._handles.append(
+                    interceptions.hook(
+                        inner.register_step_pre_hook(hook),
+                        where=f"{type(inner).__name__}.step (step pre-hook)",
+                        why="every update, whichever entry steps it: reads served between steps "
+                        "end, the states come back and are waited for, a host view refuses",
+                    )
+                )
         except BaseException:
             self.remove()  # all or nothing
             raise

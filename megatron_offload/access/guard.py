@@ -143,12 +143,13 @@ class StateAccessGuard:
 
     def __init__(self, offloader) -> None:
         self._offloader = offloader
-        self._wrapped: list[tuple[object, str, bool, object]] = []
-        self._hooks = []
+        self._installed = offloader.interceptions
+        self._handles = []  # what this guard installed (``Interception``s)
         # The state mappings of the inner optimizers (see GuardedState): the objects they
-        # replaced, given back refilled by remove().
+        # replaced, given back refilled by remove(); one interception per inner says so.
         self._inners = [member.optimizer.optimizer for member in offloader.members]
         self._originals: dict[int, object] = {}
+        self._mappings: dict[int, object] = {}  # id(inner) -> its mapping's interception
         try:
             self._install_all()
         except BaseException:
@@ -159,28 +160,39 @@ class StateAccessGuard:
         offloader = self._offloader
         wrappers = [member.optimizer for member in offloader.members]
         targets = [offloader.optimizer] + [o for o in wrappers if o is not offloader.optimizer]
+        served = "a checkpoint method: served from the host copy (or the states come back)"
         for target in targets:
             for name in STATE_METHODS:
                 if callable(getattr(type(target), name, None)):
-                    self._wrap(target, name, self._resident_call(target, name))
+                    self._wrap(target, name, self._resident_call(target, name), served)
             if all(callable(getattr(type(target), n, None)) for n in ROUTED_METHODS):
-                self._wrap(target, "offload_to_cpu", _rl_offload(offloader))
-                self._wrap(target, "restore_from_cpu", _rl_restore(offloader))
+                routed = "megatron-core's RL move, routed to the offloader"
+                self._wrap(target, "offload_to_cpu", _rl_offload(offloader), routed)
+                self._wrap(target, "restore_from_cpu", _rl_restore(offloader), routed)
         self.reinstall()
         for inner in self._inners:
             if isinstance(inner, torch.optim.Optimizer):
-                self._hooks.append(
+                where = type(inner).__name__
+                self._hook(
                     inner.register_state_dict_pre_hook(
                         functools.partial(_inner_pre_hook, offloader)
-                    )
+                    ),
+                    f"{where}.state_dict (pre-hook)",
+                    "the states come back: torch's state_dict() hands out the live tensors",
                 )
-                self._hooks.append(
+                self._hook(
                     inner.register_load_state_dict_pre_hook(
                         functools.partial(_inner_load_pre_hook, offloader)
-                    )
+                    ),
+                    f"{where}.load_state_dict (pre-hook)",
+                    "a load writes the host copy inside a host view, else the states come back",
                 )
                 # torch's load_state_dict() puts a new defaultdict in place of the state.
-                self._hooks.append(inner.register_load_state_dict_post_hook(self._after_inner_load))
+                self._hook(
+                    inner.register_load_state_dict_post_hook(self._after_inner_load),
+                    f"{where}.load_state_dict (post-hook)",
+                    "the new state mapping a load put in is guarded again",
+                )
             # Methods of the inner optimizer itself that touch state outside step() (TE's
             # get_unscaled_state / set_scaled_state / initialize_state): the torch hooks
             # above cover only state_dict and load_state_dict.
@@ -190,7 +202,12 @@ class StateAccessGuard:
                     getattr(inner, name, None)
                 ):
                     continue
-                self._wrap(inner, name, self._inner_state_call(name in access.replaces))
+                self._wrap(
+                    inner,
+                    name,
+                    self._inner_state_call(name in access.replaces),
+                    "touches the states outside step(): they come back first",
+                )
 
     def _inner_state_call(self, replaces: bool):
         offloader = self._offloader
@@ -213,11 +230,11 @@ class StateAccessGuard:
 
         return make
 
-    def _wrap(self, target, name: str, make) -> None:
-        had_instance_attr = name in vars(target)
-        previous = getattr(target, name)
-        target.__dict__[name] = functools.update_wrapper(make(previous), previous)
-        self._wrapped.append((target, name, had_instance_attr, previous))
+    def _wrap(self, target, name: str, make, why: str) -> None:
+        self._handles.append(self._installed.wrap(target, name, make, why=why))
+
+    def _hook(self, handle, where: str, why: str) -> None:
+        self._handles.append(self._installed.hook(handle, where=where, why=why))
 
     def _resident_call(self, target, name: str):
         offloader = self._offloader
@@ -299,6 +316,13 @@ class StateAccessGuard:
         mapping.owner = self
         inner.state = mapping
         self._originals[id(inner)] = state
+        if id(inner) not in self._mappings:
+            self._mappings[id(inner)] = self._installed.record(
+                "attribute",
+                f"{type(inner).__name__}.state",
+                "the state mapping, guarded: a read between steps is served from the host copy",
+                functools.partial(self._restore_state, inner),
+            )
 
     def accessed(self, state: GuardedState, writes: bool, name: str = "") -> None:
         """An access to an armed mapping (accessor ``name``): serve it from the host copy,
@@ -314,34 +338,28 @@ class StateAccessGuard:
         # host copy is stale from now on; a write may put new tensors in.
         offloader.make_resident(changes=True, replaced=writes)
 
-    def _restore_states(self) -> None:
-        """Give each inner optimizer a plain ``defaultdict`` again (the one replaced at
-        attach or after a load, refilled with the current entries)."""
-        self._offloader.phase.guard([], [])
-        for inner in self._inners:
-            state = getattr(inner, "state", None)
-            if not (isinstance(state, GuardedState) and state.owner is self):
-                continue
-            original = self._originals.get(id(inner))
-            if original is None:
-                original = collections.defaultdict(state.default_factory)
-            original.clear()
-            original.update(dict.items(state))
-            state.owner = None  # a reference kept elsewhere is an unguarded mapping now
-            inner.state = original
-        self._originals = {}
+    def _restore_state(self, inner) -> None:
+        """Give ``inner`` a plain ``defaultdict`` again (the one replaced at attach or after a
+        load, refilled with the current entries)."""
+        self._mappings.pop(id(inner), None)
+        state = getattr(inner, "state", None)
+        if not (isinstance(state, GuardedState) and state.owner is self):
+            return
+        original = self._originals.pop(id(inner), None)
+        if original is None:
+            original = collections.defaultdict(state.default_factory)
+        original.clear()
+        original.update(dict.items(state))
+        state.owner = None  # a reference kept elsewhere is an unguarded mapping now
+        inner.state = original
 
     def remove(self) -> None:
-        self._restore_states()
-        for hook in self._hooks:
-            hook.remove()
-        for target, name, had_instance_attr, previous in reversed(self._wrapped):
-            if had_instance_attr:
-                target.__dict__[name] = previous
-            else:
-                target.__dict__.pop(name, None)
-        self._hooks = []
-        self._wrapped = []
+        self._offloader.phase.guard([], [])
+        for handle in reversed(self._handles):
+            handle.remove()
+        for handle in list(self._mappings.values()):
+            handle.remove()
+        self._handles = []
 
 
 def _rl_offload(offloader):

@@ -50,6 +50,7 @@ from ..adapters.holders import Repointing, same_kind
 from ..engine import HostBuffers, OffloadEngine, OffloadStateError, SlotSizeError, SlotStream
 from ..engine.slots import aligned_bytes
 from ..engine.undo import StepUndo
+from ..interceptions import Interceptions
 from ..phase import Phase, PhaseTracker
 from .plan import SMALL_STATE_ROOM, Budget, planned
 
@@ -114,7 +115,7 @@ class ChunkedUpdate:
             except BaseException:
                 self.undo.close()
                 raise
-        self._installed = False
+        self._installed = None  # the step's wrap, once installed
         self._base_steps: dict[int, object] = {}
         self._final_steps: dict[int, object] = {}
 
@@ -126,27 +127,28 @@ class ChunkedUpdate:
     def transient_reserve(self) -> int:
         return self.budget.reserve
 
-    def install(self) -> None:
-        """Wrap the inner optimizer's ``step`` (``remove`` gives it back)."""
-        self._had_instance_step = "step" in vars(self.inner)
-        self._previous_step = self.inner.step
+    def install(self, interceptions: Interceptions | None = None) -> None:
+        """Wrap the inner optimizer's ``step`` through ``interceptions`` (the offloader's; a
+        chunked update of its own keeps its own); ``remove`` gives it back."""
 
-        def step(*args, **kwargs):
-            return self._step(*args, **kwargs)
+        def make(previous):
+            self._previous_step = previous
 
-        self.inner.step = functools.update_wrapper(step, self._previous_step)
-        self._installed = True
+            def step(*args, **kwargs):
+                return self._step(*args, **kwargs)
+
+            return step
+
+        self._installed = (interceptions or Interceptions()).wrap(
+            self.inner, "step", make, why="the chunked update: the states streamed through slots"
+        )
 
     def remove(self) -> None:
         if self.undo is not None:
             self.undo.close()
-        if not self._installed:
-            return
-        self._installed = False
-        if self._had_instance_step:
-            self.inner.step = self._previous_step
-        else:
-            del self.inner.step
+        installed, self._installed = self._installed, None
+        if installed is not None:
+            installed.remove()
 
     @property
     def extra_host_bytes(self) -> int:

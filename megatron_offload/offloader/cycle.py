@@ -161,7 +161,6 @@ class AutomaticCycle:
         self._offloader = offloader
         self._handles = []
         self._chunked = []
-        self._target = None  # the optimizer whose step is wrapped, once it is
         #: Steps run through the cycle (skipped ones included).
         self.cycles = 0
         try:
@@ -187,11 +186,12 @@ class AutomaticCycle:
                 )
                 self._chunked.append(chunked)
                 self._handles.append(chunked)
-                chunked.install()
+                chunked.install(offloader.interceptions)
             if any(any(True for _ in wrappers.in_state(m.optimizer)) for m in members):
                 # States made before attach (the precision-aware path creates them with the
                 # optimizer) go to the host now, so that the first update streams them too.
                 offloader.offload()
+        installed = offloader.interceptions
         if prefetch_trigger is not None:
             self._handles.append(_backward_prefetch_hook(offloader, prefetch_trigger))
         if config.prefetch == "gradients":
@@ -210,15 +210,23 @@ class AutomaticCycle:
                     )
                     continue
                 self._handles.append(_gradient_prefetch_hook(model_config, offloader))
-        target = offloader.optimizer
-        self._had_instance_step = "step" in vars(target)
-        self._previous_step = target.step
 
-        def step(*args, **kwargs):
-            return self._step(*args, **kwargs)
+        def make(previous):
+            self._previous_step = previous
 
-        target.step = functools.update_wrapper(step, self._previous_step)
-        self._target = target
+            def step(*args, **kwargs):
+                return self._step(*args, **kwargs)
+
+            return step
+
+        self._handles.append(
+            installed.wrap(
+                offloader.optimizer,
+                "step",
+                make,
+                why="the step cycle: reload before the update, offload after it",
+            )
+        )
 
     def _step(self, *args, **kwargs):
         """One iteration's optimizer step: reload, update, offload."""
@@ -263,13 +271,6 @@ class AutomaticCycle:
         for handle in reversed(self._handles):
             handle.remove()
         self._handles = []
-        target, self._target = self._target, None
-        if target is None:
-            return
-        if self._had_instance_step:
-            target.step = self._previous_step
-        else:
-            del target.step
 
 
 def _refuse_backward_prefetch_under_cuda_graphs(optimizer, config: OffloadConfig) -> None:
@@ -318,7 +319,7 @@ def _prefetch_trigger(served, fraction: float):
     return trigger
 
 
-def _backward_prefetch_hook(offloader, trigger) -> "_KeepAlive":
+def _backward_prefetch_hook(offloader, trigger):
     """Start the reload when ``trigger``'s gradient is computed: the hook sits on its
     gradient accumulator, as megatron-core's DDP hooks do; it fires at every backward
     (every micro-batch), and the reload does nothing when the states are already back."""
@@ -330,8 +331,12 @@ def _backward_prefetch_hook(offloader, trigger) -> "_KeepAlive":
     # The accumulator node is reached through a view of the parameter; keep it alive (it is
     # the node autograd uses for this parameter for the life of the model).
     accumulator = trigger.expand_as(trigger).grad_fn.next_functions[0][0]
-    handle = accumulator.register_hook(start_reload)
-    return _KeepAlive(handle, accumulator)
+    return offloader.interceptions.hook(
+        accumulator.register_hook(start_reload),
+        where="a parameter's gradient accumulator (autograd hook)",
+        why="the reload starts once this much of the backward pass is done (prefetch=F)",
+        keep=accumulator,
+    )
 
 
 def model_configs(members) -> list:
@@ -351,33 +356,15 @@ def model_configs(members) -> list:
     return found
 
 
-class _GradientPrefetch:
-    """``prefetching_finalize`` in place of a model config's ``finalize_model_grads_func``;
-    ``remove`` puts the loop's own function back (if nobody replaced it since)."""
-
-    def __init__(self, model_config, offloader) -> None:
-        self._config = model_config
-        self._own = model_config.finalize_model_grads_func
-        self._wrapper = prefetching_finalize(self._own, offloader)
-        model_config.finalize_model_grads_func = self._wrapper
-
-    def remove(self) -> None:
-        config, self._config = self._config, None
-        if config is not None and config.finalize_model_grads_func is self._wrapper:
-            config.finalize_model_grads_func = self._own
-
-
-def _gradient_prefetch_hook(model_config, offloader) -> _GradientPrefetch:
-    """Start the reload when the loop reduces the gradients (``prefetch="gradients"``)."""
-    return _GradientPrefetch(model_config, offloader)
-
-
-class _KeepAlive:
-    """A hook handle that also holds the object the hook lives on."""
-
-    def __init__(self, handle, owner) -> None:
-        self._handle, self._owner = handle, owner
-
-    def remove(self) -> None:
-        self._handle.remove()
-        self._owner = None
+def _gradient_prefetch_hook(model_config, offloader):
+    """Start the reload when the loop reduces the gradients (``prefetch="gradients"``): the
+    model config's ``finalize_model_grads_func`` becomes ``prefetching_finalize`` of it; the
+    loop's own is put back (if nobody replaced it since) when removed."""
+    own = model_config.finalize_model_grads_func
+    return offloader.interceptions.replace(
+        model_config,
+        "finalize_model_grads_func",
+        prefetching_finalize(own, offloader),
+        why="the reload starts when the loop reduces the gradients (prefetch='gradients')",
+        only_if_ours=True,
+    )

@@ -201,28 +201,3 @@ def resident_selection(kinds, count: int) -> list[tuple[str, ...]]:
             )
         selection.append(chosen)
     return selection
-
-
-class Marks:
-    """The offloader reachable from each served optimizer as ``_state_offloader`` (the
-    attribute of Megatron-LM's own unreleased offloader); ``remove`` puts back what was
-    there."""
-
-    def __init__(self, offloader) -> None:
-        self._offloader = offloader
-        self._marked = []  # (optimizer, had one, previous)
-
-    def mark(self, wrapper) -> None:
-        had = "_state_offloader" in vars(wrapper)
-        self._marked.append((wrapper, had, vars(wrapper).get("_state_offloader")))
-        wrapper._state_offloader = self._offloader
-
-    def remove(self) -> None:
-        for wrapper, had, previous in reversed(self._marked):
-            if getattr(wrapper, "_state_offloader", None) is not self._offloader:
-                continue
-            if had:
-                wrapper._state_offloader = previous
-            else:
-                del wrapper._state_offloader
-        self._marked = []

@@ -32,15 +32,9 @@ from ..adapters import MASTER_WEIGHTS
 from ..config import OffloadConfig
 from ..engine import OffloadEngine, OffloadStateError
 from ..errors import no_attribute
+from ..interceptions import Interceptions
 from ..phase import Phase, PhaseTracker, UpdateGate
-from .members import (
-    Marks,
-    Member,
-    master_weights_option,
-    members,
-    resident_selection,
-    selection,
-)
+from .members import Member, master_weights_option, members, resident_selection, selection
 from .sleep import Sleep
 
 
@@ -71,7 +65,9 @@ class OptimizerStateOffloader:
         self._cycle = None  # the automatic cycle, once attach() installs one
         self._offload_pre_hooks: dict[int, Callable] = collections.OrderedDict()
         self._offload_post_hooks: dict[int, Callable] = collections.OrderedDict()
-        self._marks = None  # ``_state_offloader`` on each served optimizer (members.py)
+        #: Every change made to the served objects (``interceptions.listing()``: what, where,
+        #: why); ``detach`` removes them all.
+        self.interceptions = Interceptions()
         self._guard = None
         self._gate = None  # every update's pre-hook (phase.py)
         self._sleep = Sleep(self)
@@ -79,14 +75,17 @@ class OptimizerStateOffloader:
         # undoes the steps before it, and the optimizer is left exactly as it was.
         with contextlib.ExitStack() as undo:
             self._members = members(optimizer, self.config, undo)
-            self._marks = Marks(self)
-            undo.callback(self._marks.remove)
+            undo.callback(self.interceptions.remove_all)
             for member in self._members:
-                self._marks.mark(member.optimizer)
+                self.interceptions.replace(
+                    member.optimizer,
+                    "_state_offloader",
+                    self,
+                    why="the offloader serving it, under the name Megatron-LM's own uses",
+                    only_if_ours=True,
+                )
             self._guard = StateAccessGuard(self)
-            undo.callback(self._guard.remove)
-            self._gate = UpdateGate(self.phase, self._members, self._sleep)
-            undo.callback(self._gate.remove)
+            self._gate = UpdateGate(self.phase, self._members, self._sleep, self.interceptions)
             self._sleep.register()
             undo.pop_all()
         self.phase.serve(self.engines)
@@ -368,7 +367,7 @@ class OptimizerStateOffloader:
         self._guard.remove()
         for engine in self.engines:
             engine.close()
-        self._marks.remove()
+        self.interceptions.remove_all()
         self.detached = True
         self.phase.detached()
 

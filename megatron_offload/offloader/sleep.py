@@ -300,10 +300,18 @@ class Sleep:
         (everything). Installed while asleep only: awake, they cost nothing."""
         if self._hooks:
             return
+        installed = self._offloader.interceptions
+        why = "the model is asleep: what touches it wakes it first"
         for chunk in self._chunks:
-            self._hooks.append(chunk.register_forward_pre_hook(self._wake_hook))
-            self._hooks.append(_InstanceWrap(chunk, "zero_grad_buffer", self._waking))
-        self._hooks.append(_InstanceWrap(self._offloader.optimizer, "step", self._waking))
+            self._hooks.append(
+                installed.hook(
+                    chunk.register_forward_pre_hook(self._wake_hook),
+                    where=f"{type(chunk).__name__} (forward pre-hook)",
+                    why=why,
+                )
+            )
+            self._hooks.append(installed.wrap(chunk, "zero_grad_buffer", self._waking, why=why))
+        self._hooks.append(installed.wrap(self._offloader.optimizer, "step", self._waking, why=why))
 
     def _wake_hook(self, module, args) -> None:
         self.wake(gradients=torch.is_grad_enabled())
@@ -391,19 +399,3 @@ def owner_of(model):
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     owners = {id(o): o for o in map(_owner, chunks)}
     return next(iter(owners.values())) if len(owners) == 1 and chunks else None
-
-
-class _InstanceWrap:
-    """``obj.name`` replaced by ``wrap(obj.name)`` on the instance until ``remove()``."""
-
-    def __init__(self, obj, name: str, wrap) -> None:
-        self._obj, self._name = obj, name
-        self._had = name in vars(obj)
-        self._previous = vars(obj).get(name)
-        setattr(obj, name, wrap(getattr(obj, name)))
-
-    def remove(self) -> None:
-        if self._had:
-            setattr(self._obj, self._name, self._previous)
-        else:
-            vars(self._obj).pop(self._name, None)

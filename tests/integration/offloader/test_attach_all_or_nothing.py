@@ -29,8 +29,8 @@ def _primitives():
     from megatron_offload.access.guard import StateAccessGuard
     from megatron_offload.chunked.update import ChunkedUpdate
     from megatron_offload.engine import OffloadEngine
+    from megatron_offload.interceptions import Interceptions
     from megatron_offload.offloader import allocator_warnings
-    from megatron_offload.offloader.members import Marks
     from megatron_offload.offloader.offloader import OptimizerStateOffloader
 
     # (``megatron_offload.offloader.cycle`` the attribute is the function, not the module.)
@@ -39,7 +39,7 @@ def _primitives():
         (attach_module, "_refuse_chain_member"),
         (attach_module, "_refuse_backward_prefetch_under_cuda_graphs"),
         (OffloadEngine, "reserve_host"),
-        (Marks, "mark"),
+        (Interceptions, "replace"),
         (StateAccessGuard, "_install"),
         (StateAccessGuard, "_wrap"),
         (torch.optim.Optimizer, "register_state_dict_pre_hook"),
@@ -218,7 +218,7 @@ def test_a_failure_at_any_step_of_attach_leaves_the_optimizer_as_it_was(rank_poo
     # The steps that change something were all reached (so every one was made to fail).
     for needed in (
         "reserve_host",
-        "mark",
+        "replace",
         "_install",
         "_wrap",
         "register_step_pre_hook",

@@ -108,6 +108,15 @@ def test_every_entry_point_after_every_sequence_is_bitwise_the_plain_run(rank_po
             assert _same(reference, run), mode
 
 
+def _state_bytes(wrapper) -> list[bytes]:
+    return [
+        bytes(value.view(torch.uint8).clone().numpy())
+        for state in dict.values(wrapper.optimizer.state)
+        for value in dict.values(state)
+        if isinstance(value, torch.Tensor) and value.numel() > 1
+    ]
+
+
 def host_view_step_job():
     import megatron_offload
     from tests.harness import models
@@ -125,21 +134,11 @@ def host_view_step_job():
             raised = None
         except megatron_offload.OffloadStateError as error:
             raised = str(error)
-        states = [
-            bytes(v.view(torch.uint8).numpy())
-            for s in dict.values(wrapper.optimizer.state)
-            for v in dict.values(s)
-            if isinstance(v, torch.Tensor) and v.numel() > 1
-        ]
+        states = _state_bytes(wrapper)
     offloader.reload()
     offloader.wait()
     with offloader.host_view():
-        after = [
-            bytes(v.view(torch.uint8).numpy())
-            for s in dict.values(wrapper.optimizer.state)
-            for v in dict.values(s)
-            if isinstance(v, torch.Tensor) and v.numel() > 1
-        ]
+        after = _state_bytes(wrapper)
     offloader.detach()
     params = models.snapshot(chunks, optimizer)["params"]
     unchanged = all(torch.equal(before[key], value) for key, value in params.items())

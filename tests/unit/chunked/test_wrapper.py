@@ -18,6 +18,7 @@ from megatron_offload.chunked.update import ChunkedUpdate
 from megatron_offload.config import OffloadConfig
 from megatron_offload.device.cpu import CPUDevice
 from megatron_offload.engine import OffloadEngine, OffloadStateError
+from megatron_offload.interceptions import Interceptions
 from megatron_offload.offloader.cycle import AutomaticCycle
 from megatron_offload.offloader.members import Member
 from megatron_offload.phase import Phase
@@ -178,11 +179,13 @@ def test_a_refusal_half_way_through_attaching_unwraps_every_optimizer():
         engines=[member.engine for member in members],
         phase=None,
         config=OffloadConfig(chunked_update_bytes=4096),
+        interceptions=Interceptions(),
     )
     with pytest.raises(ValueError, match="give at least 160,000 bytes"):
         AutomaticCycle(offloader)
     assert vars(small)["step"] is own_step  # the first wrapper was removed again
     assert "step" not in vars(large)
+    assert offloader.interceptions.listing() == []
 
 
 def run_cached_layout():
