@@ -5,15 +5,18 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import tomllib
 from setuptools import find_packages
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_installed_packages_are_megatron_offload_alone():
-    setup = (REPO / "setup.py").read_text()
-    include = re.search(r"find_packages\(include=(\[[^\]]*\])\)", setup).group(1)
-    packages = find_packages(str(REPO), include=eval(include))  # the list literal in setup.py
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    include = project["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = find_packages(str(REPO), include=include)
+    assert project["project"]["name"] == "megatron-offload"
+    assert not (REPO / "setup.py").exists()  # the metadata is in one place
     assert "megatron_offload" in packages and "megatron_offload.frameworks" in packages
     assert all(p == "megatron_offload" or p.startswith("megatron_offload.") for p in packages), (
         packages
