@@ -51,7 +51,7 @@ import collections
 import contextlib
 import enum
 import functools
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 from .engine.pieces import Place
 from .errors import OffloadStateError
@@ -325,33 +325,42 @@ class GuardedState(_PlainState):
     owner = None
 
 
-# Accessors of an armed mapping, and whether they may put new tensors into the state.
-# Everything that hands out entries, keys (the parameter shards: the offloaded master
-# weights of a bf16/fp16 model) or values, or compares, prints, copies or pickles them.
-ARMED_ACCESSORS = {
-    "__getitem__": False,
-    "get": False,
-    "keys": False,
-    "values": False,
-    "items": False,
-    "__iter__": False,
-    "__reversed__": False,
-    "__eq__": False,
-    "__ne__": False,
-    "__or__": False,
-    "__ror__": False,
-    "__repr__": False,
-    "copy": False,
-    "__copy__": False,
-    "__reduce__": False,
-    "__setitem__": True,
-    "__delitem__": True,
-    "setdefault": True,
-    "pop": True,
-    "popitem": True,
-    "clear": True,
-    "update": True,
-    "__ior__": True,
+class Accessor(NamedTuple):
+    """What one accessor of an armed mapping does, for the guard (``access/guard.py``)."""
+
+    writes: bool  # it may put new tensors into the state
+    served: bool  # a read or write the host copy can serve (else every state comes back)
+    keys: bool  # it hands out the mapping's keys: the masters of a bf16/fp16 model
+
+
+# Every accessor of an armed mapping: everything that hands out entries, keys (the parameter
+# shards: the offloaded master weights of a bf16/fp16 model) or values, or compares, prints,
+# copies or pickles them. Those that print, copy or pickle the whole mapping with its keys
+# are not served: every state comes back for them.
+ACCESSORS = {
+    "__getitem__": Accessor(writes=False, served=True, keys=False),
+    "get": Accessor(writes=False, served=True, keys=False),
+    "keys": Accessor(writes=False, served=True, keys=True),
+    "values": Accessor(writes=False, served=True, keys=False),
+    "items": Accessor(writes=False, served=True, keys=True),
+    "__iter__": Accessor(writes=False, served=True, keys=True),
+    "__reversed__": Accessor(writes=False, served=True, keys=True),
+    "__eq__": Accessor(writes=False, served=True, keys=False),
+    "__ne__": Accessor(writes=False, served=True, keys=False),
+    "__or__": Accessor(writes=False, served=False, keys=False),
+    "__ror__": Accessor(writes=False, served=False, keys=False),
+    "__repr__": Accessor(writes=False, served=False, keys=False),
+    "copy": Accessor(writes=False, served=False, keys=False),
+    "__copy__": Accessor(writes=False, served=False, keys=False),
+    "__reduce__": Accessor(writes=False, served=False, keys=False),
+    "__setitem__": Accessor(writes=True, served=True, keys=False),
+    "__delitem__": Accessor(writes=True, served=True, keys=False),
+    "setdefault": Accessor(writes=True, served=True, keys=False),
+    "pop": Accessor(writes=True, served=True, keys=False),
+    "popitem": Accessor(writes=True, served=True, keys=True),
+    "clear": Accessor(writes=True, served=True, keys=False),
+    "update": Accessor(writes=True, served=True, keys=False),
+    "__ior__": Accessor(writes=True, served=True, keys=False),
 }
 
 
@@ -369,6 +378,6 @@ def _guarded_accessor(name: str, writes: bool):
     return accessor
 
 
-for _name, _writes in ARMED_ACCESSORS.items():
-    setattr(GuardedState, _name, _guarded_accessor(_name, _writes))
-del _name, _writes
+for _name, _accessor in ACCESSORS.items():
+    setattr(GuardedState, _name, _guarded_accessor(_name, _accessor.writes))
+del _name, _accessor

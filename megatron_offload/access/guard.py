@@ -34,7 +34,7 @@ import functools
 import torch
 
 from ..adapters import state_access
-from ..phase import GuardedState, Phase
+from ..phase import ACCESSORS, GuardedState, Phase
 from .host_view import HostView, servable, serve_reads
 
 # Public methods (on DistributedOptimizer, ChainedOptimizer and their bases, megatron-core
@@ -108,33 +108,6 @@ READ_ONLY_METHODS = frozenset(
         "get_parameter_state_fs_bucket_space",
     }
 )
-
-
-# Accessors of an armed mapping served from the host copy (the rest, which print, copy or
-# pickle the whole mapping with its keys, bring every state back), and those among them that
-# hand out keys.
-_SERVED_ACCESSORS = frozenset(
-    {
-        "__getitem__",
-        "get",
-        "keys",
-        "values",
-        "items",
-        "__iter__",
-        "__reversed__",
-        "__eq__",
-        "__ne__",
-        "__setitem__",
-        "__delitem__",
-        "setdefault",
-        "pop",
-        "popitem",
-        "update",
-        "__ior__",
-        "clear",
-    }
-)
-_KEY_ACCESSORS = frozenset({"keys", "items", "__iter__", "__reversed__", "popitem"})
 
 
 class StateAccessGuard:
@@ -328,11 +301,12 @@ class StateAccessGuard:
         """An access to an armed mapping (accessor ``name``): serve it from the host copy,
         or bring every state back, before it proceeds."""
         offloader = self._offloader
-        if name in _SERVED_ACCESSORS and servable(offloader):
+        accessor = ACCESSORS.get(name)
+        if accessor is not None and accessor.served and servable(offloader):
             # Values served from the host copy (host_view.py) until the next transition; an
             # accessor that hands out keys (the masters of a bf16/fp16 model) brings those
             # back.
-            serve_reads(offloader, masters=name in _KEY_ACCESSORS)
+            serve_reads(offloader, masters=accessor.keys)
             return
         # The mapping hands out the live tensors (the caller may write through them), so the
         # host copy is stale from now on; a write may put new tensors in.
