@@ -32,6 +32,7 @@ import dataclasses
 
 from .. import rules
 from ..errors import OffloadArgumentError
+from ..offloader.members import chain_walk
 from ..rules import MEGATRON_OFFLOADER_FIELD as MEGATRON_DEST
 from ..rules import MEGATRON_OFFLOADER_FLAG as MEGATRON_FLAG
 from ..rules import SWITCH as OFFLOAD_FLAG
@@ -185,9 +186,7 @@ def megatron_offloader_enabled(optimizer) -> bool:
 
 
 def _optimizers(optimizer) -> list:
-    if optimizer is None:
-        return []
-    return [optimizer] + list(getattr(optimizer, "chained_optimizers", None) or [])
+    return list(chain_walk(optimizer))
 
 
 @contextlib.contextmanager

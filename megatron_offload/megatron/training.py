@@ -50,7 +50,8 @@ from ..adapters.megatron_wrappers import MASTER_WEIGHTS, master_weights
 from ..errors import print_refusals_once, restore_excepthook
 from ..offloader import allocator_warnings
 from ..offloader.cycle import WRAPPER_MARK as _MARK
-from ..offloader.cycle import attach, prefetching_finalize
+from ..offloader.cycle import attach, prefetch_at_gradient_reduction, prefetching_finalize
+from ..offloader.members import chain_walk
 from ..report import (  # noqa: F401  (re-exported: the patches and users call them here)
     format_offload_stats,
     log_offload_stats,
@@ -86,10 +87,7 @@ _ATTACHED: list = []
 # ---------------------------------------------------------------------------------- helpers
 def find_offloader(optimizer):
     """The offloader attached to ``optimizer`` (or to one of its chained optimizers), or None."""
-    if optimizer is None:
-        return None
-    candidates = [optimizer] + list(getattr(optimizer, "chained_optimizers", None) or [])
-    for candidate in candidates:
+    for candidate in chain_walk(optimizer):
         offloader = getattr(candidate, "_state_offloader", None)
         if offloader is not None:
             return offloader
@@ -163,13 +161,9 @@ def install_prefetch(config, optimizer, args=None) -> bool:
     offloader = find_offloader(optimizer)
     if offloader is None or offloader.config.prefetch != "gradients":
         return False
-    if config.finalize_model_grads_func is None:
-        from megatron.core.distributed import finalize_model_grads
+    from megatron.core.distributed import finalize_model_grads
 
-        config.finalize_model_grads_func = finalize_model_grads
-    config.finalize_model_grads_func = prefetching_finalize(
-        config.finalize_model_grads_func, offloader
-    )
+    prefetch_at_gradient_reduction(config, offloader, default=finalize_model_grads)
     return True
 
 
@@ -334,24 +328,23 @@ def _wrap_train(original, module):
     def train(*args, **kwargs):
         named = _bound(original, args, kwargs)
         optimizer, config = named.get("optimizer"), named.get("config")
-        if config is None or find_offloader(optimizer) is None:
+        offloader = find_offloader(optimizer)
+        if config is None or offloader is None or offloader.config.prefetch != "gradients":
             return original(*args, **kwargs)
-        previous = config.finalize_model_grads_func
-        if previous is None:
-            # What train() would install; a hook a model builder set is kept (and wrapped).
-            config.finalize_model_grads_func = module.finalize_model_grads
-        if not install_prefetch(config, optimizer, _get_args()):
-            config.finalize_model_grads_func = previous
-            return original(*args, **kwargs)
+        # Where the config has none, what train() would install; a hook a model builder set is
+        # kept (and wrapped). Given back after the call.
+        default = getattr(module, "finalize_model_grads", None)
+        handle = prefetch_at_gradient_reduction(
+            config, offloader, default=default, only_if_ours=False
+        )
         # megatron.training 0.17 and 0.18 assign the module's finalize_model_grads to the config
         # in train() unconditionally (the only use of that name): wrap the name for the call.
-        default = getattr(module, "finalize_model_grads", None)
         if default is not None:
-            module.finalize_model_grads = prefetching_finalize(default, find_offloader(optimizer))
+            module.finalize_model_grads = prefetching_finalize(default, offloader)
         try:
             return original(*args, **kwargs)
         finally:
-            config.finalize_model_grads_func = previous
+            handle.remove()
             if default is not None:
                 module.finalize_model_grads = default
 

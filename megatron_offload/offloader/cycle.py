@@ -209,7 +209,7 @@ class AutomaticCycle:
                         stacklevel=4,
                     )
                     continue
-                self._handles.append(_gradient_prefetch_hook(model_config, offloader))
+                self._handles.append(prefetch_at_gradient_reduction(model_config, offloader))
 
         def make(previous):
             self._previous_step = previous
@@ -356,15 +356,18 @@ def model_configs(members) -> list:
     return found
 
 
-def _gradient_prefetch_hook(model_config, offloader):
+def prefetch_at_gradient_reduction(model_config, offloader, default=None, *, only_if_ours=True):
     """Start the reload when the loop reduces the gradients (``prefetch="gradients"``): the
-    model config's ``finalize_model_grads_func`` becomes ``prefetching_finalize`` of it; the
-    loop's own is put back (if nobody replaced it since) when removed."""
+    model config's ``finalize_model_grads_func`` (``default`` where it has none: the one
+    megatron.training's ``train()`` installs) becomes ``prefetching_finalize`` of it, through
+    the offloader's interceptions; removing the handle puts back what the config had (if
+    nobody replaced it since, unless ``only_if_ours`` is False: megatron.training's ``train()``
+    assigns its own). The one place the finalize function is wrapped."""
     own = model_config.finalize_model_grads_func
     return offloader.interceptions.replace(
         model_config,
         "finalize_model_grads_func",
-        prefetching_finalize(own, offloader),
+        prefetching_finalize(own if own is not None else default, offloader),
         why="the reload starts when the loop reduces the gradients (prefetch='gradients')",
-        only_if_ours=True,
+        only_if_ours=only_if_ours,
     )

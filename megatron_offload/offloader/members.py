@@ -44,6 +44,17 @@ def _wrapper_classes() -> tuple[type, ...]:
     return (DistributedOptimizer, Float16OptimizerWithFloat16Params, FP32Optimizer)
 
 
+def chain_walk(optimizer):
+    """``optimizer`` and, inside every ChainedOptimizer (anything with
+    ``chained_optimizers``), its members, depth first in chain order: the one walk of an
+    optimizer chain (None: nothing)."""
+    if optimizer is None:
+        return
+    yield optimizer
+    for member in getattr(optimizer, "chained_optimizers", None) or ():
+        yield from chain_walk(member)
+
+
 def megatron_optimizers(optimizer) -> list:
     """The Megatron optimizers inside ``optimizer`` that hold a torch optimizer, in chain
     order (nested ChainedOptimizers flattened), or a TypeError saying what to do.
@@ -58,8 +69,9 @@ def megatron_optimizers(optimizer) -> list:
     if isinstance(optimizer, classes):
         return [optimizer]
     if isinstance(optimizer, ChainedOptimizer):
-        found, bad = [], []
-        _flatten(optimizer, ChainedOptimizer, classes, found, bad)
+        walked = list(chain_walk(optimizer))
+        found = [o for o in walked if isinstance(o, classes)]
+        bad = [type(o).__name__ for o in walked if not isinstance(o, (*classes, ChainedOptimizer))]
         if bad or not found:
             raise TypeError(
                 "optimizer-state offloading serves the optimizers of a ChainedOptimizer that wrap "
@@ -74,16 +86,6 @@ def megatron_optimizers(optimizer) -> list:
         "Build the optimizer with get_megatron_optimizer(OptimizerConfig(...), model_chunks) "
         "and attach to its result."
     )
-
-
-def _flatten(chain, chained_class, classes, found: list, bad: list) -> None:
-    for inner in chain.chained_optimizers:
-        if isinstance(inner, classes):
-            found.append(inner)
-        elif isinstance(inner, chained_class):
-            _flatten(inner, chained_class, classes, found, bad)
-        else:
-            bad.append(type(inner).__name__)
 
 
 def is_stub(wrapper) -> bool:

@@ -49,7 +49,7 @@ def _primitives():
         (ChunkedUpdate, "install"),
         (OptimizerStateOffloader, "offload"),
         (attach_module, "_backward_prefetch_hook"),
-        (attach_module, "_gradient_prefetch_hook"),
+        (attach_module, "prefetch_at_gradient_reduction"),
         (functools, "update_wrapper"),  # the step wrapper (and the guard's, counted in _wrap too)
         (allocator_warnings, "warn_where_frees_wait"),
     ]
@@ -232,7 +232,7 @@ def test_a_failure_at_any_step_of_attach_leaves_the_optimizer_as_it_was(rank_poo
     if mode == "prefetch":
         assert any(step.endswith("_backward_prefetch_hook") for step in steps)
     else:  # prefetch="gradients", the default: the loop's finalize_model_grads_func is wrapped
-        assert any(step.endswith("_gradient_prefetch_hook") for step in steps)
+        assert any(step.endswith("prefetch_at_gradient_reduction") for step in steps)
     assert len(found["failures"]) == len(steps)
     for k, outcome, differences in found["failures"]:
         assert outcome.startswith(f"injected at call {k}:"), (k, outcome)

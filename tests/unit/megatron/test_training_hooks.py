@@ -26,6 +26,9 @@ OFFLOAD_ARGS = dict(
 
 
 # ------------------------------------------------------------------------------ stand-ins
+from megatron_offload.interceptions import Interceptions  # noqa: E402
+
+
 class FakeOffloader:
     def __init__(self, events, offloaded=True):
         self.events = events
@@ -33,6 +36,7 @@ class FakeOffloader:
         self.optimizer = None
         self.detached = False
         self.config = argparse.Namespace(offload_master_weights=True, prefetch="gradients")
+        self.interceptions = Interceptions()
 
     @property
     def is_offloaded(self):
