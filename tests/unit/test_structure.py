@@ -1,6 +1,7 @@
 """How the package is built, checked by reading its source: each object owns its fields, only
 ``device/`` and ``engine/`` talk to the device, modules stay small, the phase is one object,
-and one component re-points the optimizer's tensors.
+one component re-points the optimizer's tensors, and one component makes every change to an
+optimizer (``interceptions.py``).
 
 Each check reads the package's AST; each has a negative control that plants what it forbids."""
 
@@ -186,28 +187,104 @@ def test_the_device_call_scan_finds_a_planted_call():
     )
 
 
+def oversized(sizes: dict[str, int]) -> dict[str, int]:
+    """The modules over ``MAX_LINES`` (a smell alarm: split along a seam a reader would name,
+    never by squeezing docstrings)."""
+    return {path: n for path, n in sizes.items() if n > MAX_LINES}
+
+
 def test_no_module_is_over_450_lines():
     sizes = {
         str(path.relative_to(PACKAGE.parent)): len(path.read_text().splitlines())
         for path in PACKAGE.rglob("*.py")
     }
-    assert {path: n for path, n in sizes.items() if n > MAX_LINES} == {}
+    assert oversized(sizes) == {}
 
 
-def test_the_phase_is_armed_in_one_place():
-    """Only the phase tracker arms or disarms a guarded mapping, and only the offloader's
-    phase says whether a chunked update streams or a host view serves."""
+def test_the_size_alarm_rings_for_a_planted_long_module():
+    assert oversized({"megatron_offload/x.py": MAX_LINES + 1, "megatron_offload/y.py": 10}) == {
+        "megatron_offload/x.py": MAX_LINES + 1
+    }
+
+
+def arming(trees: dict[str, ast.Module]) -> list[str]:
+    """Stores of a guarded mapping's ``armed`` outside the phase tracker."""
     found = []
-    for path, tree in _modules().items():
+    for path, tree in trees.items():
         for node in ast.walk(tree):
             if (
                 isinstance(node, ast.Attribute)
                 and isinstance(node.ctx, ast.Store)
-                and node.attr in ("armed", "active", "stepping", "_streaming", "_host_view")
+                and node.attr == "armed"
                 and path != "megatron_offload/phase.py"
             ):
                 found.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
-    assert found == []
+    return found
+
+
+def test_the_phase_is_armed_in_one_place():
+    """Only the phase tracker arms or disarms a guarded mapping."""
+    assert arming(_modules()) == []
+
+
+def test_the_arming_scan_finds_a_planted_store():
+    planted = {"megatron_offload/access/x.py": ast.parse("state.armed = None\n")}
+    assert arming(planted) == ["megatron_offload/access/x.py:1: state.armed"]
+
+
+# Process-wide patches (module globals of megatron.training, framework functions) are not an
+# optimizer's: they undo themselves (docs/design.md, "What the offloader changes").
+_PROCESS_WIDE = ("megatron_offload/megatron/", "megatron_offload/frameworks/")
+
+
+def changes_by_hand(trees: dict[str, ast.Module]) -> list[str]:
+    """Changes made to objects outside ``interceptions.py``: an instance dictionary written
+    (``vars(x)[...] =``, ``x.__dict__[...] =``, ``vars(x).pop``), or a torch hook registered
+    whose handle is not handed to ``Interceptions.hook`` at once."""
+    found = []
+    for path, tree in trees.items():
+        if path.endswith("interceptions.py") or path.startswith(_PROCESS_WIDE):
+            continue
+        handed = {
+            id(node.args[0])
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("hook", "_hook")  # the guard's helper hands it on
+            and node.args
+        }
+        for node in ast.walk(tree):
+            text = ast.unparse(node)
+            if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store):
+                if text.startswith("vars(") or ".__dict__[" in text:
+                    found.append(f"{path}:{node.lineno}: {text}")
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                name = node.func.attr
+                if name == "pop" and (text.startswith("vars(") or ".__dict__.pop" in text):
+                    found.append(f"{path}:{node.lineno}: {text}")
+                elif name.startswith("register_") and name.endswith("hook"):
+                    if id(node) not in handed and "offload_" not in name:
+                        found.append(f"{path}:{node.lineno}: {text}")
+    return found
+
+
+def test_every_change_to_an_optimizer_goes_through_interceptions():
+    assert changes_by_hand(_modules()) == []
+
+
+def test_the_interception_scan_finds_planted_changes():
+    planted = {
+        "megatron_offload/chunked/x.py": ast.parse(
+            "def f(obj, inner, installed):\n"
+            "    vars(obj)['step'] = 1\n"
+            "    obj.__dict__['step'] = 1\n"
+            "    vars(obj).pop('step')\n"
+            "    inner.register_step_pre_hook(f)\n"
+            "    installed.hook(inner.register_step_pre_hook(f), where='', why='')\n"
+        ),
+        "megatron_offload/interceptions.py": ast.parse("def g(obj):\n    vars(obj)['x'] = 1\n"),
+    }
+    assert [line.split(":")[1] for line in changes_by_hand(planted)] == ["2", "3", "4", "5"]
 
 
 def test_one_component_repoints_the_optimizers_tensors():
