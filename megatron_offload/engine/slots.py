@@ -295,7 +295,15 @@ class SlotStream:
                     # The update overwrites the slot (and what else ``save`` read) only after
                     # the copies saving it read it.
                     device.wait_event(current, saved, label=WRITE_AFTER_D2H)
-                update(chunk, views)
+                failure = None
+                try:
+                    update(chunk, views)
+                except BaseException as error:
+                    if save is not None:
+                        raise  # the undo puts back the bytes from before the step
+                    # What the update wrote before it failed is copied back, as a finished
+                    # chunk's: the states are then those of the same update failing whole.
+                    failure = error
                 del views
                 # Rule 1: the D2H copies what the update wrote.
                 device.wait_stream(d2h, current, label=D2H_AFTER_WRITERS)
@@ -309,6 +317,11 @@ class SlotStream:
                         # Even when a copy raised: the next reader of the host copies (and
                         # of the slot) must wait for the copies queued before it.
                         last_d2h = d2h_events[index % count] = device.record_event(d2h)
+                if failure is not None:
+                    try:
+                        raise failure
+                    finally:
+                        failure = None  # no cycle through this frame: the slots go now
         finally:
             # Prefetched chunks that were never updated (the update raised): order their
             # H2D before the current stream, which frees the slots.

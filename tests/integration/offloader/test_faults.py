@@ -136,14 +136,17 @@ def test_an_out_of_memory_at_any_allocation_of_a_reload_holds_nothing(rank_pool,
         assert _same(reference, run)
 
 
-def update_fault_job(fail_at: int):
+CHUNKED = {"chunked_update_bytes": 1 << 18}
+
+
+def update_fault_job(fail_at: int, options: dict):
     """The step-1 update raises part-way under attach's cycle; the loop goes on."""
     import megatron_offload
     from tests.harness import models
     from tests.support.faults import failing_update
 
     chunks, optimizer, config = _build()
-    offloader = megatron_offload.attach(optimizer, **PIECES)
+    offloader = megatron_offload.attach(optimizer, **options)
     results = [models.train_step(chunks, optimizer, config, 0)]
     with failing_update(fail_at), pytest.raises(RuntimeError, match="injected"):
         models.train_step(chunks, optimizer, config, 1)
@@ -155,10 +158,13 @@ def update_fault_job(fail_at: int):
     return {"after": after, **_finish(chunks, optimizer, config, offloader, results)}
 
 
-def test_an_update_that_raises_part_way_leaves_the_states_off_the_device(rank_pool):
-    fail_at = 3  # the third parameter's update: some updated, the rest not
+@pytest.mark.parametrize("mode", ["whole", "chunked"])
+def test_an_update_that_raises_part_way_leaves_the_states_off_the_device(rank_pool, mode):
+    """The chunked update streams the states chunk by chunk; failing in a later chunk, what the
+    earlier ones wrote went back to the host, as the plain run keeps its partial update."""
+    fail_at = 3 if mode == "whole" else 20  # some parameters updated, the rest not
     references = rank_pool.run(reference_job, fail_update_at=fail_at)
-    runs = rank_pool.run(update_fault_job, fail_at)
+    runs = rank_pool.run(update_fault_job, fail_at, PIECES if mode == "whole" else CHUNKED)
     for reference, run in zip(references, runs):
         after = run["after"]
         assert after["resident"] == 0
