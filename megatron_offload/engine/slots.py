@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..errors import OffloadStateError, SlotSizeError
+from ..errors import OffloadStateError, SlotSizeError, out_of_memory
 from .engine import OffloadEngine
 from .labels import (
     D2H_AFTER_WRITERS,
@@ -216,7 +216,15 @@ class SlotStream:
                     )
         count = min(self.slots, len(chunks))
         size = max(chunk.nbytes for chunk in chunks)  # <= slot_bytes (plan)
-        slots = [device.empty(size, torch.uint8) for _ in range(count)]
+        slots = []
+        try:  # all or nothing, before any state moves
+            for _ in range(count):
+                slots.append(device.empty(size, torch.uint8))
+        except BaseException as error:
+            slots.clear()
+            raise out_of_memory(
+                error, device, f"{engine.name}: the chunked update's slots", count * size
+            )
         self.peak_slot_bytes = max(self.peak_slot_bytes, count * size)
         current = device.current_stream()
         h2d = engine.side_stream("h2d")

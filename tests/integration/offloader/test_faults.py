@@ -23,8 +23,11 @@ PIECES = {"max_piece_bytes": 1 << 17}  # several pieces per kind: faults between
 
 
 def _points(count: int) -> list[int]:
-    """Which allocations fail: the first, the second, one in the middle and the last."""
-    return sorted({k for k in (1, 2, count // 2, count) if k >= 1})
+    """Which allocations fail: every one (the first, the second, one in the middle and the
+    last where there are more than 12)."""
+    if count <= 12:
+        return list(range(1, count + 1))
+    return sorted({1, 2, count // 2, count})
 
 
 def _build(freeze=None):
@@ -364,4 +367,99 @@ def test_an_interrupt_inside_a_copy_leaves_a_state_the_same_call_completes(rank_
         assert run["reload"] == [True] * points  # nothing regrown is held
         assert run["offload"] == [True] * points  # what was not copied stayed on the device
         assert run["offloaded"] == [True] * points  # and the same call moved it
+        assert _same(reference, run)
+
+
+def chunked_fault_job():
+    """The chunked update's own allocations (its slots) failing, one per iteration: the step
+    raises a DeviceMemoryError before any state moved, nothing stays held, and the same
+    ``optimizer.step()`` made again works."""
+    import megatron_offload
+    from megatron_offload.errors import DeviceMemoryError
+    from tests.harness import models
+    from tests.support.faults import AllocationFaults
+
+    chunks, optimizer, config = _build()
+    offloader = megatron_offload.attach(optimizer, **CHUNKED)
+    results = [models.train_step(chunks, optimizer, config, 0)]
+    attached_step = optimizer.step
+    counted = []
+
+    def counting():
+        with AllocationFaults() as faults:
+            result = attached_step()
+        counted.append(faults.count)
+        return result
+
+    optimizer.step = counting
+    results.append(models.train_step(chunks, optimizer, config, 1))
+    count = counted[0]
+    faults = []
+
+    def failing_once(k):
+        with AllocationFaults(fail_at=k):
+            try:
+                attached_step()
+                faults.append(None)
+            except DeviceMemoryError as error:
+                faults.append(
+                    {
+                        "raised": str(error),
+                        "device": _device_bytes(chunks, optimizer),
+                        "resident": offloader.stats()["resident_bytes"],
+                    }
+                )
+                return attached_step()  # the same call, with the memory free
+        return None
+
+    for k in range(1, count + 1):
+        optimizer.step = lambda k=k: failing_once(k)
+        results.append(models.train_step(chunks, optimizer, config, len(results)))
+    optimizer.step = attached_step
+    steps = len(results) + 1
+    return {
+        "count": count,
+        "faults": faults,
+        "steps": steps,
+        **_finish(chunks, optimizer, config, offloader, results, steps),
+    }
+
+
+def retried_reference_job(retried: int, steps: int):
+    """The plain run whose inner update fails once (out of memory) in each of the
+    ``retried`` iterations after the first two, and whose loop calls ``optimizer.step()``
+    again: megatron-core prepares and clips the gradients a second time, as it does for the
+    chunked run retrying its step."""
+    from tests.harness import models
+    from tests.support.faults import Failing
+
+    chunks, optimizer, config = _build()
+    results = [models.train_step(chunks, optimizer, config, step) for step in range(2)]
+    plain_step, inner = optimizer.step, models.megatron_optimizers(optimizer)[0].optimizer
+
+    def failing_once():
+        with Failing(type(inner), "step", 1, torch.OutOfMemoryError("injected")):
+            try:
+                plain_step()
+            except torch.OutOfMemoryError:
+                pass
+        return plain_step()
+
+    optimizer.step = failing_once
+    for _ in range(retried):
+        results.append(models.train_step(chunks, optimizer, config, len(results)))
+    optimizer.step = plain_step
+    return _finish(chunks, optimizer, config, None, results, steps)
+
+
+def test_the_chunked_update_meeting_an_out_of_memory_holds_nothing(rank_pool):
+    runs = rank_pool.run(chunked_fault_job)
+    retried = len(runs[0]["faults"])
+    references = rank_pool.run(retried_reference_job, retried, runs[0]["steps"])
+    for reference, run in zip(references, runs):
+        assert run["count"] >= 2 and None not in run["faults"], run["faults"]  # every slot
+        for fault in run["faults"]:
+            assert "chunked update's slots" in fault["raised"], fault["raised"]
+            assert "call it again" in fault["raised"]
+            assert fault["device"]["states"] == 0 and fault["resident"] == 0, fault
         assert _same(reference, run)
