@@ -47,8 +47,9 @@ from ..adapters import model_buffers as buffers
 from ..adapters.megatron_wrappers import device_of
 from ..device import device_for
 from ..engine.model_memory import ModelMemory
-from ..errors import DeviceMemoryError, OffloadStateError
+from ..errors import DeviceMemoryError, NodeMemoryError, OffloadStateError
 from ..phase import Phase
+from . import node_memory
 from .members import is_stub, megatron_optimizers
 
 # Each DDP chunk a distributed optimizer was built for -> the offloader serving that optimizer
@@ -131,6 +132,17 @@ class Sleep:
         device = offloader.engines[0].device if offloader.engines else None
         budget = offloader.engines[0].budget if offloader.engines else None
         entries = [(s.tensor, s.rebuilder is None, False) for s in params]
+        if parameters:
+            # Every rank of the node together (collective: every rank sleeps), before any
+            # allocates: what the copies add to what the node already holds.
+            held = self._params.host_bytes if self._params is not None else 0
+            need = max(0, ModelMemory.host_need(entries) - held)
+            try:
+                node_memory.agree(need, pins=False, budget=None)
+            except NodeMemoryError as error:
+                raise NodeMemoryError(
+                    f"sleep() copies the parameters it cannot rebuild to the host: {error}"
+                ) from None
         if params:
             self._params = self._params or ModelMemory(
                 device or device_for(params[0].tensor.device), budget=budget, name="wake()"

@@ -272,8 +272,9 @@ def test_four_ranks_with_expert_buffers_and_a_frozen_parameter(rank_pool4):
 
 
 def budget_job():
-    """A budget that holds the arena but not sleep's copies of the frozen parameter: the sleep
-    is refused before anything is given up; a budget with room sleeps, and the copies count."""
+    """A budget that holds the arena but not sleep's copies of the frozen parameter, and then
+    a node that cannot give them: the sleep is refused before anything is given up; with room
+    it sleeps, and the copies count."""
     import megatron_offload
     from tests.harness import models
 
@@ -295,6 +296,18 @@ def budget_job():
     found["host_bytes"] = offloader.stats()["host_bytes"]
     offloader.detach()
     offloader = megatron_offload.attach(optimizer, host_memory_budget=2 * arena + (1 << 20))
+    # The node cannot give the copies (fake limits: nothing available): every rank refuses.
+    from tests.integration.offloader.test_node_memory import _with_limits
+
+    before = _device_bytes(chunks, optimizer)
+    restore = _with_limits(1)
+    try:
+        offloader.sleep()
+    except megatron_offload.NodeMemoryError as error:
+        found["node_refused"] = str(error)
+    finally:
+        restore()
+    found["node_untouched"] = _device_bytes(chunks, optimizer) == before and not offloader.sleeping
     offloader.sleep()
     stats = offloader.stats()
     found["slept"] = (stats["sleep_host_bytes"], stats["host_bytes"], arena)
@@ -303,10 +316,14 @@ def budget_job():
     return found
 
 
-def test_a_budget_too_small_for_sleep_is_refused_before_anything_is_given_up(rank_pool):
+def test_a_budget_or_a_node_too_small_for_sleep_is_refused_before_anything_is_given_up(
+    rank_pool,
+):
     for found in rank_pool.run(budget_job):
         assert "host_memory_budget" in found["refused"], found
         assert found["untouched"] and not found["sleeping"]
         sleep_bytes, host_bytes, arena = found["slept"]
         assert found["host_bytes"] == arena  # the refused sleep holds nothing more
         assert sleep_bytes > 0 and host_bytes == arena + sleep_bytes
+        assert "sleep() copies the parameters" in found["node_refused"], found
+        assert "can give 1" in found["node_refused"] and found["node_untouched"]
