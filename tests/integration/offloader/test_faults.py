@@ -463,3 +463,59 @@ def test_the_chunked_update_meeting_an_out_of_memory_holds_nothing(rank_pool):
             assert "call it again" in fault["raised"]
             assert fault["device"]["states"] == 0 and fault["resident"] == 0, fault
         assert _same(reference, run)
+
+
+def corrupt_checkpoint_job(offload: bool, directory: str):
+    """A checkpoint whose files are cut short, loaded into a running optimizer: the load
+    raises on every rank, nothing it allocated stays held, and loading the good checkpoint
+    again trains on bitwise."""
+    import glob
+    import os
+
+    import megatron_offload
+    from tests.harness import models
+    from tests.integration.access.test_checkpoint import _load, _save, _shared_directory
+
+    good = _shared_directory(directory + "/good")
+    cut = _shared_directory(directory + "/cut")
+    chunks, optimizer, config = models.build("mlp", "bf16")
+    offloader = megatron_offload.attach(optimizer) if offload else None
+    results = [models.train_step(chunks, optimizer, config, step) for step in range(2)]
+    _save(chunks, optimizer, good, async_save=False)
+    _save(chunks, optimizer, cut, async_save=False)
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        for path in glob.glob(os.path.join(cut, "*.distcp")):
+            with open(path, "r+b") as handle:
+                handle.truncate(os.path.getsize(path) // 2)
+    torch.distributed.barrier()
+    results += [models.train_step(chunks, optimizer, config, step) for step in range(2, 3)]
+    found = {}
+    host = offloader.stats()["host_bytes"] if offload else None
+    try:
+        _load(chunks, optimizer, cut, offload)
+        found["raised"] = None
+    except BaseException as error:  # torch.distributed.checkpoint raises a BaseException
+        found["raised"] = type(error).__name__
+    if offload:
+        stats = offloader.stats()
+        found["held"] = (stats["host_bytes"] == host, stats["resident_bytes"])
+    torch.distributed.barrier()
+    _load(chunks, optimizer, good, offload)
+    results += [models.train_step(chunks, optimizer, config, step) for step in range(2, 4)]
+    if offloader is not None:
+        offloader.detach()
+    found.update(results=results, snapshot=models.snapshot(chunks, optimizer))
+    return found
+
+
+def test_a_checkpoint_cut_short_fails_its_load_and_the_good_one_resumes(rank_pool, tmp_path):
+    references = rank_pool.run(corrupt_checkpoint_job, False, str(tmp_path / "plain"))
+    runs = rank_pool.run(corrupt_checkpoint_job, True, str(tmp_path / "offload"))
+    for reference, run in zip(references, runs):
+        assert run["raised"] is not None and run["raised"] == reference["raised"], run["raised"]
+        assert run["held"][0], run["held"]  # no host memory left behind by the failed load
+        assert run["results"] == reference["results"]
+        for section in ("params", "optimizer"):
+            for key, value in reference["snapshot"][section].items():
+                assert torch.equal(value, run["snapshot"][section][key]), key
