@@ -115,7 +115,7 @@ def step_job(cfg: dict) -> dict:
     steps = 3
     for step in range(steps):
         models.train_step(chunks, optimizer, config, step)
-        if mode == "slept" and step == 1:
+        if mode == "slept":  # after every step: any number of sleeps costs the steps nothing
             offloader.sleep()
             offloader.wake()
     if mode == "checkpoint":
