@@ -47,7 +47,7 @@ class ModelMemory:
         self._held: list[_Held] = []
         self._regrown: list[_Held] = []  # the last regrow, until something else changes
         self._host = HostBuffers(device, budget=budget, name=name)
-        self._carved: tuple = ()  # (storage object, bytes) the host buffer is carved for
+        self._carved: tuple = ()  # (tensor, bytes) the host buffer is carved for
         self._hosts: list[torch.Tensor] = []
         #: Bytes of the last release: copied to the host, and dropped without a copy.
         self.copied_bytes = 0
@@ -71,10 +71,10 @@ class ModelMemory:
         """Hold host memory for every copied storage of ``entries`` (``(tensor, copy, zero)``),
         reusing the buffer when the same storages are copied again. Changes nothing on the
         device; refused (``HostMemoryBudgetError``) or failing, it holds nothing new."""
+        # The same tensor objects (a buffer's ``param_data``, a frozen parameter) come back at
+        # every sleep; a storage object is made anew at every ``untyped_storage()`` call.
         carved = tuple(
-            (tensor.untyped_storage(), tensor.untyped_storage().nbytes())
-            for tensor, copy, _ in entries
-            if copy
+            (tensor, tensor.untyped_storage().nbytes()) for tensor, copy, _ in entries if copy
         )
         same = len(carved) == len(self._carved) and all(
             a[0] is b[0] and a[1] == b[1] for a, b in zip(carved, self._carved)

@@ -155,7 +155,7 @@ def install_prefetch(config, optimizer, args=None) -> bool:
     reload of ``optimizer``'s states starts while the gradients are reduced.
 
     Returns whether it wrapped: only with an attached offloader whose ``prefetch`` is
-    ``"gradients"`` (the default). Idempotent. (``args``: unused, the offloader's config
+    ``"gradients"`` (the default), and not under full-iteration CUDA graphs. Idempotent. (``args``: unused, the offloader's config
     says; kept for the source patches' call.)
     """
     offloader = find_offloader(optimizer)
@@ -163,8 +163,9 @@ def install_prefetch(config, optimizer, args=None) -> bool:
         return False
     from megatron.core.distributed import finalize_model_grads
 
-    prefetch_at_gradient_reduction(config, offloader, default=finalize_model_grads)
-    return True
+    return (
+        prefetch_at_gradient_reduction(config, offloader, default=finalize_model_grads) is not None
+    )
 
 
 def log_for_megatron(iteration: int) -> None:
@@ -337,6 +338,8 @@ def _wrap_train(original, module):
         handle = prefetch_at_gradient_reduction(
             config, offloader, default=default, only_if_ours=False
         )
+        if handle is None:  # full-iteration graphs: the step starts the reload
+            return original(*args, **kwargs)
         # megatron.training 0.17 and 0.18 assign the module's finalize_model_grads to the config
         # in train() unconditionally (the only use of that name): wrap the name for the call.
         if default is not None:

@@ -198,18 +198,9 @@ class AutomaticCycle:
             for model_config in model_configs(members):
                 if getattr(model_config, "finalize_model_grads_func", None) is None:
                     continue
-                if getattr(model_config, "cuda_graph_impl", "none") == "full_iteration":
-                    # The whole forward and backward, the gradient finalize included, is one
-                    # captured graph: a reload started there would be recorded into it (and
-                    # its memory taken from the graph's pool). The step starts it instead.
-                    warnings.warn(
-                        'attach(prefetch="gradients"): under cuda_graph_impl="full_iteration" '
-                        "the gradient finalize runs inside the captured graph, so the reload "
-                        "starts at step() instead.",
-                        stacklevel=4,
-                    )
-                    continue
-                self._handles.append(prefetch_at_gradient_reduction(model_config, offloader))
+                handle = prefetch_at_gradient_reduction(model_config, offloader)
+                if handle is not None:
+                    self._handles.append(handle)
 
         def make(previous):
             self._previous_step = previous
@@ -363,6 +354,16 @@ def prefetch_at_gradient_reduction(model_config, offloader, default=None, *, onl
     the offloader's interceptions; removing the handle puts back what the config had (if
     nobody replaced it since, unless ``only_if_ours`` is False: megatron.training's ``train()``
     assigns its own). The one place the finalize function is wrapped."""
+    if getattr(model_config, "cuda_graph_impl", "none") == "full_iteration":
+        # The whole forward and backward, the gradient finalize included, is one captured
+        # graph: a reload started there would be recorded into it (and its memory taken from
+        # the graph's pool). The step starts it instead; nothing is installed (None).
+        warnings.warn(
+            'prefetch="gradients": under cuda_graph_impl="full_iteration" the gradient '
+            "finalize runs inside the captured graph, so the reload starts at step() instead.",
+            stacklevel=3,
+        )
+        return None
     own = model_config.finalize_model_grads_func
     return offloader.interceptions.replace(
         model_config,

@@ -156,7 +156,6 @@ class Sleep:
             )
             self._figures["dropped_gradient_bytes"] = _nbytes(grads)
             self._grads.release([(s.tensor, False, True) for s in grads])  # zeroed on waking
-        if gradients:
             self.gradients_dropped = True
             self._watch_forward()
         if not parameters:
@@ -279,20 +278,6 @@ class Sleep:
             **self._figures,
             "sleep_host_bytes": sum(held),
         }
-
-    def host_need(self, model=None) -> int:
-        """Host bytes a sleep would hold now (the parameters it cannot rebuild, supposing it
-        rebuilds every 16-bit buffer of a distributed optimizer): what the node check adds."""
-        found = megatron_optimizers(self._offloader.optimizer)
-        try:
-            chunks = buffers.model_chunks(found, model)
-        except TypeError:
-            return 0
-        if not chunks or buffers.graph_capture(chunks) is not None:
-            return 0
-        rebuilders = [w for w in found if not is_stub(w) and buffers.rebuild_refusal(w) is None]
-        params = [s for s in buffers.storages(chunks, rebuilders) if s.kind == buffers.PARAMETERS]
-        return ModelMemory.host_need([(s.tensor, s.rebuilder is None, False) for s in params])
 
     def close(self) -> None:
         self.wake()

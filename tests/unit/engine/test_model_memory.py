@@ -96,3 +96,29 @@ def test_a_regrow_that_fails_gives_back_what_it_regrew_and_works_again(isolated,
     assert facts["after fault"] == [0, 0, 0] and facts["released"]
     assert facts["again"] == [24, 24, 10] and facts["params"] and facts["grads"]
     assert facts["unregrown"] == [0, 0, 0] and facts["params again"]
+
+
+def reuse_across_sleeps() -> dict:
+    from megatron_offload.device.cpu import CPUDevice
+    from megatron_offload.engine.model_memory import ModelMemory
+
+    device = CPUDevice()
+    made = []
+    host_buffer = device.host_buffer
+    device.host_buffer = lambda n: made.append(n) or host_buffer(n)
+    params = torch.arange(12, dtype=torch.bfloat16)
+    memory = ModelMemory(device, name="wake()")
+    for _ in range(3):
+        memory.release([(params, True, False)])
+        memory.regrow()
+    other = torch.ones(4)
+    memory.release([(params, True, False), (other, True, False)])  # another set: anew
+    memory.regrow()
+    memory.close()
+    return {"made": made}
+
+
+def test_the_host_buffer_is_kept_while_the_same_storages_are_copied(isolated):
+    # One allocation (pinning, on a GPU) for three sleeps of the same storages, one more when
+    # the set changes.
+    assert isolated.run(reuse_across_sleeps)["made"] == [32, 48]

@@ -12,6 +12,7 @@ import contextlib
 
 import pytest
 
+from megatron_offload.interceptions import Interceptions
 from megatron_offload.megatron import training as hooks
 from megatron_offload.megatron.arguments import OffloadArgumentError
 
@@ -26,9 +27,6 @@ OFFLOAD_ARGS = dict(
 
 
 # ------------------------------------------------------------------------------ stand-ins
-from megatron_offload.interceptions import Interceptions  # noqa: E402
-
-
 class FakeOffloader:
     def __init__(self, events, offloaded=True):
         self.events = events
@@ -655,3 +653,23 @@ def test_without_megatron_training_messages_go_to_stdout(monkeypatch, capsys):
     report._print_rank_last("last")
     assert capsys.readouterr().out == "first\nlast\n"
     assert hooks._megatron_args_or_none() is None
+
+
+def test_prefetch_is_not_installed_inside_a_full_iteration_graph(megatron_args):
+    """Under cuda_graph_impl="full_iteration" the finalize runs inside the captured graph: the
+    source patches' install leaves it alone (the step starts the reload), with a warning."""
+    import warnings
+
+    optimizer = FakeOptimizer(FakeOffloader([]))
+
+    def finalize_model_grads(*args, **kwargs):
+        pass
+
+    config = argparse.Namespace(
+        finalize_model_grads_func=finalize_model_grads, cuda_graph_impl="full_iteration"
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not hooks.install_prefetch(config, optimizer, megatron_args)
+    assert config.finalize_model_grads_func is finalize_model_grads
+    assert any("captured graph" in str(w.message) for w in caught)
