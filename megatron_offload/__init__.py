@@ -15,6 +15,7 @@ from .config import OffloadConfig
 from .errors import (
     DeviceMemoryError,
     HostMemoryBudgetError,
+    HostMemoryError,
     NodeMemoryError,
     OffloadArgumentError,
     OffloadError,
@@ -31,6 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DeviceMemoryError",
     "HostMemoryBudgetError",
+    "HostMemoryError",
     "NodeMemoryError",
     "OffloadArgumentError",
     "OffloadConfig",

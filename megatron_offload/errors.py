@@ -14,6 +14,7 @@ process with status 1.
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 
@@ -42,7 +43,7 @@ class HostMemoryBudgetError(OffloadError, MemoryError):
 class NodeMemoryError(HostMemoryBudgetError):
     """The ranks of a node need more host memory together than the node (or its container,
     or ``ulimit -l`` for pinned memory) can give; every rank raises it, before anything is
-    allocated (``integration/node_memory.py``)."""
+    allocated (``offloader/node_memory.py``)."""
 
     same_on_every_rank = True
 
@@ -68,19 +69,39 @@ class DeviceMemoryError(OffloadError, torch.OutOfMemoryError):
         )
 
 
+class HostMemoryError(OffloadError, MemoryError):
+    """An operation could not get the host memory it needed (the kernel refused a mapping).
+    As for ``DeviceMemoryError``, what it had allocated was given back and the same call
+    works once memory is free."""
+
+    def __init__(self, operation: str, *, needed: int) -> None:
+        self.operation, self.needed = operation, needed
+        super().__init__(
+            f"{operation} needed {_gib(needed)} of host memory and the system refused it. "
+            "Nothing it allocated is kept and nothing was lost: call it again once that memory "
+            "is free, or lower what the ranks of this node hold (host_memory_budget)."
+        )
+
+
 def out_of_memory(error: BaseException, device, operation: str, needed: int) -> BaseException:
-    """What to raise for ``error``, met by ``operation`` while allocating ``needed`` bytes of
-    device memory, after undoing what it allocated: a ``DeviceMemoryError`` (chained to the
-    allocator's own) for an out-of-memory, ``error`` itself for anything else."""
+    """What to raise for ``error``, met by ``operation`` while allocating ``needed`` bytes,
+    after undoing what it allocated: a ``DeviceMemoryError`` (chained to the allocator's own)
+    for a device out of memory, a ``HostMemoryError`` for a host allocation the system
+    refused, ``error`` itself for anything else (the package's own errors included)."""
+    if isinstance(error, OffloadError):
+        return error
     if isinstance(error, torch.OutOfMemoryError) or (
         isinstance(error, RuntimeError) and "alloc" in str(error).lower()
     ):
-        if isinstance(error, DeviceMemoryError):
-            return error
         raised = DeviceMemoryError(operation, needed=needed, free=device.memory_free())
-        raised.__cause__ = error
-        return raised
-    return error
+    elif isinstance(error, MemoryError) or (
+        isinstance(error, OSError) and error.errno == errno.ENOMEM
+    ):
+        raised = HostMemoryError(operation, needed=needed)
+    else:
+        return error
+    raised.__cause__ = error
+    return raised
 
 
 def _gib(nbytes: int) -> str:

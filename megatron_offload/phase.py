@@ -173,7 +173,9 @@ class PhaseTracker:
 
     def _settle(self) -> None:
         guarded = self._stack[-1] is Phase.IDLE and any(
-            piece.place is not Place.RESIDENT for engine in self._engines for piece in engine.pieces
+            piece.place is not Place.RESIDENT
+            for engine in self._engines
+            for piece in engine.copies.pieces
         )
         self.current = self._stack[-1]
         if (

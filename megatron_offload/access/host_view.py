@@ -360,7 +360,14 @@ class _Served:
                         adopt.append((entries, name, value))
         pointed.forget()
         if adopt:
-            tensors = engine.adopted.from_host([value for _, _, value in adopt])
+            try:
+                tensors = engine.adopted.from_host([value for _, _, value in adopt])
+            except BaseException:
+                # Not kept on the host outside the engine either: the optimizer goes on as
+                # if the load had not made these states (a load made again makes them anew).
+                for entries, name, _ in adopt:
+                    del entries[name]
+                raise
             for (entries, name, value), tensor in zip(adopt, tensors):
                 entries[name] = tensor
                 self.written_bytes += value.numel() * value.element_size()

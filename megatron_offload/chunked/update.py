@@ -269,13 +269,13 @@ class ChunkedUpdate:
         inner, engine = self.inner, self.engine
         # The engine's state fingerprint (O(groups), adapters/megatron_wrappers.py) says when
         # the states may have changed; without one, count every parameter's entries.
-        watch = engine.fingerprint
+        watch = engine.copies.fingerprint
         key = (
             engine.generation,
             watch()
             if watch is not None
             else (len(inner.state), sum(map(len, inner.state.values()))),
-            tuple(piece.place for piece in engine.pieces),
+            tuple(piece.place for piece in engine.copies.pieces),
             tuple((id(group["params"]), len(group["params"])) for group in inner.param_groups),
         )
         if self._cached is not None and self._cached[0] == key:

@@ -14,6 +14,7 @@ from typing import Iterable
 import torch
 
 from ..device import Device
+from ..errors import out_of_memory
 from .host import HostBuffers
 from .labels import (
     D2H_AFTER_WRITERS,
@@ -90,13 +91,15 @@ class Adopted:
         the current stream, which regrows and then uses them: rule 7)."""
         device = self.device
         for key in [k for k in self._items if k in ids]:
-            tensor, host, event, buffer = self._items.pop(key)
+            tensor, host, event, buffer = self._items[key]
             if event is not None:
                 device.synchronize_event(event, label=HOST_READ_AFTER_D2H)
+            # Adopted until its bytes are back: a regrowth that fails leaves it as it was.
             device.regrow(tensor, tensor.numel() * tensor.element_size())
             current = device.current_stream()
             with device.use_stream(current):
                 device.copy(tensor, typed_view(host, tensor))
+            del self._items[key]
             # Rule 5: the buffer goes back only once the copy reading it is done.
             device.synchronize_event(device.record_event(current), label=HOST_FREE_AFTER_COPIES)
             self._free_if_unused(buffer)
@@ -156,14 +159,25 @@ class Adopted:
         largest of them on the device)."""
         device = self.device
         sizes = [value.numel() * value.element_size() for value in values]
-        buffer = device.host_buffer(sum(aligned_size(n) for n in sizes))
-        tensors, offset = [], 0
-        for value, nbytes in zip(values, sizes):
-            host = buffer[offset : offset + nbytes]
-            host.copy_(value.contiguous().view(-1).view(torch.uint8))
-            offset += aligned_size(nbytes)  # each one aligned for its dtype
-            tensor = device.empty(value.numel(), value.dtype).view(value.shape)
-            device.release(tensor)
-            self.add([(tensor, host, None, buffer)])
-            tensors.append(tensor)
+        total = sum(aligned_size(n) for n in sizes)
+        tensors, items, offset, buffer = [], [], 0, None
+        try:  # all or nothing: nothing is adopted until every tensor is made
+            buffer = device.host_buffer(total)
+            for value, nbytes in zip(values, sizes):
+                host = buffer[offset : offset + nbytes]
+                host.copy_(value.contiguous().view(-1).view(torch.uint8))
+                offset += aligned_size(nbytes)  # each one aligned for its dtype
+                tensor = device.empty(value.numel(), value.dtype).view(value.shape)
+                device.release(tensor)
+                items.append((tensor, host, None, buffer))
+                tensors.append(tensor)
+        except BaseException as error:
+            if buffer is not None:
+                device.free_host_buffer(buffer)
+            # The traceback keeps this frame: nothing in it may keep the buffer mapped.
+            buffer = host = None
+            items.clear()
+            tensors.clear()
+            raise out_of_memory(error, device, "adopting the states a load made", total)
+        self.add(items)
         return tensors

@@ -9,6 +9,11 @@ cycle are therefore bounded by bytes / piece size plus the number of pieces, wha
 number of tensors. When the tensors change (new states appear) the pieces are laid out
 again; pieces whose only copy is on the host stay released and their bytes move into the
 new layout. Tensors a caller put on the host itself join through ``adopted``.
+
+The engine is made of parts it owns: the ``Layout`` (which tensors, in which pieces), the
+``HostArena`` (their host bytes), the ``CopyProtocol`` (every move of the pieces, in order;
+``copies``) and ``Adopted``. Its moves (``offload``, ``release``, ``reload``, ``wait``...) are
+the protocol's, with the layout looked at again first where the tensors may have changed.
 """
 
 from __future__ import annotations
@@ -19,17 +24,17 @@ from typing import Callable, Iterable
 import torch
 
 from ..device import Device
-from ..errors import OffloadStateError
+from ..errors import OffloadStateError, out_of_memory
 from .adopted import Adopted
 from .figures import piece_figures
-from .host import HostBudget
+from .host import HostArena, HostBudget
 from .labels import HOST_READ_AFTER_D2H
 from .layout import DEFAULT_MAX_PIECE_BYTES, Collect, Layout, check_no_aliasing, unmovable_reason
 from .pieces import Piece, Place, owns_storage
 from .protocol import CopyProtocol
 
 
-class OffloadEngine(CopyProtocol):
+class OffloadEngine:
     """Offloads the tensors returned by ``collect`` to one host arena and back.
 
     Args:
@@ -67,7 +72,30 @@ class OffloadEngine(CopyProtocol):
         streamed: Callable[[], Iterable[torch.Tensor]] | None = None,
         max_piece_bytes: int | None = DEFAULT_MAX_PIECE_BYTES,
     ) -> None:
-        super().__init__(device, name=name, budget=budget, fingerprint=fingerprint)
+        self.device = device
+        self.name = name
+        #: The host arena, and the newest copy into or out of it on each side stream.
+        self.host = HostArena(device, budget)
+        #: Every copy, event, stream wait and release of the pieces, and when to lay them
+        #: out again (its ``fingerprint``).
+        self.copies = CopyProtocol(
+            device, name=name, host=self.host, fingerprint=fingerprint, relayout=self._relayout
+        )
+        # The moves are the protocol's own methods: nothing in between on the step's path.
+        copies = self.copies
+        self.offload, self.release, self.reload, self.wait = (
+            copies.offload,
+            copies.release,
+            copies.reload,
+            copies.wait,
+        )
+        self.synchronize_host, self.mark_dirty, self.side_stream = (
+            copies.synchronize_host,
+            copies.mark_dirty,
+            copies.side_stream,
+        )
+        self.is_released, self.fully_released = copies.is_released, copies.fully_released
+        self.invalidate, self.rescan = copies.invalidate, copies.rescan
         self._layout = Layout(
             device,
             collect,
@@ -78,13 +106,31 @@ class OffloadEngine(CopyProtocol):
         )
         #: Advances whenever the pieces are laid out again.
         self.generation = 0
+        #: Bytes of tensors ``collect`` returned that a failed layout left untracked.
+        self.unlaid_bytes = 0
         #: Tensors whose only copy someone else put on the host, until the next layout.
-        self.adopted = Adopted(device, changed=self.invalidate, side=self.side_stream)
+        self.adopted = Adopted(device, changed=copies.invalidate, side=copies.side_stream)
         # An engine dropped with copies in flight still waits for them before its arena is
         # freed: the arena is an object of its own, and this finalizer holds only it.
         weakref.finalize(self, self.host.free)
 
     # ----------------------------------------------------------------- queries
+    @property
+    def pieces(self) -> tuple[Piece, ...]:
+        """The pieces, in layout order (the protocol's; replaced whenever the layout changes)."""
+        return self.copies.pieces
+
+    @property
+    def host_arena(self) -> torch.Tensor | None:
+        """The host arena (a 1-D uint8 tensor; None before the first layout or reservation),
+        for inspection: its pages, its mapping. The engine owns what is in it."""
+        return self.host.buffer
+
+    @property
+    def budget(self) -> HostBudget | None:
+        """The ``HostBudget`` the engine's host memory counts against (None: no limit)."""
+        return self.host.budget
+
     @property
     def kept_resident(self) -> list[tuple[str, torch.Tensor, str]]:
         """``(kind, tensor, why)`` of the tensors ``collect`` returned that stay on the device."""
@@ -108,14 +154,19 @@ class OffloadEngine(CopyProtocol):
         figures = piece_figures(self.pieces, Place.RELEASED)
         return {
             **figures,
-            "resident_bytes": figures["tracked_bytes"] - figures["offloaded_bytes"] + kept,
+            "resident_bytes": figures["tracked_bytes"]
+            - figures["offloaded_bytes"]
+            + kept
+            + self.unlaid_bytes,
             # The arena, and host buffers handed over with ``adopt`` until the arena takes them.
             "host_bytes": self.host.nbytes + self.adopted.nbytes,
             "kept_resident_bytes": kept,
-            "unreleasable_bytes": self.unreleasable_bytes,
+            # Tensors a layout that failed (out of memory) left on the device, untracked.
+            "unlaid_bytes": self.unlaid_bytes,
+            "unreleasable_bytes": self.copies.unreleasable_bytes,
             "max_piece_bytes": self._layout.max_piece_bytes,
-            **self.last.figures(),
-            **self.times.read(),
+            **self.copies.last.figures(),
+            **self.copies.times.read(),
         }
 
     # ------------------------------------------------------------------ the layout
@@ -123,6 +174,22 @@ class OffloadEngine(CopyProtocol):
         current = self._layout.look()
         if current is None:
             return
+        try:
+            self._lay_out(current)
+        except BaseException as error:
+            # All or nothing: the allocations come before anything changes (a mixed piece
+            # brought back is consistent on its own), so the old pieces, their places and the
+            # arena are as they were. The tensors the new layout would have added stay on the
+            # device, counted as resident, and the next offload lays them out again.
+            tracked = {id(t) for g in self.pieces for t in g.tensors} | set(self.adopted.copies())
+            self.unlaid_bytes = sum(
+                t.numel() * t.element_size() for _, t in current if id(t) not in tracked
+            )
+            needed = sum(t.numel() * t.element_size() for _, t in current)
+            raise out_of_memory(error, self.device, f"{self.name}: offload (a new layout)", needed)
+        self.unlaid_bytes = 0
+
+    def _lay_out(self, current) -> None:
         plan = self._layout.plan(current)
         # A piece is described by one place, so it cannot mix tensors whose only copy is on
         # the host with tensors on the device (a new state beside released ones): the former
@@ -158,7 +225,7 @@ class OffloadEngine(CopyProtocol):
         sources = {key: host for key, (host, _) in on_host.items()}
         self.host.lay_out(pieces, carried, sources, name=self.name, staged=self.adopted.nbytes)
         self.adopted.laid_out()
-        self.take_groups(pieces)
+        self.copies.take_pieces(pieces)
         self._layout.laid_out(current, pieces)
         self.generation += 1
 
@@ -182,14 +249,14 @@ class OffloadEngine(CopyProtocol):
         (``expected`` as for ``host_need``; the first layout reuses it when it fits). None or
         an arena already there: nothing is reserved. A budget too small for it raises
         ``HostMemoryBudgetError`` before anything is allocated. Returns the bytes reserved."""
-        if expected is None or self.closed or self.host.buffer is not None:
+        if expected is None or self.copies.closed or self.host.buffer is not None:
             return 0
         need = self.host_need(expected)
         return need if self.host.reserve(need, self.name) else 0
 
     def close(self) -> None:
         """Bring everything back to the device, free the host arena, forget the tensors."""
-        if self.closed:
+        if self.copies.closed:
             return
         if any(g.place is Place.RELEASED for g in self.pieces):
             raise OffloadStateError(
@@ -200,9 +267,13 @@ class OffloadEngine(CopyProtocol):
             piece.d2h_event = None
             piece.host = None
         self.host.free()
-        self.retire()
-        forget = getattr(self.fingerprint, "forget", None)
+        self.copies.retire()
+        forget = getattr(self.copies.fingerprint, "forget", None)
         if forget is not None:
             forget()  # it may hold the caller's containers
-        self.fingerprint = None
+        self.copies.fingerprint = None
         self._layout.forget()
+
+    def __repr__(self) -> str:
+        places = ", ".join(f"{g.kind}/{g.dtype}:{g.place.value}" for g in self.pieces)
+        return f"{type(self).__name__}({self.name}: {places or 'empty'})"

@@ -173,20 +173,22 @@ def release_separate_storages(device, tensors: list[torch.Tensor]) -> int:
     """First release of tensors that still have the storages the optimizer made (their
     contents are on the host already); returns the bytes other owners keep alive."""
     shared = {}
-    others = []
-    for tensor in tensors:
-        if owns_storage(tensor) and tensor.untyped_storage().resizable():
-            device.release(tensor)
-        else:
-            others.append(tensor)
+    own = [t for t in tensors if owns_storage(t) and t.untyped_storage().resizable()]
+    owned = {id(t) for t in own}
+    others = [t for t in tensors if id(t) not in owned]
+    # Something else shares the storages of ``others`` (views taken before we attached, or a
+    # piece that was re-laid out). Freeing them would leave the other tensors dangling, so
+    # ours are pointed at one scratch storage, which is then released: one allocation, as
+    # large as the largest of them (``set_`` needs the memory to exist), not one per tensor,
+    # made before anything is released (if it fails, the piece is still whole). The old
+    # storages live on with their other owners; the next reload re-points every tensor at
+    # its slice of the piece's own storage (``consolidate``).
+    scratch = None
     if others:
-        # Something else shares these storages (views taken before we attached, or a piece
-        # that was re-laid out). Freeing them would leave the other tensors dangling, so ours
-        # are pointed at one scratch storage, which is then released: one allocation, as
-        # large as the largest of them (``set_`` needs the memory to exist), not one per
-        # tensor. The old storages live on with their other owners; the next reload
-        # re-points every tensor at its slice of the piece's own storage (``consolidate``).
         scratch = device.empty(max(t.numel() * t.element_size() for t in others), torch.uint8)
+    for tensor in own:
+        device.release(tensor)
+    if others:
         storage = scratch.untyped_storage()
         with torch.no_grad():
             for tensor in others:

@@ -1,8 +1,8 @@
 """The copy protocol: moving an engine's pieces between device and host, in order.
 
 ``CopyProtocol`` issues every copy, event, stream wait and release of the engine's pieces
-(``Piece``: one piece each); ``OffloadEngine`` (``engine.py``) decides what the pieces
-are. The rules (why each exists: docs/design.md; each device call below is labelled with
+(``Piece``); ``OffloadEngine`` (``engine.py``) decides what the pieces are and hands them
+over (``take_pieces``), and holds one ``CopyProtocol``, which it asks for every move. The rules (why each exists: docs/design.md; each device call below is labelled with
 the rule it keeps, ``labels.py``):
 
 1. A D2H starts after the work that last wrote the tensors (every stream that used them).
@@ -26,12 +26,10 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable, Sequence
 
-import torch
-
 from ..device import Device
 from ..errors import OffloadStateError, out_of_memory
 from .figures import CopyTimes, CycleStats
-from .host import HostArena, HostBudget
+from .host import HostArena
 from .labels import (
     D2H_AFTER_USERS,
     D2H_AFTER_WRITERS,
@@ -50,28 +48,33 @@ _NEVER = object()
 
 
 class CopyProtocol:
-    """The copies of one engine's pieces (``OffloadEngine`` has the arguments); ``offload``
-    asks ``fingerprint`` first and calls ``_relayout`` when its value changed."""
+    """The copies of one engine's pieces, into and out of the engine's host arena (``host``:
+    each piece's host slice is in it, and the newest copy of each direction is recorded
+    there, for whoever frees it). ``offload`` asks ``fingerprint`` first and calls
+    ``relayout`` (the engine's: it hands the new pieces over with ``take_pieces``) when its
+    value changed."""
 
     def __init__(
         self,
         device: Device,
         *,
         name: str,
-        budget: HostBudget | None,
+        host: HostArena,
         fingerprint: Callable[[], object] | None,
+        relayout: Callable[[], None],
     ) -> None:
         self.device = device
         self.name = name
         #: The pieces, in layout order (a tuple, replaced whenever the layout changes).
         self.pieces: tuple[Piece, ...] = ()
-        #: The host arena, and the newest copy into or out of it on each side stream.
-        self.host = HostArena(device, budget)
+        #: The host arena the pieces' host copies are in.
+        self.host = host
         # Walking every optimizer state at every offload costs milliseconds for thousands of
         # parameters; a cheap fingerprint (None: always walk) says when it may have changed,
         # and invalidate() covers changes it cannot see (tensors replaced by a load).
         self.fingerprint = fingerprint  # None once closed
         self._last_fingerprint: object = _NEVER
+        self._relayout = relayout
         self._d2h_stream = None
         self._h2d_stream = None
         # Streams ``wait`` made the states usable on since the last full offload: any of
@@ -90,20 +93,9 @@ class CopyProtocol:
 
     # ----------------------------------------------------------------- queries
     @property
-    def host_arena(self) -> torch.Tensor | None:
-        """The host arena (a 1-D uint8 tensor; None before the first layout or reservation),
-        for inspection: its pages, its mapping. The engine owns what is in it."""
-        return self.host.buffer
-
-    @property
     def closed(self) -> bool:
         """True once ``close`` ran (detach): nothing more can be offloaded."""
         return self._closed
-
-    @property
-    def budget(self) -> HostBudget | None:
-        """The ``HostBudget`` the engine's host memory counts against (None: no limit)."""
-        return self.host.budget
 
     def is_released(self, kinds: Iterable[str] | None = None, *, streamed: bool = True) -> bool:
         """True if any selected piece has no device memory (reload needed before use).
@@ -128,19 +120,27 @@ class CopyProtocol:
         release: bool = False,
     ) -> None:
         """Start copying the selected pieces to the host (asynchronous on accelerators);
-        pieces already offloading or released are left alone. ``skip_unchanged``: a piece
-        whose host copy is still valid is not copied again (rule 6). ``release``: each piece's
-        device memory is released right after its own copy is queued (progressive reuse)."""
+        pieces already offloading or released are not copied again. ``skip_unchanged``: a
+        piece whose host copy is still valid is not copied again (rule 6). ``release``: each
+        piece's device memory is released right after its own copy is queued (progressive
+        reuse), and so is that of pieces already offloading."""
         if self._closed:
             raise self._closed_error()
         start = time.perf_counter()
         # The tensors may have changed (states made by the first step, replaced by a load):
-        # the fingerprint says so cheaply, and the pieces are then laid out again.
+        # the fingerprint says so cheaply, and the pieces are then laid out again (``rescan``,
+        # written out here: this runs at every step).
         fingerprint = self.fingerprint() if self.fingerprint is not None else _NEVER
         if fingerprint is _NEVER or fingerprint != self._last_fingerprint:
-            self._last_fingerprint = fingerprint
             self._relayout()
+            self._last_fingerprint = fingerprint  # only once laid out (see ``rescan``)
         pieces = self.pieces if kinds is None else self._select(kinds)
+        if release:
+            # Copied out before and not released (an offload without ``release``, or one an
+            # out-of-memory stopped): only the release is left.
+            for piece in pieces:
+                if piece.place is Place.OFFLOADING:
+                    self._release_group(piece)
         selected = [g for g in pieces if g.place in (Place.RESIDENT, Place.RELOADING)]
         if not selected:
             return
@@ -230,7 +230,11 @@ class CopyProtocol:
                 )
             self.device.release(piece.flat)
         else:
-            kept = release_separate_storages(self.device, piece.tensors)
+            try:  # its one allocation comes first: a failure leaves the piece whole
+                kept = release_separate_storages(self.device, piece.tensors)
+            except BaseException as error:
+                operation = f"{self.name}: offload (releasing tensors that share storages)"
+                raise out_of_memory(error, self.device, operation, piece.nbytes)
             self.unreleasable_bytes += kept
             # Other owners keep storages the D2H stream was announced to (see ``close``).
             self._announced_elsewhere = self._announced_elsewhere or (kept > 0 and piece.announced)
@@ -389,13 +393,11 @@ class CopyProtocol:
         fingerprint = self.fingerprint() if self.fingerprint is not None else _NEVER
         if fingerprint is not _NEVER and fingerprint == self._last_fingerprint:
             return
-        self._last_fingerprint = fingerprint
         self._relayout()
+        # Only once laid out: a layout that failed is made again by the next offload.
+        self._last_fingerprint = fingerprint
 
-    def _relayout(self) -> None:  # ``OffloadEngine``: look at the tensors again, lay them out
-        raise NotImplementedError
-
-    def take_groups(self, pieces: Sequence[Piece]) -> None:
+    def take_pieces(self, pieces: Sequence[Piece]) -> None:
         """``pieces`` replace the current ones (a new layout); memory of the old layout
         announced to the D2H stream lives on with the tensors."""
         self._announced_elsewhere |= any(g.announced for g in self.pieces)
@@ -443,7 +445,3 @@ class CopyProtocol:
             self.times.pending["exposed"].append(
                 (before, self.device.record_event(current, timing=True), 0)
             )
-
-    def __repr__(self) -> str:
-        places = ", ".join(f"{g.kind}/{g.dtype}:{g.place.value}" for g in self.pieces)
-        return f"{type(self).__name__}({self.name}: {places or 'empty'})"

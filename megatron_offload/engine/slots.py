@@ -110,7 +110,7 @@ class SlotStream:
 
     def clear_figures(self) -> None:
         """Zero the engine's chunked-update figures (a step that streams nothing reports 0)."""
-        last = self.engine.last
+        last = self.engine.copies.last
         last.update_chunks = last.update_copies = last.update_bytes = 0
 
     # ------------------------------------------------------------------ plan
@@ -230,7 +230,7 @@ class SlotStream:
         h2d = engine.side_stream("h2d")
         d2h = engine.side_stream("d2h")
         pieces = {id(s.piece): s.piece for c in chunks for s in c.segments}.values()
-        stats = engine.last
+        stats = engine.copies.last
         stats.update_chunks = len(chunks)
         stats.update_copies = stats.update_bytes = 0
         h2d_events: dict[int, object] = {}

@@ -31,7 +31,7 @@ def warn_where_frees_wait(offloader) -> None:
     handle = None
 
     def after_offload(_offloader) -> None:
-        figures = [e.times.read() for e in engines]
+        figures = [e.copies.times.read() for e in engines]
         if not all(f.get("d2h_ms") for f in figures):
             return  # not measured yet: the copy out of the first offload is still running
         ms = max(f["d2h_ms"] for f in figures)

@@ -27,6 +27,8 @@ import functools
 import gc
 import warnings
 
+import torch
+
 from ..adapters import megatron_wrappers as wrappers
 from ..adapters.model_buffers import graph_capture
 from ..chunked.update import ChunkedUpdate
@@ -235,15 +237,25 @@ class AutomaticCycle:
             for chunked in self._chunked:
                 chunked.stream.clear_figures()
             result = self._previous_step(*args, **kwargs)
-        except BaseException:
+        finally:
             # A step that raised (an out-of-memory in the update, an interrupt) leaves the
             # states where a finished step does: off the device, what it wrote copied out.
+            # Rule 6: a skipped step left the states as they were copied last time.
             offloader.phase.leave(token)
-            offloader.offload_after_step()
-            raise
-        offloader.phase.leave(token)
-        # Rule 6: a skipped step left the states as they were copied last time.
-        offloader.offload_after_step()
+            try:
+                offloader.offload_after_step()
+            except (torch.OutOfMemoryError, MemoryError) as error:
+                # A new layout's host arena or scratch could not be had. The update happened:
+                # raising would invite the caller to apply it twice. What could not be
+                # offloaded stays on the device, counted; the next offload tries again.
+                warnings.warn(
+                    "the offload after the step could not get the memory it needed "
+                    f"({getattr(error, 'operation', error)}). The step itself finished: do not "
+                    "repeat it. What could not be offloaded stays on the device "
+                    "(stats()['resident_bytes']) until the next offload, which tries again.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
         self.cycles += 1
         return result
 

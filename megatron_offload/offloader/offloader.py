@@ -407,7 +407,7 @@ class OptimizerStateOffloader:
         for hook in tuple(self._offload_pre_hooks.values()):
             hook(self)
         for member, kinds in zip(self._members, selection):
-            watch = member.engine.fingerprint
+            watch = member.engine.copies.fingerprint
             if kinds and watch.identities:
                 # Tensors the step replaced (SOAP) go back where the layout has them.
                 watch.keep_replaced()
@@ -418,7 +418,7 @@ class OptimizerStateOffloader:
             # masters) are not needed until the next step makes new ones.
             for member, kinds in zip(self._members, selection):
                 if MASTER_WEIGHTS in kinds:
-                    member.engine.fingerprint.release_master_grads()  # O(groups) mostly
+                    member.engine.copies.fingerprint.release_master_grads()  # O(groups) mostly
         for hook in tuple(self._offload_post_hooks.values()):
             hook(self)
 

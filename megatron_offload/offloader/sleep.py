@@ -47,7 +47,7 @@ from ..adapters import model_buffers as buffers
 from ..adapters.megatron_wrappers import device_of
 from ..device import device_for
 from ..engine.model_memory import ModelMemory
-from ..errors import DeviceMemoryError, NodeMemoryError, OffloadStateError
+from ..errors import DeviceMemoryError, NodeMemoryError, OffloadStateError, out_of_memory
 from ..phase import Phase
 from . import node_memory
 from .members import is_stub, megatron_optimizers
@@ -148,7 +148,11 @@ class Sleep:
                 device or device_for(params[0].tensor.device), budget=budget, name="wake()"
             )
             # All or nothing: the only allocation of a sleep comes before anything is given up.
-            self._params.prepare(entries)
+            try:
+                self._params.prepare(entries)
+            except BaseException as error:
+                operation = "sleep() (host copies of the parameters it cannot rebuild)"
+                raise out_of_memory(error, self._params.device, operation, need)
         self._chunks = chunks
         if grads:
             self._grads = self._grads or ModelMemory(
@@ -166,7 +170,7 @@ class Sleep:
         ]
         offloader.offload(True, True)  # asynchronous; its copies overlap what follows
         for member in offloader.members:
-            member.engine.fingerprint.release_master_grads()
+            member.engine.copies.fingerprint.release_master_grads()
         copied = [s for s in params if s.rebuilder is None]
         self._figures["copied_parameter_bytes"] = _nbytes(copied)
         self._figures["rebuilt_parameter_bytes"] = _nbytes(params) - _nbytes(copied)

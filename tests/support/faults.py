@@ -4,6 +4,9 @@ the duration of a block, as a device out of memory or a failing kernel would ans
 
 from __future__ import annotations
 
+import errno
+import mmap
+
 import torch
 
 _OOM = "CUDA out of memory. Tried to allocate {} bytes (injected)"
@@ -12,21 +15,28 @@ _OOM = "CUDA out of memory. Tried to allocate {} bytes (injected)"
 class AllocationFaults:
     """Inside the block, storage allocations are counted (a storage regrown with ``resize_``,
     a fresh ``torch.empty``), and the ``fail_at``-th (from 1; None: none) raises
-    ``torch.OutOfMemoryError`` instead of allocating, as a full device does."""
+    ``torch.OutOfMemoryError`` instead of allocating, as a full device does. ``host``: the
+    host mappings the package's buffers live in (``mmap.mmap``) are counted too, and the
+    failing one raises ``OSError(ENOMEM)``, as the kernel answers. ``device=False``: only
+    those."""
 
-    def __init__(self, fail_at: int | None = None) -> None:
+    def __init__(self, fail_at: int | None = None, *, host: bool = False, device=True) -> None:
         self.fail_at = fail_at
+        self.host = host
+        self.device = device
         self.count = 0
         self._saved = None
 
-    def _allocation(self, nbytes: int) -> None:
+    def _allocation(self, nbytes: int, error=torch.OutOfMemoryError) -> None:
         self.count += 1
         if self.count == self.fail_at:
-            raise torch.OutOfMemoryError(_OOM.format(nbytes))
+            if error is OSError:
+                raise OSError(errno.ENOMEM, f"Cannot allocate memory ({nbytes} bytes, injected)")
+            raise error(_OOM.format(nbytes))
 
     def __enter__(self) -> "AllocationFaults":
-        resize, empty = torch.UntypedStorage.resize_, torch.empty
-        self._saved = resize, empty
+        resize, empty, mapping = torch.UntypedStorage.resize_, torch.empty, mmap.mmap
+        self._saved = resize, empty, mapping
         faults = self
 
         def resize_(storage, nbytes):
@@ -38,12 +48,19 @@ class AllocationFaults:
             faults._allocation(-1)
             return empty(*args, **kwargs)
 
-        torch.UntypedStorage.resize_ = resize_
-        torch.empty = empty_
+        def mmap_(fileno, length, *args, **kwargs):
+            faults._allocation(length, OSError)
+            return mapping(fileno, length, *args, **kwargs)
+
+        if self.device:
+            torch.UntypedStorage.resize_ = resize_
+            torch.empty = empty_
+        if self.host:
+            mmap.mmap = mmap_
         return self
 
     def __exit__(self, *exc) -> None:
-        torch.UntypedStorage.resize_, torch.empty = self._saved
+        torch.UntypedStorage.resize_, torch.empty, mmap.mmap = self._saved
 
 
 class Failing:
@@ -118,3 +135,16 @@ class FullDisk:
         import builtins
 
         builtins.open = self._saved
+
+
+def shared_mapping_bytes() -> int:
+    """Bytes of this process's shared anonymous mappings (where the package's host buffers
+    live on this device), as the kernel lists them: what is held, counted or not."""
+    total = 0
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5] == "/dev/zero" and "s" in fields[1]:
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                total += end - start
+    return total

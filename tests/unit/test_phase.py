@@ -90,6 +90,7 @@ class _Piece:
 class _Engine:
     def __init__(self, *places):
         self.pieces = [_Piece(place) for place in places]
+        self.copies = self  # the engine's copy protocol, which holds the pieces
 
 
 class _View:

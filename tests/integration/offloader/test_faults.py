@@ -519,3 +519,207 @@ def test_a_checkpoint_cut_short_fails_its_load_and_the_good_one_resumes(rank_poo
         for section in ("params", "optimizer"):
             for key, value in reference["snapshot"][section].items():
                 assert torch.equal(value, run["snapshot"][section][key]), key
+
+
+def _build_float16():
+    """Megatron's non-distributed mixed-precision optimizer: its ``state_dict()`` holds every
+    state (the distributed one saves them apart, through its sharded state dict)."""
+    from tests.harness import models
+
+    # No dropout: its random state is not part of what is saved, and the run that loads
+    # must be the plain one bit for bit.
+    return models.build(
+        "gpt",
+        "bf16",
+        use_distributed_optimizer=False,
+        transformer_overrides={"hidden_dropout": 0.0, "attention_dropout": 0.0},
+    )
+
+
+def load_fault_job(offload: bool):
+    """A restarted job: a fresh model and optimizer (offloaded before the load when
+    ``offload``) load what a trained one saved (``state_dict``; the states the load makes are
+    adopted on the host). With ``offload``, the load fails at each of its allocations in turn
+    (device and host, torch's own included; counted in a clean load first) and is made
+    again, from where the failed one left the optimizer (as a loop that catches it would)."""
+    import megatron_offload
+    from megatron_offload.errors import DeviceMemoryError, HostMemoryError
+    from tests.harness import models
+    from tests.support.faults import AllocationFaults, shared_mapping_bytes
+
+    chunks, optimizer, config = _build_float16()
+    results = [models.train_step(chunks, optimizer, config, 0)]
+    saved = {"model": chunks[0].state_dict(), "optimizer": optimizer.state_dict()}
+    torch.manual_seed(99)  # a different init: everything comes from what was saved
+    chunks, optimizer, config = _build_float16()
+    offloader = megatron_offload.attach(optimizer, **PIECES) if offload else None
+
+    def load():
+        chunks[0].load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+
+    found = {"faults": []}
+    if offload:
+        offloader.offload()  # the masters on the host before the load
+        with AllocationFaults(host=True) as counted:
+            load()
+        found["count"] = counted.count
+        offloader.detach()  # and again, fresh, for each failing allocation
+        torch.manual_seed(99)
+        chunks, optimizer, config = _build_float16()
+        offloader = megatron_offload.attach(optimizer, **PIECES)
+        offloader.offload()
+        for k in range(1, counted.count + 1):
+            stats, mapped = offloader.stats(), shared_mapping_bytes()
+            with AllocationFaults(fail_at=k, host=True) as faults:
+                try:
+                    load()
+                    raised = None
+                except (torch.OutOfMemoryError, MemoryError, OSError) as error:
+                    raised = error
+            after = offloader.stats()
+            found["faults"].append(
+                {
+                    "ours": isinstance(raised, (DeviceMemoryError, HostMemoryError)),
+                    # A load made again after a partial one may allocate less.
+                    "raised": raised is not None or faults.count < k,
+                    "reached": faults.count >= k,
+                    # Host memory held or given back is counted so.
+                    "host": (shared_mapping_bytes() > mapped)
+                    == (after["host_bytes"] > stats["host_bytes"]),
+                }
+            )
+    load()
+    results += [models.train_step(chunks, optimizer, config, step) for step in range(1, 3)]
+    if offloader is not None:
+        found["offloaded"] = (
+            offloader.stats()["offloaded_bytes"] == offloader.stats()["tracked_bytes"]
+        )
+        offloader.detach()
+    return {**found, "results": results, "snapshot": models.snapshot(chunks, optimizer)}
+
+
+def test_a_load_while_offloaded_meeting_an_out_of_memory_holds_nothing(rank_pool):
+    references = rank_pool.run(load_fault_job, False)
+    runs = rank_pool.run(load_fault_job, True)
+    for reference, run in zip(references, runs):
+        assert run["count"] >= 3, run["count"]
+        assert len(run["faults"]) == run["count"]
+        assert all(f["raised"] and f["host"] for f in run["faults"]), run["faults"]
+        assert any(f["ours"] for f in run["faults"]), run["faults"]
+        assert sum(f["reached"] for f in run["faults"]) >= 3, run["faults"]
+        assert run["offloaded"]
+        assert _same(reference, run)
+
+
+def after_step_fault_job(fail: bool):
+    """SGD with momentum (states the offloader cannot foresee: no arena reserved at attach):
+    the offload that ends the first step lays out a host arena, and with ``fail`` the system
+    refuses it. The step finished, so it returns, with a warning; the momentum stays on the
+    device, counted; the next step's offload lays it out."""
+    import warnings
+
+    import megatron_offload
+    from tests.harness import models
+    from tests.support.faults import AllocationFaults
+
+    chunks, optimizer, config = models.build(
+        "gpt", "bf16", optimizer="sgd", use_distributed_optimizer=False
+    )
+    offloader = megatron_offload.attach(optimizer, prefetch="step", **PIECES)
+    found = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with AllocationFaults(fail_at=1 if fail else None, host=True, device=False) as faults:
+            results = [models.train_step(chunks, optimizer, config, 0)]
+    stats = offloader.stats()
+    found["count"] = faults.count
+    found["warned"] = [str(w.message) for w in caught if "after the step" in str(w.message)]
+    found["counted"] = (stats["resident_bytes"], _float16_state_bytes(optimizer))
+    found["unlaid"] = stats["unlaid_bytes"]
+    results += [models.train_step(chunks, optimizer, config, step) for step in (1, 2)]
+    stats = offloader.stats()
+    found["offloaded_later"] = stats["offloaded_bytes"] == stats["tracked_bytes"] > 0
+    return {**found, **_finish(chunks, optimizer, config, offloader, results)}
+
+
+def test_an_offload_after_the_step_meeting_an_out_of_memory_warns_and_goes_on(rank_pool):
+    references = rank_pool.run(reference_sgd_job)
+    clean = rank_pool.run(after_step_fault_job, False)
+    runs = rank_pool.run(after_step_fault_job, True)
+    for reference, ok, run in zip(references, clean, runs):
+        assert ok["count"] >= 1 and not ok["warned"] and ok["unlaid"] == 0, ok
+        assert len(run["warned"]) == 1 and "do not repeat it" in run["warned"][0], run["warned"]
+        assert run["unlaid"] > 0 and run["counted"][0] == run["counted"][1], run
+        assert run["offloaded_later"] and ok["offloaded_later"]
+        assert _same(reference, run) and _same(reference, ok)
+
+
+def _float16_state_bytes(optimizer) -> int:
+    """Device bytes of the masters and states of Megatron's non-distributed optimizer (the
+    raw storages)."""
+    from tests.harness import models
+
+    total = 0
+    for wrapper in models.megatron_optimizers(optimizer):
+        for group in wrapper.fp32_from_float16_groups:
+            total += sum(master.untyped_storage().nbytes() for master in group)
+        for state in dict.values(wrapper.optimizer.state):
+            for value in dict.values(state):
+                if isinstance(value, torch.Tensor) and value.numel() > 1:
+                    total += value.untyped_storage().nbytes()
+    return total
+
+
+def reference_sgd_job():
+    from tests.harness import models
+
+    chunks, optimizer, config = models.build(
+        "gpt", "bf16", optimizer="sgd", use_distributed_optimizer=False
+    )
+    results = [models.train_step(chunks, optimizer, config, step) for step in range(3)]
+    return _finish(chunks, optimizer, config, None, results)
+
+
+def sleep_fault_job():
+    """After step 0, a sleep whose host copies of the parameters it cannot rebuild (a frozen
+    one) the system refuses: it raises before anything is given up, still awake, nothing of
+    its own mapped; the same sleep made again works, and training after the wake is bitwise."""
+    import megatron_offload
+    from megatron_offload.errors import HostMemoryError
+    from tests.harness import models
+    from tests.support.faults import AllocationFaults, shared_mapping_bytes
+
+    chunks, optimizer, config = _build(freeze="position_embeddings")
+    offloader = megatron_offload.attach(optimizer, **PIECES)
+    results = [models.train_step(chunks, optimizer, config, 0)]
+    awake, mapped, host = (
+        _device_bytes(chunks, optimizer),
+        shared_mapping_bytes(),
+        offloader.stats()["host_bytes"],
+    )
+    found = {"raised": None}
+    with AllocationFaults(fail_at=1, host=True, device=False) as faults:
+        try:
+            offloader.sleep()
+        except HostMemoryError as error:
+            found["raised"] = str(error)
+    found.update(
+        count=faults.count,
+        awake=not offloader.sleeping and _device_bytes(chunks, optimizer) == awake,
+        held=(shared_mapping_bytes() == mapped, offloader.stats()["host_bytes"] == host),
+    )
+    offloader.sleep()
+    found["asleep"] = offloader.sleeping
+    offloader.wake()
+    return {**found, **_finish(chunks, optimizer, config, offloader, results)}
+
+
+def test_a_sleep_the_system_refuses_host_memory_gives_up_nothing(rank_pool):
+    references = rank_pool.run(frozen_reference_job)
+    runs = rank_pool.run(sleep_fault_job)
+    for reference, run in zip(references, runs):
+        assert run["count"] >= 1 and run["raised"] is not None, run
+        assert "host memory" in run["raised"] and "call it again" in run["raised"], run["raised"]
+        assert run["awake"] and all(run["held"]) and run["asleep"], run
+        assert _same(reference, run)

@@ -180,24 +180,22 @@ def _groups_per_kind(offloader):
 def _plant(bug):
     """Test-only sabotage of the offloader in this rank process (negative controls); returns
     the function that undoes it."""
-    from megatron_offload.engine import OffloadEngine, Place
+    from megatron_offload.engine import Place
+    from megatron_offload.engine.protocol import CopyProtocol
 
-    cls = OffloadEngine
-    saved = {name: cls.__dict__.get(name) for name in ("mark_dirty", "reload")}
+    # Planted on the protocol's class: every engine made from now on takes its moves from it.
+    cls = CopyProtocol
+    saved = {name: cls.__dict__[name] for name in ("mark_dirty", "reload")}
 
     def undo():
         for name, value in saved.items():
-            if value is None:  # inherited (from the copy protocol): drop the override
-                if name in cls.__dict__:
-                    delattr(cls, name)
-            else:
-                setattr(cls, name, value)
+            setattr(cls, name, value)
 
     if bug == "stale-host-copy":
         # The step no longer marks the host copy stale: later cycles keep the first copy.
-        OffloadEngine.mark_dirty = lambda self, *args, **kwargs: None
+        cls.mark_dirty = lambda self, *args, **kwargs: None
     elif bug == "reload-drops-a-tensor":
-        original = OffloadEngine.reload
+        original = cls.reload
 
         def reload(self, *args, **kwargs):
             released = [g for g in self.pieces if g.place is Place.RELEASED]
@@ -206,7 +204,7 @@ def _plant(bug):
                 if group.place is not Place.RELEASED:
                     group.flat.view(-1)[:1].zero_()
 
-        OffloadEngine.reload = reload
+        cls.reload = reload
     else:
         raise ValueError(bug)
     return undo

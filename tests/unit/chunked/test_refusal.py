@@ -405,7 +405,7 @@ def run_lines(line, moments, remainders, fraction):
         "budget": budget,
         "peaks": run.peaks,
         "steps": [g.get("step") for g in opt.param_groups],
-        "chunks": run.engine.last.update_chunks,
+        "chunks": run.engine.copies.last.update_chunks,
         "transient": max(run.transients),
     }
     run.close()

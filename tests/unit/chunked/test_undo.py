@@ -134,7 +134,7 @@ def _scenario(kind, moments, remainders, *, warm, fail, undo=True):
         "error": error,
         "notes": notes,
         "calls": calls,
-        "chunks": run.engine.last.update_chunks,
+        "chunks": run.engine.copies.last.update_chunks,
         "copies": copies,
         "changed": [repr(k) for k in before if before[k] != after.get(k)],
         "new_keys": [repr(k) for k in after if k not in before],
@@ -449,7 +449,7 @@ def run_modelled_step_time(undo):
         engine.release()
     engine.reload()
     engine.wait()
-    chunks = engine.last.update_chunks
+    chunks = engine.copies.last.update_chunks
     engine.close()
     chunked.remove()
     return {"step": times[-1], "chunks": chunks, "saved_copy": saved / bandwidth}

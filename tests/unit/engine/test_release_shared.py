@@ -52,7 +52,7 @@ def run_shared_release() -> dict:
     others_intact = torch.equal(base[0:30], expected[0]) and torch.equal(
         keeper.reshape(-1), expected[3]
     )
-    unreleasable = engine.unreleasable_bytes
+    unreleasable = engine.stats()["unreleasable_bytes"]
     engine.reload()
     engine.wait()
     intact = [torch.equal(t, e) for t, e in zip(tensors, expected)]
