@@ -89,6 +89,13 @@ def agree(
     return (available if total == 0 else available * need // total), pin
 
 
+def every_rank(ok: bool) -> bool:
+    """True if ``ok`` on every rank: the ranks that agreed on host memory (``agree``) agree
+    on whether each could allocate it, so that they go on, or raise, together."""
+    rows, _ = _gather(bool(ok))
+    return all(rows)
+
+
 def _gather(row) -> tuple[list, int]:
     """Every rank's ``row`` in rank order, and this rank's index."""
     try:

@@ -47,7 +47,13 @@ from ..adapters import model_buffers as buffers
 from ..adapters.megatron_wrappers import device_of
 from ..device import device_for
 from ..engine.model_memory import ModelMemory
-from ..errors import DeviceMemoryError, NodeMemoryError, OffloadStateError, out_of_memory
+from ..errors import (
+    DeviceMemoryError,
+    HostMemoryError,
+    NodeMemoryError,
+    OffloadStateError,
+    out_of_memory,
+)
 from ..phase import Phase
 from . import node_memory
 from .members import is_stub, megatron_optimizers
@@ -143,6 +149,7 @@ class Sleep:
                 raise NodeMemoryError(
                     f"sleep() copies the parameters it cannot rebuild to the host: {error}"
                 ) from None
+        failure = None
         if params:
             self._params = self._params or ModelMemory(
                 device or device_for(params[0].tensor.device), budget=budget, name="wake()"
@@ -152,7 +159,14 @@ class Sleep:
                 self._params.prepare(entries)
             except BaseException as error:
                 operation = "sleep() (host copies of the parameters it cannot rebuild)"
-                raise out_of_memory(error, self._params.device, operation, need)
+                failure = out_of_memory(error, self._params.device, operation, need)
+        if parameters and not node_memory.every_rank(failure is None):
+            # A rank that could not get its copies makes every rank give up nothing: sleep is
+            # collective (the node check above), and a rank asleep alone would wait there at
+            # the next one. The others keep what they prepared (counted) for the next sleep.
+            failure = failure or HostMemoryError("sleep() on another rank", needed=0)
+        if failure is not None:
+            raise failure
         self._chunks = chunks
         if grads:
             self._grads = self._grads or ModelMemory(

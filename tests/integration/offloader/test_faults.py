@@ -681,10 +681,12 @@ def reference_sgd_job():
     return _finish(chunks, optimizer, config, None, results)
 
 
-def sleep_fault_job():
+def sleep_fault_job(failing_rank: int | None = None):
     """After step 0, a sleep whose host copies of the parameters it cannot rebuild (a frozen
-    one) the system refuses: it raises before anything is given up, still awake, nothing of
-    its own mapped; the same sleep made again works, and training after the wake is bitwise."""
+    one) the system refuses (on ``failing_rank`` only, or on every rank): it raises on every
+    rank before anything is given up, still awake, nothing more mapped than counted; the same
+    sleep made again works (no rank waits alone in its node check), and training after the
+    wake is bitwise."""
     import megatron_offload
     from megatron_offload.errors import HostMemoryError
     from tests.harness import models
@@ -699,7 +701,8 @@ def sleep_fault_job():
         offloader.stats()["host_bytes"],
     )
     found = {"raised": None}
-    with AllocationFaults(fail_at=1, host=True, device=False) as faults:
+    mine = failing_rank is None or failing_rank == torch.distributed.get_rank()
+    with AllocationFaults(fail_at=1 if mine else None, host=True, device=False) as faults:
         try:
             offloader.sleep()
         except HostMemoryError as error:
@@ -707,7 +710,8 @@ def sleep_fault_job():
     found.update(
         count=faults.count,
         awake=not offloader.sleeping and _device_bytes(chunks, optimizer) == awake,
-        held=(shared_mapping_bytes() == mapped, offloader.stats()["host_bytes"] == host),
+        # A rank that got its copies keeps them (counted) for the next sleep.
+        held=_same_sign(shared_mapping_bytes() - mapped, offloader.stats()["host_bytes"] - host),
     )
     offloader.sleep()
     found["asleep"] = offloader.sleeping
@@ -715,11 +719,18 @@ def sleep_fault_job():
     return {**found, **_finish(chunks, optimizer, config, offloader, results)}
 
 
-def test_a_sleep_the_system_refuses_host_memory_gives_up_nothing(rank_pool):
+@pytest.mark.parametrize("failing", ["every rank", "rank 1"])
+def test_a_sleep_the_system_refuses_host_memory_gives_up_nothing(rank_pool, failing):
     references = rank_pool.run(frozen_reference_job)
-    runs = rank_pool.run(sleep_fault_job)
-    for reference, run in zip(references, runs):
+    runs = rank_pool.run(sleep_fault_job, None if failing == "every rank" else 1)
+    for rank, (reference, run) in enumerate(zip(references, runs)):
         assert run["count"] >= 1 and run["raised"] is not None, run
         assert "host memory" in run["raised"] and "call it again" in run["raised"], run["raised"]
-        assert run["awake"] and all(run["held"]) and run["asleep"], run
+        if failing == "rank 1" and rank == 0:
+            assert "another rank" in run["raised"], run["raised"]
+        assert run["awake"] and run["held"] and run["asleep"], run
         assert _same(reference, run)
+
+
+def _same_sign(a: int, b: int) -> bool:
+    return (a > 0) == (b > 0) and (a < 0) == (b < 0)
