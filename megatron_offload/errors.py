@@ -59,13 +59,18 @@ class DeviceMemoryError(OffloadError, torch.OutOfMemoryError):
     and the model are as before the call, and the same call works once memory is free. A
     ``torch.OutOfMemoryError``, so handlers written for torch's own keep working."""
 
-    def __init__(self, operation: str, *, needed: int, free: int | None) -> None:
+    def __init__(
+        self, operation: str, *, needed: int, free: int | None, advice: str | None = None
+    ) -> None:
         self.operation, self.needed, self.free = operation, needed, free
         where = "" if free is None else f"; the device has {_gib(free)} free"
         super().__init__(
             f"{operation} needed {_gib(needed)} of device memory and could not get it{where}. "
-            "Nothing it allocated is kept and nothing was lost: call it again once that "
-            "memory is free (an inference engine still releasing it, a cache to empty)."
+            + (
+                advice
+                or "Nothing it allocated is kept and nothing was lost: call it again once that "
+                "memory is free (an inference engine still releasing it, a cache to empty)."
+            )
         )
 
 
@@ -74,30 +79,38 @@ class HostMemoryError(OffloadError, MemoryError):
     As for ``DeviceMemoryError``, what it had allocated was given back and the same call
     works once memory is free."""
 
-    def __init__(self, operation: str, *, needed: int) -> None:
+    def __init__(self, operation: str, *, needed: int, advice: str | None = None) -> None:
         self.operation, self.needed = operation, needed
         super().__init__(
             f"{operation} needed {_gib(needed)} of host memory and the system refused it. "
-            "Nothing it allocated is kept and nothing was lost: call it again once that memory "
-            "is free, or lower what the ranks of this node hold (host_memory_budget)."
+            + (
+                advice
+                or "Nothing it allocated is kept and nothing was lost: call it again once that "
+                "memory is free, or lower what the ranks of this node hold (host_memory_budget)."
+            )
         )
 
 
-def out_of_memory(error: BaseException, device, operation: str, needed: int) -> BaseException:
+def out_of_memory(
+    error: BaseException, device, operation: str, needed: int, advice: str | None = None
+) -> BaseException:
     """What to raise for ``error``, met by ``operation`` while allocating ``needed`` bytes,
     after undoing what it allocated: a ``DeviceMemoryError`` (chained to the allocator's own)
     for a device out of memory, a ``HostMemoryError`` for a host allocation the system
-    refused, ``error`` itself for anything else (the package's own errors included)."""
+    refused, ``error`` itself for anything else (the package's own errors included).
+    ``advice`` replaces "call it again" where the operation cannot simply be made again."""
     if isinstance(error, OffloadError):
         return error
     if isinstance(error, torch.OutOfMemoryError) or (
         isinstance(error, RuntimeError) and "alloc" in str(error).lower()
     ):
-        raised = DeviceMemoryError(operation, needed=needed, free=device.memory_free())
+        raised = DeviceMemoryError(
+            operation, needed=needed, free=device.memory_free(), advice=advice
+        )
     elif isinstance(error, MemoryError) or (
         isinstance(error, OSError) and error.errno == errno.ENOMEM
     ):
-        raised = HostMemoryError(operation, needed=needed)
+        raised = HostMemoryError(operation, needed=needed, advice=advice)
     else:
         return error
     raised.__cause__ = error

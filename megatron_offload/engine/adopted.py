@@ -24,6 +24,13 @@ from .labels import (
 )
 from .pieces import aligned_size, typed_view
 
+#: A staging that fails comes after the update of the states it stages (a chunk of a step).
+_PART_WAY = (
+    "The states it made are whole (attach's cycle offloads them as after any step); the "
+    "update that made them was applied, as when an update raises part-way: whether to step "
+    "again is the loop's decision."
+)
+
 
 class Adopted:
     """The engine's adopted tensors: ``id(tensor) -> (tensor, host, event, buffer)``.
@@ -139,12 +146,13 @@ class Adopted:
                 finally:
                     # Even when a copy raised: the copies queued before it still run.
                     event = device.record_event(side)
-        except BaseException:
+        except BaseException as error:
             # Staging memory goes back only once the copies into it ran (rule 5), which also
             # orders those reads of the states before whatever writes them next.
             if event is not None:
                 device.synchronize_event(event, label=HOST_FREE_AFTER_COPIES)
-            raise
+            needed = sum(aligned_size(t.numel() * t.element_size()) for t in tensors)
+            raise out_of_memory(error, device, "staging new states to the host", needed, _PART_WAY)
         for tensor in tensors:
             # Rule 2: the D2H still reads this memory; the allocator must know before it goes.
             device.record_stream(tensor, side, label=D2H_RECORD_STREAM)

@@ -734,3 +734,44 @@ def test_a_sleep_the_system_refuses_host_memory_gives_up_nothing(rank_pool, fail
 
 def _same_sign(a: int, b: int) -> bool:
     return (a > 0) == (b > 0) and (a < 0) == (b < 0)
+
+
+def staging_fault_job():
+    """The chunked update's first step copies the states it makes to the host as it goes;
+    the system refuses that staging memory: the step raises a HostMemoryError, the states
+    it made leave the device with the cycle's offload (counted: nothing resident, nothing
+    mapped that stats() does not count), and the next steps train on."""
+    import megatron_offload
+    from megatron_offload.errors import HostMemoryError
+    from tests.harness import models
+    from tests.support.faults import AllocationFaults, shared_mapping_bytes
+
+    chunks, optimizer, config = _build()
+    offloader = megatron_offload.attach(optimizer, **CHUNKED)
+    mapped, host = shared_mapping_bytes(), offloader.stats()["host_bytes"]
+    found = {"raised": None}
+    with AllocationFaults(fail_at=1, host=True, device=False) as faults:
+        try:
+            models.train_step(chunks, optimizer, config, 0)
+        except HostMemoryError as error:
+            found["raised"] = str(error)
+    stats = offloader.stats()
+    found.update(
+        count=faults.count,
+        resident=(stats["resident_bytes"], _device_bytes(chunks, optimizer)["states"]),
+        held=_same_sign(shared_mapping_bytes() - mapped, stats["host_bytes"] - host),
+    )
+    results = [models.train_step(chunks, optimizer, config, step) for step in (1, 2)]
+    stats = offloader.stats()
+    found["offloaded"] = stats["offloaded_bytes"] == stats["tracked_bytes"] > 0
+    found["finite"] = all(torch.isfinite(torch.tensor(r["loss"])) for r in results)
+    offloader.detach()
+    return found
+
+
+def test_the_chunked_update_refused_its_staging_memory_raises_and_trains_on(rank_pool):
+    for run in rank_pool.run(staging_fault_job):
+        assert run["raised"] is not None and "staging" in run["raised"], run
+        assert "loop's decision" in run["raised"] and run["count"] >= 1, run
+        assert run["resident"] == (0, 0) and run["held"], run
+        assert run["offloaded"] and run["finite"], run
