@@ -184,7 +184,8 @@ class ChunkedUpdate:
         # sized for all of them where their sizes are known.
         expected = [planned(inner, param, self.kinds)[0] for param in creating]
         remaining = [sum(expected[i:]) for i in range(len(expected))]
-        staging = HostBuffers(engine.device) if creating else None
+        name = f"{engine.name}: staging"
+        staging = HostBuffers(engine.device, budget=engine.budget, name=name) if creating else None
         undo = self.undo
         if undo is not None:
             undo.begin()

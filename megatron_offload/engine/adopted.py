@@ -15,7 +15,7 @@ import torch
 
 from ..device import Device
 from ..errors import out_of_memory
-from .host import HostBuffers
+from .host import HostBudget, HostBuffers
 from .labels import (
     D2H_AFTER_WRITERS,
     D2H_RECORD_STREAM,
@@ -37,12 +37,14 @@ class Adopted:
 
     Args:
         device: the engine's device.
+        budget: the allocator the host buffers come from and go back to (``HostBudget``).
         changed: told whenever the adopted tensors change (the engine looks again).
         side: ``side("d2h")`` is the engine's D2H stream.
     """
 
-    def __init__(self, device: Device, *, changed=lambda: None, side=None) -> None:
+    def __init__(self, device: Device, budget: HostBudget, *, changed=lambda: None, side=None):
         self.device = device
+        self.budget = budget
         self._changed = changed
         self._side = side
         self._items: dict[int, tuple[torch.Tensor, torch.Tensor, object, torch.Tensor]] = {}
@@ -115,12 +117,12 @@ class Adopted:
         """The arena holds their bytes now (every copy into the buffers was waited for, rule
         5): each buffer goes back once."""
         for buffer in {id(b): b for *_, b in self._items.values()}.values():
-            self.device.free_host_buffer(buffer)
+            self.budget.free(self.device, buffer)
         self._items = {}
 
     def _free_if_unused(self, buffer: torch.Tensor) -> None:
         if not any(other is buffer for *_, other in self._items.values()):
-            self.device.free_host_buffer(buffer)
+            self.budget.free(self.device, buffer)
 
     # ---------------------------------------------------------------- copies in
     def stage_out(
@@ -170,7 +172,7 @@ class Adopted:
         total = sum(aligned_size(n) for n in sizes)
         tensors, items, offset, buffer = [], [], 0, None
         try:  # all or nothing: nothing is adopted until every tensor is made
-            buffer = device.host_buffer(total)
+            buffer = self.budget.allocate(device, total, "adopting the states a load made")
             for value, nbytes in zip(values, sizes):
                 host = buffer[offset : offset + nbytes]
                 host.copy_(value.contiguous().view(-1).view(torch.uint8))
@@ -181,7 +183,7 @@ class Adopted:
                 tensors.append(tensor)
         except BaseException as error:
             if buffer is not None:
-                device.free_host_buffer(buffer)
+                self.budget.free(device, buffer)
             # The traceback keeps this frame: nothing in it may keep the buffer mapped.
             buffer = host = None
             items.clear()

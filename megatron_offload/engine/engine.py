@@ -109,7 +109,9 @@ class OffloadEngine:
         #: Bytes of tensors ``collect`` returned that a failed layout left untracked.
         self.unlaid_bytes = 0
         #: Tensors whose only copy someone else put on the host, until the next layout.
-        self.adopted = Adopted(device, changed=copies.invalidate, side=copies.side_stream)
+        self.adopted = Adopted(
+            device, self.host.budget, changed=copies.invalidate, side=copies.side_stream
+        )
         # An engine dropped with copies in flight still waits for them before its arena is
         # freed: the arena is an object of its own, and this finalizer holds only it.
         weakref.finalize(self, self.host.free)
@@ -223,7 +225,7 @@ class OffloadEngine:
         # Groups made only of host copies stay released; their bytes move into the arena.
         carried = [g for g in pieces if g.place is Place.RELEASED]
         sources = {key: host for key, (host, _) in on_host.items()}
-        self.host.lay_out(pieces, carried, sources, name=self.name, staged=self.adopted.nbytes)
+        self.host.lay_out(pieces, carried, sources, name=self.name)
         self.adopted.laid_out()
         self.copies.take_pieces(pieces)
         self._layout.laid_out(current, pieces)

@@ -1,21 +1,23 @@
-"""Host memory of the engine: one exactly-sized arena per engine, a budget shared by engines,
-and the one allocator of every other host buffer (``HostBuffers``).
+"""Host memory: the one allocator every host buffer comes from (``HostBudget``, with the
+limit shared by one offloader's engines), each engine's exactly-sized arena (``HostArena``),
+and the buffers carved for everything else (``HostBuffers``).
 
 The arena is the only host memory an engine holds for its pieces (each piece has a slice of
 it). It remembers the newest copy into or out of it on each side stream, so that it is
 never given back (or replaced) while a copy still uses it (protocol rule 5). The budget
-limits what several engines (one offloader's optimizers) hold together, checked before
-anything is allocated, against the peak of a change: while a layout is rebuilt the old and
-the new arena (or the bytes moved aside to rewrite one in place) are held together.
+counts every buffer once, whoever holds it, and checks before anything is allocated,
+against the peak of a change: while a layout is rebuilt the old and the new arena (or the
+bytes moved aside to rewrite one in place) are held together.
 
 The arena may be allocated (and pinned, which is slow) ahead of the first offload
 (``reserve``, from ``OffloadEngine.reserve_host``); a later layout reuses it when it fits
 (``fits``) instead of allocating again.
 
 Host memory beyond the arena (the chunked update's first-step staging and its undo journal,
-the states a load put on the host) is carved from ``HostBuffers``: few buffers, each carved in
-order, never one per tensor, since every host buffer is pinned on an accelerator and pinning
-costs a system call and page-table work per buffer.
+sleep's copies of the parameters, the states a load put on the host) is carved from
+``HostBuffers``: few buffers, each carved in order, never one per tensor, since every host
+buffer is pinned on an accelerator and pinning costs a system call and page-table work per
+buffer.
 """
 
 from __future__ import annotations
@@ -33,44 +35,62 @@ from ..errors import HostMemoryBudgetError  # noqa: E402,F401 - raised here; eve
 
 
 class HostBudget:
-    """A limit on the host memory held by several engines (one offloader's optimizers)."""
+    """The one allocator of host memory, and its limit.
+
+    Every host buffer the package holds (the engines' arenas, the chunked update's staging
+    and undo journal, sleep's copies of the parameters, states adopted from a load) is
+    allocated by ``allocate`` and given back by ``free``: counted once per buffer, whoever
+    holds it at the moment (a staging buffer handed to the engine stays the same buffer),
+    and bounded by ``limit`` (``host_memory_budget``; None: no limit). One budget is shared
+    by one offloader's engines.
+    """
 
     def __init__(self, limit: int | None) -> None:
         self.limit = limit
-        self._held: dict[int, int] = {}
+        self._buffers: dict[int, torch.Tensor] = {}  # id -> the buffer, until given back
 
-    def _others(self, owner) -> int:
-        return sum(n for key, n in self._held.items() if key != id(owner))
+    @property
+    def held(self) -> int:
+        """Bytes of the buffers allocated and not given back."""
+        return sum(buffer.numel() for buffer in self._buffers.values())
 
-    def check(self, owner, nbytes: int, name: str, *, peak: int | None = None) -> None:
-        """Refuse if ``owner`` cannot hold ``nbytes``, or ``peak`` bytes for a moment (a
-        layout change holding old and new host copies together), besides the others."""
+    def check(self, nbytes: int, name: str, *, moving: int = 0, relayout: bool = False) -> None:
+        """Refuse (``HostMemoryBudgetError``) if ``nbytes`` more would not fit beside what is
+        held, plus ``moving`` bytes held for a moment. ``relayout``: a layout change, which
+        holds the previous host copies (in what is held, or set aside: ``moving``) while their
+        bytes move."""
         if self.limit is None:
             return
-        others = self._others(owner)
-        if peak is not None and peak > nbytes and others + peak > self.limit:
+        held = self.held
+        if (moving or relayout) and held + nbytes + moving > self.limit:
             raise HostMemoryBudgetError(
-                f"{name}: laying the states out again holds {peak:,} bytes of host memory at once "
-                f"(the new layout needs {nbytes:,}; the rest are the previous host copies while "
-                f"their bytes move), {others:,} already held by the other optimizers, over "
-                f"host_memory_budget={self.limit:,}. Nothing was freed or allocated. Raise "
-                "host_memory_budget, or offload less: offload_fraction, per_optimizer, or "
-                "offload_master_weights=False."
+                f"{name}: laying the states out again needs {nbytes + moving:,} more bytes of "
+                f"host memory at once (the new layout {nbytes:,}, the previous host copies set "
+                f"aside {moving:,}) while the {held:,} already held (the previous arena among "
+                f"them) are held too, over host_memory_budget={self.limit:,}. Nothing was freed "
+                "or allocated. Raise host_memory_budget, or offload less: offload_fraction, "
+                "per_optimizer, or offload_master_weights=False."
             )
-        if others + nbytes > self.limit:
+        if held + nbytes > self.limit:
             raise HostMemoryBudgetError(
-                f"{name}: offloading needs {nbytes:,} bytes of host memory ({others:,} already "
-                f"held by the other optimizers), over host_memory_budget={self.limit:,}. Nothing "
-                "was allocated. Raise "
-                "host_memory_budget, or offload less: offload_fraction, per_optimizer, or "
-                "offload_master_weights=False."
+                f"{name}: offloading needs {nbytes:,} bytes of host memory ({held:,} already "
+                f"held by the other optimizers and buffers), over host_memory_budget="
+                f"{self.limit:,}. Nothing was allocated. Raise host_memory_budget, or offload "
+                "less: offload_fraction, per_optimizer, or offload_master_weights=False."
             )
 
-    def hold(self, owner, nbytes: int) -> None:
-        self._held[id(owner)] = nbytes
+    def allocate(self, device: Device, nbytes: int, name: str, *, relayout: bool = False):
+        """A host buffer of ``nbytes`` from ``device`` (pinned on accelerators), checked
+        first (``check``) and counted until ``free``."""
+        self.check(nbytes, name, relayout=relayout)
+        buffer = device.host_buffer(nbytes)
+        self._buffers[id(buffer)] = buffer
+        return buffer
 
-    def release(self, owner) -> None:
-        self._held.pop(id(owner), None)
+    def free(self, device: Device, buffer: torch.Tensor) -> None:
+        """Give ``buffer`` back (the caller has waited for every copy into or out of it)."""
+        device.free_host_buffer(buffer)
+        self._buffers.pop(id(buffer), None)
 
 
 class HostArena:
@@ -78,7 +98,7 @@ class HostArena:
 
     def __init__(self, device: Device, budget: HostBudget | None = None) -> None:
         self.device = device
-        self.budget = budget
+        self.budget = budget if budget is not None else HostBudget(None)
         self.buffer: torch.Tensor | None = None
         self.retired: torch.Tensor | None = None  # the previous buffer, while its bytes move
         # Side streams run in order, so the newest event of each covers every earlier copy.
@@ -88,10 +108,6 @@ class HostArena:
     @property
     def nbytes(self) -> int:
         return 0 if self.buffer is None else self.buffer.numel()
-
-    def check(self, nbytes: int, name: str, *, peak: int | None = None) -> None:
-        if self.budget is not None:
-            self.budget.check(self, nbytes, name, peak=peak)
 
     def fits(self, nbytes: int) -> bool:
         """True if a layout of ``nbytes`` should reuse the current buffer: it is large
@@ -105,25 +121,24 @@ class HostArena:
         which runs inside a training step."""
         if self.buffer is not None or nbytes <= 0:
             return False
-        self.check(nbytes, name)
-        self.replace(nbytes)
+        self.replace(nbytes, name)
         return True
 
-    def lay_out(self, pieces, carried, sources: dict, *, name: str, staged: int = 0) -> None:
+    def lay_out(self, pieces, carried, sources: dict, *, name: str) -> None:
         """Give every piece its range of the arena, in order; the pieces in ``carried`` keep
         their host bytes, found in ``sources`` (``{id(tensor): host tensor}``: the old arena
         or buffers handed over; their copies are complete).
 
         The arena is reused when the layout fits it (the carried bytes set aside first: their
         new places may overlap their old ones); otherwise a new one is allocated while the old
-        one still holds the bytes to carry. Either way the peak (plus ``staged`` bytes held in
-        other buffers) is checked against the budget before anything is freed or allocated.
+        one still holds the bytes to carry. Either way the peak is checked against the budget
+        before anything is freed or allocated.
         """
         need = sum(g.nbytes for g in pieces)
         reuse = self.fits(need)
-        aside = sum(g.nbytes for g in carried) if reuse else need
-        self.check(need, name, peak=self.nbytes + aside + staged)
         if reuse:
+            # The carried bytes are set aside (copies) for a moment: checked before any.
+            self.budget.check(0, name, moving=sum(g.nbytes for g in carried))
             # Rule 5: the host rewrites the arena below, while a copy of the old layout may
             # still read or write it.
             self._synchronize()
@@ -135,7 +150,8 @@ class HostArena:
                     if host.untyped_storage().data_ptr() == base:
                         sources[id(tensor)] = host.clone()
         else:
-            arena = self.replace(need)
+            # Allocated while the old arena still holds the bytes to carry: both are counted.
+            arena = self.replace(need, name, relayout=self.buffer is not None)
         offset = 0
         for piece in pieces:
             piece.host = arena[offset : offset + piece.nbytes].view(piece.dtype)
@@ -145,12 +161,11 @@ class HostArena:
                 host.copy_(sources[id(tensor)])
         self.free_retired()
 
-    def replace(self, nbytes: int) -> torch.Tensor:
+    def replace(self, nbytes: int, name: str, *, relayout: bool = False) -> torch.Tensor:
         """A new buffer of ``nbytes``; the old one stays readable until ``free_retired``."""
         self.free_retired()
-        self.retired, self.buffer = self.buffer, self.device.host_buffer(nbytes)
-        if self.budget is not None:
-            self.budget.hold(self, nbytes)
+        buffer = self.budget.allocate(self.device, nbytes, name, relayout=relayout)
+        self.retired, self.buffer = self.buffer, buffer
         return self.buffer
 
     def free_retired(self) -> None:
@@ -158,7 +173,7 @@ class HostArena:
         if self.retired is None:
             return
         self._synchronize()
-        self.device.free_host_buffer(self.retired)
+        self.budget.free(self.device, self.retired)
         self.retired = None
 
     def _synchronize(self) -> None:
@@ -174,10 +189,8 @@ class HostArena:
         if self.buffer is None:
             return
         self._synchronize()
-        self.device.free_host_buffer(self.buffer)
+        self.budget.free(self.device, self.buffer)
         self.buffer = None
-        if self.budget is not None:
-            self.budget.release(self)
 
 
 class HostBuffers:
@@ -194,7 +207,7 @@ class HostBuffers:
 
     def __init__(self, device: Device, *, budget: HostBudget | None = None, name: str = "") -> None:
         self.device = device
-        self.budget = budget
+        self.budget = budget if budget is not None else HostBudget(None)
         self.name = name
         self._buffers: list[torch.Tensor] = []
         self._index = 0  # the buffer being carved
@@ -248,8 +261,8 @@ class HostBuffers:
         self._index = self._used = self._taken = 0
 
     def hand_over(self, buffers) -> None:
-        """Someone else gives ``buffers`` back from now on (the engine adopted states in them);
-        what is left of them is still carved."""
+        """Someone else gives ``buffers`` back from now on (the engine adopted states in them;
+        the budget counts them until then, once); what is left of them is still carved."""
         self._handed.update(id(buffer) for buffer in buffers)
 
     def free(self) -> None:
@@ -257,19 +270,10 @@ class HostBuffers:
         them)."""
         for buffer in self._buffers:
             if id(buffer) not in self._handed:
-                self.device.free_host_buffer(buffer)
+                self.budget.free(self.device, buffer)
         self._buffers = []
         self._handed = set()
         self._index = self._used = self._taken = 0
-        if self.budget is not None:
-            self.budget.release(self)
 
     def _allocate(self, nbytes: int) -> None:
-        if self.budget is not None:
-            self.budget.check(self, self.nbytes + nbytes, self.name)
-        self._buffers.append(self.device.host_buffer(nbytes))
-        self._hold()
-
-    def _hold(self) -> None:
-        if self.budget is not None:
-            self.budget.hold(self, self.nbytes)
+        self._buffers.append(self.budget.allocate(self.device, nbytes, self.name))

@@ -187,6 +187,56 @@ def test_the_device_call_scan_finds_a_planted_call():
     )
 
 
+def host_allocations(trees: dict[str, ast.Module]) -> list[str]:
+    """Calls of ``host_buffer`` / ``free_host_buffer`` outside ``device/`` (which defines
+    them) and ``HostBudget`` (the one allocator, ``engine/host.py``)."""
+    found = []
+    for path, tree in trees.items():
+        parts = Path(path).parts
+        if len(parts) > 2 and parts[1] == "device":
+            continue
+        allowed = {
+            id(node)
+            for cls in ast.walk(tree)
+            if isinstance(cls, ast.ClassDef)
+            and cls.name == "HostBudget"
+            and path == "megatron_offload/engine/host.py"
+            for node in ast.walk(cls)
+        }
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("host_buffer", "free_host_buffer")
+                and id(node) not in allowed
+            ):
+                found.append(f"{path}:{node.lineno}: {ast.unparse(node.func)}(...)")
+    return found
+
+
+def test_every_host_buffer_comes_from_the_one_allocator():
+    assert host_allocations(_modules()) == []
+
+
+def test_the_host_allocation_scan_finds_planted_calls():
+    planted = {
+        "megatron_offload/engine/host.py": ast.parse(
+            "class HostBudget:\n"
+            "    def allocate(self, device):\n"
+            "        return device.host_buffer(1)\n"
+            "class HostArena:\n"
+            "    def replace(self):\n"
+            "        return self.device.host_buffer(1)\n"
+        ),
+        "megatron_offload/engine/adopted.py": ast.parse(
+            "def f(device, b):\n    device.free_host_buffer(b)\n"
+        ),
+        "megatron_offload/device/cpu.py": ast.parse("def g(self):\n    self.host_buffer(1)\n"),
+    }
+    found = host_allocations(planted)
+    assert len(found) == 2 and "host.py:6" in found[0] and "adopted.py:2" in found[1], found
+
+
 def oversized(sizes: dict[str, int]) -> dict[str, int]:
     """The modules over ``MAX_LINES`` (a smell alarm: split along a seam a reader would name,
     never by squeezing docstrings)."""

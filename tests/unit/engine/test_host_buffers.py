@@ -48,7 +48,7 @@ def test_rewinding_reuses_and_merges_several_buffers_into_one():
     assert device.freed == [64, 64] and device.allocated[-1] == 128 and buffers.count == 1
 
 
-def test_handed_over_buffers_are_not_freed_and_the_budget_is_held_and_released():
+def test_a_handed_over_buffer_is_counted_once_until_its_new_holder_gives_it_back():
     device = _Device()
     budget = HostBudget(100)
     buffers = HostBuffers(device, budget=budget, name="journal")
@@ -58,4 +58,9 @@ def test_handed_over_buffers_are_not_freed_and_the_budget_is_held_and_released()
     buffers.hand_over([buffer])  # the engine gives it back from now on
     buffers.free()
     assert device.freed == [] and buffers.nbytes == 0
+    assert budget.held == 64  # still held: by the engine now, counted once
+    with pytest.raises(HostMemoryBudgetError):
+        HostBuffers(device, budget=budget).take(100)
+    budget.free(device, buffer)  # its new holder gives it back
+    assert device.freed == [64] and budget.held == 0
     HostBuffers(device, budget=budget).take(100)  # the budget is free again
