@@ -54,7 +54,7 @@ class OffloadConfig:
     what its node and container can give, in proportion to its need). Checked at attach,
     before any host memory is allocated; exceeding it raises ``HostMemoryBudgetError`` naming
     the need. Whatever the budget, attach also refuses a node whose ranks need more host
-    memory together than it can give (``integration/node_memory.py``)."""
+    memory together than it can give (``offloader/node_memory.py``)."""
 
     prefetch: str | float = "gradients"
     """When the copy back of the states starts. ``"gradients"`` (the default): when the

@@ -3,11 +3,11 @@
 An offloader changes megatron-core's and torch's objects in two ways only, both through
 ``Interceptions``:
 
-* ``replace`` / ``wrap``: an attribute of one instance is replaced (a method wrapped on the
-  instance, the ``_state_offloader`` mark, a model config's ``finalize_model_grads_func``);
-  removing it puts back what the instance had (its own attribute, or none: the class's again).
-  ``only_if_ours``: it is put back only if it is still what was installed (someone may have
-  replaced it since, and theirs stays).
+* ``replace`` / ``wrap``: an attribute of one object is replaced (a method wrapped on the
+  instance, the ``_state_offloader`` mark, a model config's ``finalize_model_grads_func``; a
+  function of a module, a method of a class); removing it puts back what the object had (its
+  own attribute, or none: the class's again). ``only_if_ours``: it is put back only if it is
+  still what was installed (someone may have replaced it since, and theirs stays).
 * ``hook``: a torch hook registered by the caller (a step pre-hook, the state-dict hooks, a
   forward pre-hook, a gradient accumulator's hook), whose handle is kept here.
 
@@ -15,11 +15,17 @@ Each returns an ``Interception``: a removable handle, as torch's hooks return, w
 what it changed, where, and why. The component that installed one removes it when its job is
 done (sleep's hooks at wake); ``remove_all`` (``detach``) removes whatever is left, newest
 first; ``listing()`` (``offloader.interceptions()``) is what is installed now.
+
+What is installed for the whole process rather than for one offloader (``patch_megatron``'s
+wraps of ``megatron.training``, the frameworks' ``install``) is in ``PROCESS``, and
+``PROCESS.listing()`` says what it is; ``unpatch_megatron`` and the frameworks' ``uninstall``
+remove theirs.
 """
 
 from __future__ import annotations
 
 import functools
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -55,21 +61,17 @@ class Interceptions:
     def replace(
         self, obj, name: str, value, *, why: str, only_if_ours: bool = False
     ) -> Interception:
-        """Set ``obj.name = value`` on the instance until the handle is removed."""
-        # The instance's own dictionary: neither a class's __setattr__ nor a property of it
-        # can turn the replacement into something else.
+        """Set ``obj.name = value`` on the object itself (an instance, a module, a class) until
+        the handle is removed."""
         previous = vars(obj).get(name, _MISSING)
-        vars(obj)[name] = value
+        _set(obj, name, value)
 
         def undo() -> None:
             if only_if_ours and vars(obj).get(name, _MISSING) is not value:
                 return  # replaced since by someone else: theirs stays
-            if previous is _MISSING:
-                vars(obj).pop(name, None)
-            else:
-                vars(obj)[name] = previous
+            _set(obj, name, previous)
 
-        return self.record("attribute", f"{type(obj).__name__}.{name}", why, undo)
+        return self.record("attribute", f"{_name_of(obj)}.{name}", why, undo)
 
     def wrap(self, obj, name: str, make: Callable[[Callable], Callable], *, why: str):
         """Replace the method ``obj.name`` on the instance by ``make(the method now)``."""
@@ -104,6 +106,35 @@ class Interceptions:
         interception = Interception(kind, where, why, undo, self)
         self._installed.append(interception)
         return interception
+
+
+def _set(obj, name: str, value) -> None:
+    """``obj.name = value`` in ``obj``'s own dictionary (``_MISSING``: removed). An instance's
+    or a module's is written directly, so that neither a class's ``__setattr__`` nor a
+    property can turn the replacement into something else; a class's is read-only, and
+    ``setattr`` writes it."""
+    if isinstance(obj, type):
+        if value is _MISSING:
+            if name in vars(obj):
+                delattr(obj, name)
+        else:
+            setattr(obj, name, value)
+    elif value is _MISSING:
+        vars(obj).pop(name, None)
+    else:
+        vars(obj)[name] = value
+
+
+def _name_of(obj) -> str:
+    if isinstance(obj, type):
+        return obj.__qualname__
+    if isinstance(obj, types.ModuleType):
+        return obj.__name__
+    return type(obj).__name__
+
+
+#: What the process as a whole has installed (``patch_megatron``, the frameworks' ``install``).
+PROCESS = Interceptions()
 
 
 def table(listing) -> str:

@@ -15,7 +15,7 @@ process:
   ``cudaFreeAsync`` on its allocation stream, after that stream was made to wait for every
   recorded stream. Our release therefore makes the compute stream wait for the copy out;
   nothing the offloader can do keeps that memory usable earlier, so it says so, once, with
-  the measured time (``integration/allocator_warnings.py``).
+  the measured time (``offloader/allocator_warnings.py``).
 
 Pure Python: nothing here touches a device.
 """

@@ -25,13 +25,15 @@ from __future__ import annotations
 import functools
 import importlib
 
+from ..interceptions import PROCESS
 from ..megatron.training import find_offloader
 from ..offloader.sleep import owner_of
 from .phases import model_to_device, model_to_host, to_device, to_host
 
 MODULE = "nemo_rl.models.policy.workers.megatron_policy_worker"
 CLASS = "MegatronPolicyWorker"
-_installed: dict = {}  # worker class -> its own (move_optimizer, move_model)
+_installed: dict = {}  # worker class -> what install() replaced in it (removable handles)
+_WHY = "NeMo-RL's optimizer and model moves delegate to the attached offloader"
 
 
 def install(worker_class=None) -> None:
@@ -56,7 +58,7 @@ def install(worker_class=None) -> None:
         _check(device)
         (to_host if device == "cpu" else to_device)(offloader)
 
-    cls.move_optimizer = move_optimizer
+    handles = [PROCESS.replace(cls, "move_optimizer", move_optimizer, why=_WHY)]
     if own_model is not None:
 
         @functools.wraps(own_model)
@@ -72,8 +74,8 @@ def install(worker_class=None) -> None:
                 model_to_device(offloader, **parts)
             return model
 
-        cls.move_model = move_model
-    _installed[cls] = (own, own_model)
+        handles.append(PROCESS.replace(cls, "move_model", move_model, why=_WHY))
+    _installed[cls] = handles
 
 
 def _check(device: str) -> None:
@@ -84,11 +86,8 @@ def _check(device: str) -> None:
 def uninstall(worker_class=None) -> None:
     """Give ``worker_class`` its own ``move_optimizer`` and ``move_model`` back."""
     cls = worker_class if worker_class is not None else _worker_class()
-    own = _installed.pop(cls, None)
-    if own is not None:
-        cls.move_optimizer = own[0]
-        if own[1] is not None:
-            cls.move_model = own[1]
+    for handle in reversed(_installed.pop(cls, [])):
+        handle.remove()
 
 
 def _worker_class():

@@ -26,6 +26,7 @@ import functools
 import importlib
 import sys
 
+from ..interceptions import PROCESS
 from ..megatron.training import find_offloader
 from ..offloader.sleep import owner_of
 from .phases import model_to_device, model_to_host, to_device, to_host
@@ -52,7 +53,8 @@ NAMES = {
 }
 # The model moves are delegated where the module has them.
 OPTIONAL = ("offload_megatron_model_to_cpu", "load_megatron_model_to_gpu")
-_installed: dict = {}  # id(delegating function) -> (delegating function, verl's own)
+# id(delegating function) -> (delegating function, its replacements, the module installed)
+_installed: dict = {}
 
 
 def install(module=None) -> None:
@@ -69,26 +71,27 @@ def install(module=None) -> None:
             raise TypeError(f"{module.__name__} has no {name}: not verl's megatron_utils.")
         if id(own) not in _installed:  # not installed already
             replaced[id(own)] = _delegating(own, finder, phase)
+    handles = {id(delegating): [] for delegating in replaced.values()}
     for target in _modules(module):
         for attribute, value in list(vars(target).items()):
             if id(value) in replaced and replaced[id(value)].__wrapped__ is value:
-                setattr(target, attribute, replaced[id(value)])
+                delegating = replaced[id(value)]
+                why = "verl's optimizer and model moves delegate to the attached offloader"
+                handles[id(delegating)].append(
+                    PROCESS.replace(target, attribute, delegating, why=why, only_if_ours=True)
+                )
     for delegating in replaced.values():
-        _installed[id(delegating)] = (delegating, delegating.__wrapped__)
+        _installed[id(delegating)] = (delegating, handles[id(delegating)], module.__name__)
 
 
 def uninstall(module=None) -> None:
     """Give verl its own functions back, wherever ``install`` replaced them."""
     module = module if module is not None else _module()
-    restored = set()
-    for target in _modules(module):
-        for attribute, value in list(vars(target).items()):
-            entry = _installed.get(id(value))
-            if entry is not None and entry[0] is value:
-                setattr(target, attribute, entry[1])
-                restored.add(id(value))
-    for key in restored:
-        del _installed[key]
+    for key, (_, handles, name) in list(_installed.items()):
+        if name == module.__name__:
+            for handle in handles:
+                handle.remove()
+            del _installed[key]
 
 
 def _delegating(own, finder, phase):

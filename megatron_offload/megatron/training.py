@@ -48,6 +48,7 @@ import weakref
 from ..access.host_view import servable
 from ..adapters.megatron_wrappers import MASTER_WEIGHTS, master_weights
 from ..errors import print_refusals_once, restore_excepthook
+from ..interceptions import PROCESS
 from ..offloader import allocator_warnings
 from ..offloader.cycle import WRAPPER_MARK as _MARK
 from ..offloader.cycle import attach, prefetch_at_gradient_reduction, prefetching_finalize
@@ -78,8 +79,8 @@ __all__ = [
     "unpatch_megatron",
 ]
 
-# (module, attribute name) -> original value, for unpatch_megatron().
-_ORIGINALS: dict = {}
+# What patch_megatron() installed (in interceptions.PROCESS), for unpatch_megatron().
+_PATCHES: list = []
 # Offloaders attached by this module (for hooks that do not receive the optimizer).
 _ATTACHED: list = []
 
@@ -395,8 +396,8 @@ def _replace(module, name: str, make_wrapper) -> None:
         return
     wrapper = make_wrapper(current)
     setattr(wrapper, _MARK, True)
-    _ORIGINALS[(module, name)] = current
-    setattr(module, name, wrapper)
+    why = "--offload-optimizer-states: megatron.training's own function, wrapped"
+    _PATCHES.append(PROCESS.replace(module, name, wrapper, why=why))
 
 
 def patch_megatron() -> None:
@@ -435,10 +436,9 @@ def patch_megatron() -> None:
 def unpatch_megatron() -> None:
     """Restore everything ``patch_megatron()`` replaced."""
     restore_excepthook()
-    for (module, name), original in list(_ORIGINALS.items()):
-        setattr(module, name, original)
-        del _ORIGINALS[(module, name)]
+    while _PATCHES:
+        _PATCHES.pop().remove()
 
 
 def is_patched() -> bool:
-    return bool(_ORIGINALS)
+    return bool(_PATCHES)

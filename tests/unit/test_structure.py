@@ -282,19 +282,19 @@ def test_the_arming_scan_finds_a_planted_store():
     assert arming(planted) == ["megatron_offload/access/x.py:1: state.armed"]
 
 
-# Process-wide patches (module globals of megatron.training, framework functions) are not an
-# optimizer's: they undo themselves (docs/design.md, "What the offloader changes").
-_PROCESS_WIDE = ("megatron_offload/megatron/", "megatron_offload/frameworks/")
-
-
 def changes_by_hand(trees: dict[str, ast.Module]) -> list[str]:
-    """Changes made to objects outside ``interceptions.py``: an instance dictionary written
-    (``vars(x)[...] =``, ``x.__dict__[...] =``, ``vars(x).pop``), or a torch hook registered
-    whose handle is not handed to ``Interceptions.hook`` at once."""
+    """Changes made to objects outside ``interceptions.py``: an instance's or a module's
+    dictionary written (``vars(x)[...] =``, ``x.__dict__[...] =``, ``vars(x).pop``), a
+    function replaced by ``setattr`` (but a mark on a function of ours, or a class of the same
+    module being built), or a torch
+    hook registered whose handle is not handed to ``Interceptions.hook`` at once. The
+    process-wide installs (``patch_megatron``, the frameworks') are scanned too."""
     found = []
     for path, tree in trees.items():
-        if path.endswith("interceptions.py") or path.startswith(_PROCESS_WIDE):
+        # The re-pointing component sets tensors, not functions (its own rule is below).
+        if path.endswith(("interceptions.py", "adapters/holders.py")):
             continue
+        classes = {node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
         handed = {
             id(node.args[0])
             for node in ast.walk(tree)
@@ -315,6 +315,15 @@ def changes_by_hand(trees: dict[str, ast.Module]) -> list[str]:
                 elif name.startswith("register_") and name.endswith("hook"):
                     if id(node) not in handed and "offload_" not in name:
                         found.append(f"{path}:{node.lineno}: {text}")
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "setattr"
+                and len(node.args) == 3
+                and not (isinstance(node.args[1], ast.Name) and node.args[1].id.endswith("MARK"))
+                and not (isinstance(node.args[0], ast.Name) and node.args[0].id in classes)
+            ):
+                found.append(f"{path}:{node.lineno}: {text}")
     return found
 
 
@@ -333,8 +342,22 @@ def test_the_interception_scan_finds_planted_changes():
             "    installed.hook(inner.register_step_pre_hook(f), where='', why='')\n"
         ),
         "megatron_offload/interceptions.py": ast.parse("def g(obj):\n    vars(obj)['x'] = 1\n"),
+        "megatron_offload/frameworks/y.py": ast.parse(
+            "def h(module, cls, wrapper):\n"
+            "    setattr(module, 'train', wrapper)\n"
+            "    setattr(wrapper, _MARK, True)\n"
+            "    vars(module)['train'] = wrapper\n"
+        ),
     }
-    assert [line.split(":")[1] for line in changes_by_hand(planted)] == ["2", "3", "4", "5"]
+    found = [":".join(line.split(":")[:2]) for line in changes_by_hand(planted)]
+    assert found == [
+        "megatron_offload/chunked/x.py:2",
+        "megatron_offload/chunked/x.py:3",
+        "megatron_offload/chunked/x.py:4",
+        "megatron_offload/chunked/x.py:5",
+        "megatron_offload/frameworks/y.py:2",
+        "megatron_offload/frameworks/y.py:4",
+    ], found
 
 
 def test_one_component_repoints_the_optimizers_tensors():

@@ -8,6 +8,7 @@ import types
 import pytest
 
 from megatron_offload.frameworks import nemo_rl, phases, verl
+from megatron_offload.interceptions import PROCESS
 
 
 class _Offloader:
@@ -59,9 +60,13 @@ def test_nemo_rl_install_delegates_only_with_an_offloader_and_uninstall_restores
         assert plain.own == ["cpu", "cuda"]
         with pytest.raises(ValueError, match="Only strings 'cpu' and 'cuda'"):
             served.move_optimizer("meta")
+        assert [where for _, where, _ in PROCESS.listing()] == [
+            f"{Worker.__qualname__}.move_optimizer"
+        ]
     finally:
         nemo_rl.uninstall(Worker)
-    assert Worker.move_optimizer is own
+    assert Worker.move_optimizer is own and "move_optimizer" in vars(Worker)
+    assert PROCESS.listing() == []
 
 
 def test_verl_install_rebinds_every_module_that_imported_the_moves():
@@ -78,12 +83,16 @@ def test_verl_install_rebinds_every_module_that_imported_the_moves():
         engine.offload_megatron_optimizer(_Optimizer(offloader))
         engine.load_megatron_optimizer(_Optimizer(offloader))
         assert offloader.calls == ["offload"]  # the step reloads under the per-step cycle
+        listed = {where for _, where, _ in PROCESS.listing()}
+        assert f"{engine.__name__}.offload_megatron_optimizer" in listed
+        assert f"{utils.__name__}.load_megatron_optimizer" in listed
     finally:
         verl.uninstall(utils)
         for name in [n for n in sys.modules if n.startswith("verl_install_double")]:
             del sys.modules[name]
     assert (utils.offload_megatron_optimizer, utils.load_megatron_optimizer) == own
     assert (engine.offload_megatron_optimizer, engine.load_megatron_optimizer) == own
+    assert PROCESS.listing() == []
 
 
 def test_missing_frameworks_are_a_clear_error():

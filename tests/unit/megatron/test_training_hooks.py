@@ -12,7 +12,7 @@ import contextlib
 
 import pytest
 
-from megatron_offload.interceptions import Interceptions
+from megatron_offload.interceptions import PROCESS, Interceptions
 from megatron_offload.megatron import training as hooks
 from megatron_offload.megatron.arguments import OffloadArgumentError
 
@@ -117,9 +117,12 @@ def test_patch_is_idempotent_and_reversible(megatron_training):
     hooks.patch_megatron()
     assert [getattr(module, name) for module, name in names] == wrapped
     assert hooks.is_patched()
+    # Listed where every change is: one row per wrapped function.
+    listed = {where for _, where, _ in PROCESS.listing()}
+    assert {f"{module.__name__}.{name}" for module, name in names} <= listed
     hooks.unpatch_megatron()
     assert [getattr(module, name) for module, name in names] == originals
-    assert not hooks.is_patched()
+    assert not hooks.is_patched() and PROCESS.listing() == []
 
 
 def test_patch_reaches_the_validation_initialize_runs(megatron_training, monkeypatch):
