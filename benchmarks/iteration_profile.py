@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     parser.add_argument("--list", action="store_true", help="print every function counted")
     parser.add_argument("--mode", choices=("whole", "chunked", "both"), default="both")
     args = parser.parse_args(argv)
-    from tests.support.isolated import IsolatedProcess
+    from tests.harness.isolated import IsolatedProcess
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     for mode in ("whole", "chunked") if args.mode == "both" else (args.mode,):

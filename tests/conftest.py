@@ -24,8 +24,8 @@ _pythonpath = os.environ.get("PYTHONPATH", "")
 if REPO_ROOT not in _pythonpath.split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, _pythonpath) if p)
 
+from tests.harness.isolated import IsolatedProcess  # noqa: E402
 from tests.harness.rank_pool import RankPool  # noqa: E402
-from tests.support.isolated import IsolatedProcess  # noqa: E402
 
 
 def _session_pool(world_size: int):

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from tests.functional import runner
-from tests.support.checkpoints import torch_dist_tensors
+from tests.harness.checkpoints import torch_dist_tensors
 
 ITERATIONS = 3
 ASYNC_FLAGS = ("--async-save", "--use-persistent-ckpt-worker", "--async-strategy", "mcore")

@@ -88,7 +88,7 @@ def test_the_trees_optimizers_keep_the_state_access_contract():
     check = (
         "import sys, megatron.core.optimizer as o\n"
         "assert o.__file__.startswith(sys.argv[1]), o.__file__\n"
-        "from tests.support.state_contract import unclassified\n"
+        "from tests.harness.state_contract import unclassified\n"
         "found = unclassified()\n"
         "assert found == {}, found\n"
         "print('CONTRACT OK')\n"

@@ -147,7 +147,7 @@ def checkpoint_job(offload, dtype, async_save, directory, checked=False, chunked
     chunked: with the chunked update (states on the host during the steps too)."""
     import megatron_offload
     from tests.harness import models
-    from tests.support.checked import check_devices, checked_device_options
+    from tests.harness.checked import check_devices, checked_device_options
 
     directory = _shared_directory(directory)
     out = {}

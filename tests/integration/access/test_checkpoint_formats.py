@@ -96,7 +96,7 @@ def formats_job(
     import megatron_offload
     from megatron_offload.access import guard
     from tests.harness import models
-    from tests.support.checked import check_devices, checked_device_options
+    from tests.harness.checked import check_devices, checked_device_options
 
     if not serve:
         guard.servable = lambda offloader: False  # this rank process only; restored below

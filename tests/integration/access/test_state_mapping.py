@@ -59,7 +59,7 @@ def reads_job(offload, dtype, checked=False, options=None):
     import megatron_offload
     from megatron_offload.phase import GuardedState
     from tests.harness import models
-    from tests.support.checked import check_devices, checked_device_options
+    from tests.harness.checked import check_devices, checked_device_options
 
     chunks, optimizer, config = models.build("mlp", dtype)
     distrib = models.distributed_optimizers(optimizer)[0]

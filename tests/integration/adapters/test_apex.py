@@ -7,7 +7,7 @@ offloader must pick new states up at the next offload and train bitwise like the
 
 import pytest
 
-from . import _jobs
+from tests.harness import optimizer_jobs
 
 DROP = {0: 3, 2: 1}  # inner params 0 and 2 get no gradient in the first 3 / 1 steps
 
@@ -15,8 +15,8 @@ DROP = {0: 3, 2: 1}  # inner params 0 and 2 get no gradient in the first 3 / 1 s
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_apex_training_is_bitwise_identical_with_offloading(rank_pool, dtype):
     kw = dict(drop_grads=DROP)
-    reference = rank_pool.run(_jobs.train_job, "apex", "mlp", dtype, 6, False, **kw)
-    offloaded = rank_pool.run(_jobs.train_job, "apex", "mlp", dtype, 6, True, **kw)
+    reference = rank_pool.run(optimizer_jobs.train_job, "apex", "mlp", dtype, 6, False, **kw)
+    offloaded = rank_pool.run(optimizer_jobs.train_job, "apex", "mlp", dtype, 6, True, **kw)
     for rank in reference:
         assert rank["classes"][-1] == "FusedAdam"
         assert rank["layout"]["param_dtype"] == "torch.float32"  # apex steps fp32 shards
@@ -24,7 +24,7 @@ def test_apex_training_is_bitwise_identical_with_offloading(rank_pool, dtype):
         states = rank["state_params"]
         assert 0 not in states[0] and 2 not in states[0] and 1 in states[0]
         assert 2 in states[1] and 0 not in states[2] and 0 in states[3]
-    _jobs.assert_bitwise_equal(reference, offloaded)
+    optimizer_jobs.assert_bitwise_equal(reference, offloaded)
     for rank in offloaded:
         figures = rank["figures"]
         # What was offloaded grew as states appeared, and all of it was always offloaded.

@@ -90,7 +90,7 @@ def emerging_job(
 ):
     import megatron_offload
     from tests.harness import models
-    from tests.support.checked import check_devices, checked_device_options
+    from tests.harness.checked import check_devices, checked_device_options
 
     chunks, optimizer, config = models.build(
         "gpt", "bf16", optimizer=name, use_distributed_optimizer=False, layer_wise=layer_wise

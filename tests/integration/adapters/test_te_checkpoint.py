@@ -17,9 +17,8 @@ import os
 import pytest
 import torch
 
+from tests.harness import optimizer_jobs
 from tests.integration.access.test_checkpoint import DeviceWatch, _all_released
-
-from . import _jobs
 
 SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
 CASES = [
@@ -93,9 +92,9 @@ def walk_job(offload, remainders, moments, directory):
     from tests.harness import models
 
     directory = _shared_directory(directory)
-    with _jobs.injected("te"):
+    with optimizer_jobs.injected("te"):
         chunks, optimizer, config = models.build(
-            "mlp", "bf16", optimizer_overrides=_jobs.precision_aware(remainders, moments)
+            "mlp", "bf16", optimizer_overrides=optimizer_jobs.precision_aware(remainders, moments)
         )
         offloader = megatron_offload.attach(optimizer) if offload else None
         results, called, offloaded_before = [], [], {}
@@ -122,7 +121,7 @@ def walk_job(offload, remainders, moments, directory):
             "called": called,
             "offloaded_before": offloaded_before,
             "classes": models.optimizer_classes(optimizer),
-            "snapshot": _jobs.snapshot(chunks, optimizer),
+            "snapshot": optimizer_jobs.snapshot(chunks, optimizer),
         }
 
 
@@ -133,7 +132,7 @@ def test_every_te_state_method_works_while_offloaded(rank_pool, tmp_path, remain
     for ref, off in zip(reference, offloaded):
         assert all(off["offloaded_before"].values())  # each call met released states
         assert off["called"] == ref["called"]
-        _jobs.assert_bitwise_equal([ref], [off], ignore=_jobs.is_amax)
+        optimizer_jobs.assert_bitwise_equal([ref], [off], ignore=optimizer_jobs.is_amax)
 
 
 # ------------------------------------------------------------- dist_checkpointing round trip
@@ -177,7 +176,7 @@ def checkpoint_job(offload, remainders, moments, directory, chunked=None):
     from tests.harness import models
 
     directory = _shared_directory(directory)
-    overrides = _jobs.precision_aware(remainders, moments)
+    overrides = optimizer_jobs.precision_aware(remainders, moments)
     out = {}
 
     def build():
@@ -186,16 +185,16 @@ def checkpoint_job(offload, remainders, moments, directory, chunked=None):
             return chunks, optimizer, config, None
         options = {}
         if chunked is not None:
-            options["chunked_update_bytes"] = _jobs.chunked_budget(optimizer, chunked)
+            options["chunked_update_bytes"] = optimizer_jobs.chunked_budget(optimizer, chunked)
         return chunks, optimizer, config, megatron_offload.attach(optimizer, **options)
 
     def final(chunks, optimizer, offloader):
         if offloader and offloader.is_offloaded:
             offloader.reload()
             offloader.wait()
-        return _jobs.snapshot(chunks, optimizer)
+        return optimizer_jobs.snapshot(chunks, optimizer)
 
-    with _jobs.injected("te"):
+    with optimizer_jobs.injected("te"):
         chunks, optimizer, config, offloader = build()
         results = []
         for step in range(STEPS):
@@ -239,8 +238,8 @@ def checkpoint_job(offload, remainders, moments, directory, chunked=None):
 
 
 def _same(a, b):
-    keys = [k for k in a if not _jobs.is_amax(k)]  # see _jobs.is_amax
-    return a.keys() == b.keys() and all(_jobs._equal(a[k], b[k]) for k in keys)
+    keys = [k for k in a if not optimizer_jobs.is_amax(k)]  # see optimizer_jobs.is_amax
+    return a.keys() == b.keys() and all(optimizer_jobs._equal(a[k], b[k]) for k in keys)
 
 
 @pytest.mark.parametrize("chunked", [None, 0.3], ids=["whole", "chunked"])

@@ -7,7 +7,7 @@ test's own logic is known to work before it meets a GPU.
 
 import pytest
 
-from tests.support.isolated import IsolatedProcess
+from tests.harness.isolated import IsolatedProcess
 from tests.unit.adapters.test_te_gpu import STEPS, _assert_bitwise_and_offloaded, _run
 
 

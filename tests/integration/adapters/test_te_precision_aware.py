@@ -4,7 +4,7 @@
 fp32 master weights inside the optimizer state (``master_param``, or int16 remainders with
 ``store_param_remainders``), moments in fp32, bf16, fp16 or FP8 (``Float8Tensor``). megatron-core
 0.19.2 takes this path for real here (the double is injected where megatron-core would have
-imported TE; see ``tests/doubles/megatron_injection.py``); ``attach`` offloads its states.
+imported TE; see ``tests/harness/doubles/megatron_injection.py``); ``attach`` offloads its states.
 
 Every case trains the same run with and without offloading and compares losses, grad norms,
 model parameters and every byte of optimizer state (FP8 data, transposes, scales, TE's
@@ -14,7 +14,7 @@ adapter and by walking the state independently, must hold no device memory.
 
 import pytest
 
-from . import _jobs
+from tests.harness import optimizer_jobs
 
 # (remainders, exp_avg, exp_avg_sq, master, expected (kind, dtype) groups)
 MATRIX = [
@@ -32,10 +32,10 @@ EXTRA = [
 
 def _pair(pool, model, dtype, steps, overrides, **kw):
     reference = pool.run(
-        _jobs.train_job, "te", model, dtype, steps, False, overrides=overrides, **kw
+        optimizer_jobs.train_job, "te", model, dtype, steps, False, overrides=overrides, **kw
     )
     offloaded = pool.run(
-        _jobs.train_job, "te", model, dtype, steps, True, overrides=overrides, **kw
+        optimizer_jobs.train_job, "te", model, dtype, steps, True, overrides=overrides, **kw
     )
     return reference, offloaded
 
@@ -45,7 +45,7 @@ def _check_layout(rank, remainders, exp_avg, exp_avg_sq, master):
     assert rank["classes"][-1] == "FusedAdam"  # the double, not torch's AdamW fallback
     assert layout["param_dtype"] == "torch.bfloat16"  # TE steps the bf16 shards themselves
     expected_master = (
-        "torch.int16" if remainders and master == "fp32" else str(_jobs.DTYPES[master])
+        "torch.int16" if remainders and master == "fp32" else str(optimizer_jobs.DTYPES[master])
     )
     assert layout["master_param"][1] == expected_master
     for key, name in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
@@ -53,7 +53,11 @@ def _check_layout(rank, remainders, exp_avg, exp_avg_sq, master):
             assert layout[key][0] == "Float8Tensor" and layout[key][1] == "torch.float32"
             assert layout[key][3] == "torch.uint8"
         else:
-            assert layout[key] == ("Tensor", str(_jobs.DTYPES[name]), _jobs.DTYPES[name].itemsize)
+            assert layout[key] == (
+                "Tensor",
+                str(optimizer_jobs.DTYPES[name]),
+                optimizer_jobs.DTYPES[name].itemsize,
+            )
     assert "step" not in layout  # TE keeps the step per group
 
 
@@ -61,12 +65,12 @@ def _check_layout(rank, remainders, exp_avg, exp_avg_sq, master):
 def test_precision_aware_training_is_bitwise_identical_with_offloading(
     rank_pool, remainders, exp_avg, exp_avg_sq, master, groups
 ):
-    overrides = _jobs.precision_aware(remainders, exp_avg, exp_avg_sq, master)
+    overrides = optimizer_jobs.precision_aware(remainders, exp_avg, exp_avg_sq, master)
     reference, offloaded = _pair(rank_pool, "mlp", "bf16", 8, overrides)
     for rank in reference:
         _check_layout(rank, remainders, exp_avg, exp_avg_sq, master)
-    _jobs.assert_bitwise_equal(reference, offloaded)
-    _jobs.assert_offloaded_between_steps(offloaded, groups=groups)
+    optimizer_jobs.assert_bitwise_equal(reference, offloaded)
+    optimizer_jobs.assert_offloaded_between_steps(offloaded, groups=groups)
 
 
 @pytest.mark.parametrize("line", ["2.12", "2.19"])
@@ -74,41 +78,45 @@ def test_precision_aware_training_is_bitwise_identical_with_offloading(
 def test_precision_aware_offloading_is_bitwise_in_the_other_te_lines(rank_pool, line, moments):
     """The matrix above runs the double's default line (2.13-2.18); here the others: 2.8-2.12
     (bf16 moments unscaled into fp32 temporaries) and 2.19+ (empty groups count steps)."""
-    overrides = _jobs.precision_aware(True, moments)
+    overrides = optimizer_jobs.precision_aware(True, moments)
     reference, offloaded = (
-        rank_pool.run(_jobs.train_job, f"te@{line}", "mlp", "bf16", 6, offload, overrides=overrides)
+        rank_pool.run(
+            optimizer_jobs.train_job, f"te@{line}", "mlp", "bf16", 6, offload, overrides=overrides
+        )
         for offload in (False, True)
     )
-    _jobs.assert_bitwise_equal(reference, offloaded)
-    _jobs.assert_offloaded_between_steps(offloaded, groups=2)
+    optimizer_jobs.assert_bitwise_equal(reference, offloaded)
+    optimizer_jobs.assert_offloaded_between_steps(offloaded, groups=2)
 
 
 def test_gpt_with_overlapped_gather_fp8_moments_and_remainders(rank_pool):
-    overrides = _jobs.precision_aware(True, "fp8")
+    overrides = optimizer_jobs.precision_aware(True, "fp8")
     build = dict(overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=3000)
     reference, offloaded = _pair(rank_pool, "gpt", "bf16", 6, overrides, **build)
-    _jobs.assert_bitwise_equal(reference, offloaded)
-    _jobs.assert_offloaded_between_steps(offloaded, groups=2)
+    optimizer_jobs.assert_bitwise_equal(reference, offloaded)
+    optimizer_jobs.assert_offloaded_between_steps(offloaded, groups=2)
 
 
 def test_fp32_model_keeps_an_unused_master_copy_and_offloads_it(rank_pool):
     """fp32 params on the precision-aware path: TE still creates ``master_param`` (never
     updated; the kernel steps the fp32 param itself). It is dead weight on the device, so it
     is offloaded with the moments."""
-    overrides = _jobs.precision_aware(True, "bf16")
+    overrides = optimizer_jobs.precision_aware(True, "bf16")
     reference, offloaded = _pair(rank_pool, "mlp", "fp32", 5, overrides)
     layout = reference[0]["layout"]
     assert layout["param_dtype"] == "torch.float32"
     assert layout["master_param"][1] == "torch.float32"
-    _jobs.assert_bitwise_equal(reference, offloaded)
-    _jobs.assert_offloaded_between_steps(offloaded, groups=2)
+    optimizer_jobs.assert_bitwise_equal(reference, offloaded)
+    optimizer_jobs.assert_offloaded_between_steps(offloaded, groups=2)
 
 
 def test_moments_only_leave_the_masters_resident(rank_pool):
-    overrides = _jobs.precision_aware(True, "fp8")
-    reference = rank_pool.run(_jobs.train_job, "te", "mlp", "bf16", 5, False, overrides=overrides)
+    overrides = optimizer_jobs.precision_aware(True, "fp8")
+    reference = rank_pool.run(
+        optimizer_jobs.train_job, "te", "mlp", "bf16", 5, False, overrides=overrides
+    )
     offloaded = rank_pool.run(
-        _jobs.train_job,
+        optimizer_jobs.train_job,
         "te",
         "mlp",
         "bf16",
@@ -117,7 +125,7 @@ def test_moments_only_leave_the_masters_resident(rank_pool):
         overrides=overrides,
         options={"offload_master_weights": False},
     )
-    _jobs.assert_bitwise_equal(reference, offloaded)
+    optimizer_jobs.assert_bitwise_equal(reference, offloaded)
     for rank in offloaded:
         last = rank["figures"][-1]
         census = rank["resident_census"]
@@ -130,11 +138,11 @@ def test_moments_only_leave_the_masters_resident(rank_pool):
 @pytest.mark.parametrize("moments", ["bf16", "fp8"])
 def test_precision_aware_under_the_checked_stream_model(rank_pool, moments):
     """Side-stream copies deferred and fresh memory poisoned until its copy ran."""
-    overrides = _jobs.precision_aware(True, moments)
+    overrides = optimizer_jobs.precision_aware(True, moments)
     build = dict(overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=1000)
     reference, offloaded = _pair(rank_pool, "mlp", "bf16", 6, overrides, checked=True, **build)
-    _jobs.assert_bitwise_equal(reference, offloaded)
-    _jobs.assert_offloaded_between_steps(offloaded, groups=2)
+    optimizer_jobs.assert_bitwise_equal(reference, offloaded)
+    optimizer_jobs.assert_offloaded_between_steps(offloaded, groups=2)
     for rank in offloaded:
         (calls,) = rank["checked_calls"]
         assert calls["use-after-h2d"] > 0 and calls["d2h-after-writers"] > 0
@@ -143,10 +151,10 @@ def test_precision_aware_under_the_checked_stream_model(rank_pool, moments):
 @pytest.mark.floor
 def test_floor_smoke_precision_aware_fp8_remainders(rank_pool):
     """The same injection and path on the compatibility floor (megatron-core 0.16.1)."""
-    overrides = _jobs.precision_aware(True, "fp8")
+    overrides = optimizer_jobs.precision_aware(True, "fp8")
     reference, offloaded = _pair(rank_pool, "mlp", "bf16", 4, overrides)
-    _jobs.assert_bitwise_equal(reference, offloaded)
-    _jobs.assert_offloaded_between_steps(offloaded, groups=2)
+    optimizer_jobs.assert_bitwise_equal(reference, offloaded)
+    optimizer_jobs.assert_offloaded_between_steps(offloaded, groups=2)
 
 
 def test_fp16_model_with_skipped_steps(rank_pool):
@@ -154,7 +162,7 @@ def test_fp16_model_with_skipped_steps(rank_pool):
     scaling tuned to overflow every other step: a skipped step copies nothing and leaves the
     states offloaded with their still-valid host copy."""
     overrides = dict(
-        _jobs.precision_aware(True, "bf16"),
+        optimizer_jobs.precision_aware(True, "bf16"),
         initial_loss_scale=2.0**22,
         hysteresis=1,
         loss_scale_window=1,
@@ -164,7 +172,7 @@ def test_fp16_model_with_skipped_steps(rank_pool):
     layout = reference[0]["layout"]
     assert layout["param_dtype"] == "torch.float16"
     assert layout["master_param"][1] == "torch.float32"
-    _jobs.assert_bitwise_equal(reference, offloaded)
+    optimizer_jobs.assert_bitwise_equal(reference, offloaded)
     for rank in offloaded:
         successes = [r["update_successful"] for r in rank["results"]]
         assert True in successes and False in successes[successes.index(True) :]
@@ -188,7 +196,7 @@ def injection_job():
     import megatron.core.optimizer.optimizer_config as mcore_config
     import torch
 
-    from tests.doubles import megatron_injection, te_fused_adam
+    from tests.harness.doubles import megatron_injection, te_fused_adam
 
     def globals_now():
         return (

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from benchmarks import iteration_profile
-from tests.support.isolated import IsolatedProcess
+from tests.harness.isolated import IsolatedProcess
 
 
 def _both_modes():

@@ -15,7 +15,7 @@ import contextlib
 
 import pytest
 
-from tests.integration.adapters import _jobs
+from tests.harness import optimizer_jobs
 
 STEPS, SKIP_AT = 5, 3
 
@@ -49,10 +49,10 @@ def chunked_job(
     """
     import megatron_offload
     from tests.harness import models
-    from tests.support.checked import check_devices, checked_device_options
-    from tests.support.footprint import record_peaks, whole_state_bytes
+    from tests.harness.checked import check_devices, checked_device_options
+    from tests.harness.footprint import record_peaks, whole_state_bytes
 
-    context = _jobs.injected(kind) if kind else contextlib.nullcontext()
+    context = optimizer_jobs.injected(kind) if kind else contextlib.nullcontext()
     with context:
         chunks, optimizer, config = models.build(
             model, dtype, optimizer_overrides=dict(overrides or {}), **(build or {})
@@ -169,7 +169,11 @@ def chunked_job(
             offloader.reload()
             offloader.wait()
         models.flush_param_gather(chunks)
-        snapshot = _jobs.snapshot(chunks, optimizer) if kind else models.snapshot(chunks, optimizer)
+        snapshot = (
+            optimizer_jobs.snapshot(chunks, optimizer)
+            if kind
+            else models.snapshot(chunks, optimizer)
+        )
         check_devices(devices)
         return {
             "results": results,
@@ -191,7 +195,7 @@ def _assert_bitwise(reference, chunked):
         for section in ("params", "optimizer"):
             a, b = ref["snapshot"][section], off["snapshot"][section]
             assert a.keys() == b.keys()
-            different = [k for k in a if not _jobs._equal(a[k], b[k])]
+            different = [k for k in a if not optimizer_jobs._equal(a[k], b[k])]
             assert not different, f"{section} differ: {different[:5]}"
 
 
@@ -302,15 +306,15 @@ def test_chunked_update_with_a_virtual_pipeline(rank_pool4):
     _assert_bounded(reference, chunked, "bf16")
 
 
-PRECISION_AWARE_FP8 = _jobs.precision_aware(True, "fp8", "fp8", "fp32")
-PRECISION_AWARE_BF16 = _jobs.precision_aware(False, "bf16", "bf16", "fp32")
+PRECISION_AWARE_FP8 = optimizer_jobs.precision_aware(True, "fp8", "fp8", "fp32")
+PRECISION_AWARE_BF16 = optimizer_jobs.precision_aware(False, "bf16", "bf16", "fp32")
 
 
 @pytest.mark.parametrize(
     "kind,overrides",
     [
         pytest.param("te", PRECISION_AWARE_FP8, id="te-precision-aware-fp8"),
-        # The double's TE lines ("te@LINE", see tests/doubles/te_fused_adam.py): 2.8-2.12 unscale
+        # The double's TE lines ("te@LINE", see tests/harness/doubles/te_fused_adam.py): 2.8-2.12 unscale
         # bf16 moments into fp32 temporaries, 2.13+ update them in place, 2.19+ count empty groups.
         pytest.param("te@2.12", PRECISION_AWARE_FP8, id="te-2.12-precision-aware-fp8"),
         pytest.param("te@2.12", PRECISION_AWARE_BF16, id="te-2.12-precision-aware-bf16"),
@@ -428,7 +432,7 @@ def slot_size_job(kind, budget_per_element, steps):
     from megatron_offload.engine.slots import SlotSizeError
     from tests.harness import models
 
-    context = _jobs.injected(kind) if kind else contextlib.nullcontext()
+    context = optimizer_jobs.injected(kind) if kind else contextlib.nullcontext()
     with context:
         chunks, optimizer, config = models.build("mlp", "bf16" if kind else "fp32")
         inner = models.distributed_optimizers(optimizer)[0].optimizer

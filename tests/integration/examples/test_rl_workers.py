@@ -1,5 +1,5 @@
 """The RL worker sketches (examples/rl/) where they run: on the frameworks' stand-ins
-(tests/doubles/rl_frameworks.py, registered under verl's and NeMo-RL's module names), on real
+(tests/harness/doubles/rl_frameworks.py, registered under verl's and NeMo-RL's module names), on real
 megatron-core (2 gloo ranks). Every tracked byte is on the host at every phase outside a
 step, and training is bitwise that of the same worker without the sketch."""
 
@@ -34,8 +34,8 @@ def verl_job(sketch: bool):
     """verl's engine: built through its registry, initialized (optimizer moved out), then
     rounds of generation and train mode (load in, steps, offload out)."""
     from megatron_offload.frameworks import verl as adapter
-    from tests.doubles import rl_frameworks
     from tests.harness import models
+    from tests.harness.doubles import rl_frameworks
 
     names = rl_frameworks.install_real_names()
     try:
@@ -77,8 +77,8 @@ def verl_job(sketch: bool):
 def nemo_rl_job(sketch: bool):
     """NeMo-RL's worker, built as its worker extension, through its phases."""
     from megatron_offload.frameworks import nemo_rl as adapter
-    from tests.doubles import rl_frameworks
     from tests.harness import models
+    from tests.harness.doubles import rl_frameworks
 
     names = rl_frameworks.install_real_names()
     try:

@@ -24,7 +24,7 @@ import shutil
 
 import pytest
 
-from tests.support.checkpoints import torch_dist_tensors
+from tests.harness.checkpoints import torch_dist_tensors
 
 pytestmark = pytest.mark.bridge  # skipped, with the reason, where Bridge is absent (conftest)
 

@@ -1,7 +1,7 @@
 """NeMo-RL's and verl's phase orders replayed on real megatron-core (2 gloo ranks), through
 the adapters (``megatron_offload.frameworks``), against the same phases without offloading.
 
-The frameworks' own optimizer moves are stand-ins (``tests/doubles/rl_frameworks.py`` says
+The frameworks' own optimizer moves are stand-ins (``tests/harness/doubles/rl_frameworks.py`` says
 why and what they reproduce). Asserted at every phase: the bytes offloaded (every tracked
 state byte, from the first offload on: the states come back only inside each step); and at
 the end, training bitwise equal to the run without offloading. Negative control: without
@@ -57,9 +57,9 @@ def nemo_rl_job(mode: str, directory: str):
     offload_after_refit; a checkpoint save at the end."""
     import megatron_offload
     from megatron_offload.frameworks import nemo_rl
-    from tests.doubles.rl_frameworks import MegatronPolicyWorker
     from tests.harness import models
-    from tests.support.fresh_memory import poison_regrowth
+    from tests.harness.doubles.rl_frameworks import MegatronPolicyWorker
+    from tests.harness.fresh_memory import poison_regrowth
 
     chunks, optimizer, config = models.build("gpt", "bf16", **BUILD)
     offloader = megatron_offload.attach(optimizer) if mode != "reference" else None
@@ -106,10 +106,10 @@ def verl_job(mode: str, directory: str, real: bool = False):
     import megatron_offload
     from megatron_offload.frameworks import verl
     from megatron_offload_testing.cpu_megatron import plain_pinning
-    from tests.doubles.rl_frameworks import verl_modules
     from tests.harness import models
+    from tests.harness.doubles.rl_frameworks import verl_modules
+    from tests.harness.fresh_memory import poison_regrowth
     from tests.integration.access.test_checkpoint_formats import _load
-    from tests.support.fresh_memory import poison_regrowth
 
     if real:
         import importlib

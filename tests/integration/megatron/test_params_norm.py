@@ -64,11 +64,10 @@ def norm_job(offload: bool, precision_aware: bool = False, steps: int = 3):
 
     from megatron_offload.adapters import MASTER_WEIGHTS, OPTIMIZER_STATES
     from megatron_offload.megatron import training as hooks
-    from tests.harness import models
-    from tests.integration.adapters import _jobs
+    from tests.harness import models, optimizer_jobs
 
-    injected = _jobs.injected("te") if precision_aware else contextlib.nullcontext()
-    overrides = _jobs.precision_aware(True, "fp32") if precision_aware else {}
+    injected = optimizer_jobs.injected("te") if precision_aware else contextlib.nullcontext()
+    overrides = optimizer_jobs.precision_aware(True, "fp32") if precision_aware else {}
     original_get_args = common_utils.get_args
     common_utils.get_args = lambda: argparse.Namespace(bf16=True, use_megatron_fsdp=False)
     report = {}

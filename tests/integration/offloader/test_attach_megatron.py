@@ -38,7 +38,7 @@ def train_job(
     from tests.harness import models
 
     chunks, optimizer, config = models.build(model, dtype, **build_kw)
-    from tests.support.checked import check_devices, checked_device_options
+    from tests.harness.checked import check_devices, checked_device_options
 
     devices = []
     if checked:  # the stream-model device: every ordering mistake raises

@@ -71,7 +71,7 @@ def rl_job(offload, checked=False):
     """Training steps with rollouts between them, in every combination a loop may use."""
     import megatron_offload
     from tests.harness import models
-    from tests.support.checked import check_devices, checked_device_options
+    from tests.harness.checked import check_devices, checked_device_options
 
     chunks, optimizer, config = models.build(
         "mlp", "bf16", overlap_grad_reduce=True, bucket_size=1000
@@ -163,7 +163,7 @@ def rl_selection_job(offload, checked=False):
     """A step cycle that keeps the masters on the device, and rollouts that free them too."""
     import megatron_offload
     from tests.harness import models
-    from tests.support.checked import check_devices, checked_device_options
+    from tests.harness.checked import check_devices, checked_device_options
 
     chunks, optimizer, config = models.build(
         "mlp", "bf16", overlap_grad_reduce=True, bucket_size=1000

@@ -177,7 +177,7 @@ def detach_job(offload, where="after-step", checked=False, options=None):
 
     import megatron_offload
     from tests.harness import models
-    from tests.support.checked import check_devices, checked_device_options
+    from tests.harness.checked import check_devices, checked_device_options
 
     chunks, optimizer, config = models.build("mlp", "bf16")
     distrib = models.distributed_optimizers(optimizer)[0]

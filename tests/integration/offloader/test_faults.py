@@ -1,4 +1,4 @@
-"""Faults off the happy path, injected at the boundary with torch (``tests/support/faults.py``:
+"""Faults off the happy path, injected at the boundary with torch (``tests/harness/faults.py``:
 a device allocation that fails, an update that raises part-way), on real megatron-core (gloo
 ranks; a touched released tensor kills the rank and fails the test with its exit code).
 
@@ -49,7 +49,7 @@ def _finish(chunks, optimizer, config, offloader, results, steps=STEPS):
 def reference_job(fail_update_at=None, steps=STEPS):
     """The plain run (optionally with its step-1 update failing at the same place)."""
     from tests.harness import models
-    from tests.support.faults import failing_update
+    from tests.harness.faults import failing_update
 
     chunks, optimizer, config = _build()
     results = [models.train_step(chunks, optimizer, config, 0)]
@@ -61,7 +61,7 @@ def reference_job(fail_update_at=None, steps=STEPS):
 
 
 def _count(call) -> int:
-    from tests.support.faults import AllocationFaults
+    from tests.harness.faults import AllocationFaults
 
     with AllocationFaults() as faults:
         call()
@@ -75,8 +75,8 @@ def reload_fault_job(where: str):
     import megatron_offload
     from megatron_offload.errors import DeviceMemoryError
     from tests.harness import models
-    from tests.support.faults import AllocationFaults
-    from tests.support.fresh_memory import poison_regrowth
+    from tests.harness.faults import AllocationFaults
+    from tests.harness.fresh_memory import poison_regrowth
 
     chunks, optimizer, config = _build()
     offloader = megatron_offload.attach(optimizer, prefetch="step", **PIECES)
@@ -146,7 +146,7 @@ def update_fault_job(fail_at: int, options: dict):
     """The step-1 update raises part-way under attach's cycle; the loop goes on."""
     import megatron_offload
     from tests.harness import models
-    from tests.support.faults import failing_update
+    from tests.harness.faults import failing_update
 
     chunks, optimizer, config = _build()
     offloader = megatron_offload.attach(optimizer, **options)
@@ -181,8 +181,8 @@ def wake_fault_job(failing_rank: int | None = None):
     import megatron_offload
     from megatron_offload.errors import DeviceMemoryError
     from tests.harness import models
-    from tests.support.faults import AllocationFaults
-    from tests.support.fresh_memory import poison_regrowth
+    from tests.harness.faults import AllocationFaults
+    from tests.harness.fresh_memory import poison_regrowth
 
     rank = torch.distributed.get_rank()
     chunks, optimizer, config = _build(freeze="position_embeddings")
@@ -255,8 +255,8 @@ def full_disk_job(offload: bool, directory: str):
     resumes bitwise."""
     import megatron_offload
     from tests.harness import models
+    from tests.harness.faults import FullDisk
     from tests.integration.access.test_checkpoint import _load, _save, _shared_directory
-    from tests.support.faults import FullDisk
 
     failed = _shared_directory(directory + "/failed")
     saved = _shared_directory(directory + "/saved")
@@ -324,8 +324,8 @@ def interrupt_job():
     left regrown or half-moved, the same call works again, training goes on bitwise."""
     import megatron_offload
     from tests.harness import models
-    from tests.support.faults import interrupted_copy
-    from tests.support.fresh_memory import poison_regrowth
+    from tests.harness.faults import interrupted_copy
+    from tests.harness.fresh_memory import poison_regrowth
 
     chunks, optimizer, config = _build()
     offloader = megatron_offload.OptimizerStateOffloader(optimizer, **PIECES)
@@ -377,7 +377,7 @@ def chunked_fault_job():
     import megatron_offload
     from megatron_offload.errors import DeviceMemoryError
     from tests.harness import models
-    from tests.support.faults import AllocationFaults
+    from tests.harness.faults import AllocationFaults
 
     chunks, optimizer, config = _build()
     offloader = megatron_offload.attach(optimizer, **CHUNKED)
@@ -431,7 +431,7 @@ def retried_reference_job(retried: int, steps: int):
     again: megatron-core prepares and clips the gradients a second time, as it does for the
     chunked run retrying its step."""
     from tests.harness import models
-    from tests.support.faults import Failing
+    from tests.harness.faults import Failing
 
     chunks, optimizer, config = _build()
     results = [models.train_step(chunks, optimizer, config, step) for step in range(2)]
@@ -545,7 +545,7 @@ def load_fault_job(offload: bool):
     import megatron_offload
     from megatron_offload.errors import DeviceMemoryError, HostMemoryError
     from tests.harness import models
-    from tests.support.faults import AllocationFaults, shared_mapping_bytes
+    from tests.harness.faults import AllocationFaults, shared_mapping_bytes
 
     chunks, optimizer, config = _build_float16()
     results = [models.train_step(chunks, optimizer, config, 0)]
@@ -621,7 +621,7 @@ def after_step_fault_job(fail: bool):
 
     import megatron_offload
     from tests.harness import models
-    from tests.support.faults import AllocationFaults
+    from tests.harness.faults import AllocationFaults
 
     chunks, optimizer, config = models.build(
         "gpt", "bf16", optimizer="sgd", use_distributed_optimizer=False
@@ -690,7 +690,7 @@ def sleep_fault_job(failing_rank: int | None = None):
     import megatron_offload
     from megatron_offload.errors import HostMemoryError
     from tests.harness import models
-    from tests.support.faults import AllocationFaults, shared_mapping_bytes
+    from tests.harness.faults import AllocationFaults, shared_mapping_bytes
 
     chunks, optimizer, config = _build(freeze="position_embeddings")
     offloader = megatron_offload.attach(optimizer, **PIECES)
@@ -744,7 +744,7 @@ def staging_fault_job():
     import megatron_offload
     from megatron_offload.errors import HostMemoryError
     from tests.harness import models
-    from tests.support.faults import AllocationFaults, shared_mapping_bytes
+    from tests.harness.faults import AllocationFaults, shared_mapping_bytes
 
     chunks, optimizer, config = _build()
     offloader = megatron_offload.attach(optimizer, **CHUNKED)

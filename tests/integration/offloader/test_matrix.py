@@ -101,7 +101,7 @@ def matrix_job(
     import megatron_offload
     from megatron_offload.adapters import megatron_wrappers as adapter
     from tests.harness import models
-    from tests.support.checked import check_devices, checked_device_options
+    from tests.harness.checked import check_devices, checked_device_options
 
     # A plant is undone when the job ends, so the rank processes stay clean for the next test.
     undo = _plant(plant) if plant else None

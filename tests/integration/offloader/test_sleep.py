@@ -59,7 +59,7 @@ def _device_bytes(chunks, optimizer) -> dict:
 def _counting(offloader) -> list:
     """Count the bytes of every copy through the offloader's devices (the link, on a GPU);
     regrown memory holds garbage (``poison_regrowth``)."""
-    from tests.support.fresh_memory import poison_regrowth
+    from tests.harness.fresh_memory import poison_regrowth
 
     poison_regrowth(offloader)
     counted = [0]

@@ -87,7 +87,7 @@ _IMPORT_CHECK = textwrap.dedent("""
 
     # 5. The state-access contract holds for the patched optimizer package too.
     assert optimizer.__file__.startswith(sys.argv[1]), optimizer.__file__
-    from tests.support.state_contract import unclassified
+    from tests.harness.state_contract import unclassified
     assert unclassified() == {}, unclassified()
     print('PATCHED TREE OK')
 """)

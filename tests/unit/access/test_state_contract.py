@@ -13,7 +13,7 @@ checkout (``tests/functional/test_stock_script.py``).
 import pytest
 
 from megatron_offload.access import guard
-from tests.support.state_contract import optimizer_classes, touching_methods, unclassified
+from tests.harness.state_contract import optimizer_classes, touching_methods, unclassified
 
 CLASSIFIED = set(guard.STATE_METHODS) | set(guard.ROUTED_METHODS) | set(guard.SAFE_METHODS)
 

@@ -19,8 +19,8 @@ from megatron_offload.adapters import (
     kind_of,
     state_access,
 )
-from tests.doubles import apex_fused_adam
-from tests.doubles.te_fused_adam import Float8Tensor, FusedAdam
+from tests.harness.doubles import apex_fused_adam
+from tests.harness.doubles.te_fused_adam import Float8Tensor, FusedAdam
 
 N = 29
 

@@ -1,14 +1,20 @@
 """The Transformer Engine FusedAdam double reproduces the TE 2.17 behaviours it documents.
 
-Each test names the behaviour (numbered as in ``tests/doubles/te_fused_adam.py``). These run in
+Each test names the behaviour (numbered as in ``tests/harness/doubles/te_fused_adam.py``). These run in
 the test process: nothing here releases memory.
 """
 
 import pytest
 import torch
 
-from tests.doubles import apex_fused_adam
-from tests.doubles.te_fused_adam import DType, Float8Quantizer, Float8Tensor, FusedAdam, te_line
+from tests.harness.doubles import apex_fused_adam
+from tests.harness.doubles.te_fused_adam import (
+    DType,
+    Float8Quantizer,
+    Float8Tensor,
+    FusedAdam,
+    te_line,
+)
 
 N = 37  # not a multiple of anything, so nothing lines up by accident
 

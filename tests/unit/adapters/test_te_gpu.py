@@ -127,7 +127,7 @@ def gpu_job(port, remainders, moments, offload, dry_run=False, chunked=None, che
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         if dry_run:
-            from tests.doubles import megatron_injection, te_fused_adam
+            from tests.harness.doubles import megatron_injection, te_fused_adam
 
             injection = megatron_injection.te_fused_adam_injected()
             te_version, te_adam = te_fused_adam.TE_VERSION, te_fused_adam.FusedAdam
@@ -180,9 +180,9 @@ def _train(
     assert isinstance(inner, te_adam)
     options = {}
     if chunked is not None:
-        from tests.integration.adapters import _jobs
+        from tests.harness import optimizer_jobs
 
-        options["chunked_update_bytes"] = _jobs.chunked_budget(optimizer, chunked)
+        options["chunked_update_bytes"] = optimizer_jobs.chunked_budget(optimizer, chunked)
     offloader = megatron_offload.attach(optimizer, **options) if offload else None
     spec = config.harness_spec
     device = torch.device("cpu") if dry_run else torch.device("cuda", 0)
@@ -277,7 +277,7 @@ def _train(
 
 def _run(remainders, moments, offload, dry_run=False, chunked=None, checkpoint=None, process=None):
     """``gpu_job`` in a fresh process, or in ``process`` (the dry runs share one)."""
-    from tests.support.isolated import IsolatedProcess
+    from tests.harness.isolated import IsolatedProcess
 
     if process is not None:
         return process.run(

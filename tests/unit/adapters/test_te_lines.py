@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from megatron_offload.adapters import inner_optimizers
-from tests.doubles import te_fused_adam
-from tests.doubles.te_fused_adam import LINES, Float8Tensor, FusedAdam, te_line
+from tests.harness.doubles import te_fused_adam
+from tests.harness.doubles.te_fused_adam import LINES, Float8Tensor, FusedAdam, te_line
 
 SIZES = (36, 40, 12)  # multiples of 4 elements: fp32 temporaries need no alignment padding
 MOMENTS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8}
@@ -180,7 +180,7 @@ def test_an_all_zero_fp8_moment_holds_nan_so_comparisons_compare_bytes():
 
 
 def test_te_reads_the_fp8_transpose_outside_step():
-    """Why the offloader copies ``_transpose`` (tests/doubles follow TE 2.17's float8_tensor):
+    """Why the offloader copies ``_transpose`` (tests/harness/doubles follow TE 2.17's float8_tensor):
     FusedAdam never reads it, but ``clone()`` copies it and a Float8Tensor-to-Float8Tensor
     ``copy_`` reads the source's, so a transpose left stale after a reload would spread."""
     params, opt = _build("2.17", "fp8")

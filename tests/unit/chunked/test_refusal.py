@@ -30,7 +30,7 @@ SIZES = (40, 7, 33, 16, 5, 24)
 
 
 def _build(kind, moments="fp32", remainders=True, line="2.17", empty_group=False, sizes=SIZES):
-    from tests.doubles import apex_fused_adam, te_fused_adam
+    from tests.harness.doubles import apex_fused_adam, te_fused_adam
 
     gen = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16 if kind == "te" else torch.float32
@@ -70,7 +70,7 @@ def _grads(kind, params, step):
 
 def _snapshot(opt) -> dict:
     """Bytes of every parameter, group step and state buffer (FP8 internals included)."""
-    from tests.doubles.te_fused_adam import Float8Tensor
+    from tests.harness.doubles.te_fused_adam import Float8Tensor
 
     out = {}
     for g, group in enumerate(opt.param_groups):

@@ -60,7 +60,7 @@ def regrow_failing_at(k: int) -> dict:
     from megatron_offload.device.cpu import CPUDevice
     from megatron_offload.engine.model_memory import ModelMemory
     from megatron_offload.errors import DeviceMemoryError
-    from tests.support.faults import AllocationFaults
+    from tests.harness.faults import AllocationFaults
 
     params = torch.arange(12, dtype=torch.bfloat16)
     grads = torch.full((6,), 3.0)

@@ -1,6 +1,6 @@
 """An offload that meets an out-of-memory while it lays the states out again, or while it
 releases tensors that share storages, injected at the boundary with torch and the OS
-(``tests/support/faults.py``: ``torch.empty`` and a storage's ``resize_`` on the device side,
+(``tests/harness/faults.py``: ``torch.empty`` and a storage's ``resize_`` on the device side,
 the anonymous mappings the host buffers live in on the host side).
 
 For every allocation the offload makes: it raises a ``DeviceMemoryError`` or a
@@ -73,7 +73,7 @@ SCENARIOS = {"new layout": _new_layout, "shared storages": _shared}
 def run_offload_fault(scenario: str, fail_at: int | None) -> dict:
     from megatron_offload.device.cpu import CPUDevice
     from megatron_offload.errors import DeviceMemoryError, HostMemoryError
-    from tests.support.faults import AllocationFaults, shared_mapping_bytes
+    from tests.harness.faults import AllocationFaults, shared_mapping_bytes
 
     device = CPUDevice()
     tracked = _values(1, 8)

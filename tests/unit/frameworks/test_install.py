@@ -70,7 +70,7 @@ def test_nemo_rl_install_delegates_only_with_an_offloader_and_uninstall_restores
 
 
 def test_verl_install_rebinds_every_module_that_imported_the_moves():
-    from tests.doubles import rl_frameworks
+    from tests.harness.doubles import rl_frameworks
 
     utils, engine = rl_frameworks.verl_modules("verl_install_double")
     own = utils.offload_megatron_optimizer, utils.load_megatron_optimizer

@@ -151,7 +151,7 @@ def _train(max_piece_bytes, dry_run, hidden, layers):
 
 
 def _run(max_piece_bytes, dry_run=False, **sizes):
-    from tests.support.isolated import IsolatedProcess
+    from tests.harness.isolated import IsolatedProcess
 
     process = IsolatedProcess(timeout=900)
     try:

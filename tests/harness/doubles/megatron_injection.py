@@ -63,7 +63,7 @@ def _patched(patches):
             if previous is _MISSING:
                 raise RuntimeError(
                     f"{getattr(owner, '__name__', owner)}.{name} does not exist: this megatron-core "
-                    "version chooses its Adam differently; update tests/doubles/megatron_injection.py"
+                    "version chooses its Adam differently; update tests/harness/doubles/megatron_injection.py"
                 )
             saved.append((owner, name, previous))
             setattr(owner, name, value)
@@ -87,7 +87,7 @@ def _fake_transformer_engine(version: str):
     root = types.ModuleType("transformer_engine")
     root.__version__ = version
     root.__path__ = []  # a package
-    root.__doc__ = "Test double (tests/doubles): not Transformer Engine."
+    root.__doc__ = "Test double (tests/harness/doubles): not Transformer Engine."
     pytorch = types.ModuleType("transformer_engine.pytorch")
     pytorch.__path__ = []
     optimizers = types.ModuleType("transformer_engine.pytorch.optimizers")
@@ -125,7 +125,7 @@ def te_fused_adam_injected(version: str = TE_VERSION):
 
     ``OptimizerConfig(use_precision_aware_optimizer=True, ...)`` passes its TE checks and
     ``get_megatron_optimizer`` returns a DistributedOptimizer around
-    ``tests.doubles.te_fused_adam.FusedAdam`` (with master weights in its state, decoupled
+    ``tests.harness.doubles.te_fused_adam.FusedAdam`` (with master weights in its state, decoupled
     gradients, remainders and low-precision moments as configured).
     """
     import megatron.core.optimizer as mcore_optimizer

@@ -27,7 +27,7 @@ Transformer Engine 2.17 (megatron-core 0.19 pins TE 2.17.1; ``TE_VERSION`` is wh
 * ``transformer_engine/pytorch/tensor/float8_tensor.py``,
   ``transformer_engine/pytorch/tensor/storage/float8_tensor_storage.py`` and
   ``transformer_engine/pytorch/quantized_tensor.py`` (the TE >= 2.8 storage layout); reproduced in
-  ``tests/doubles/te_float8.py``, whose names this module re-exports).
+  ``tests/harness/doubles/te_float8.py``, whose names this module re-exports).
 
 Release lines (``te_line``; each checked by ``tests/unit/adapters/test_te_lines.py``)
 -------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Rank-side jobs and comparisons shared by the Transformer Engine / apex adapter tests.
 
 Jobs run inside the rank pool (real megatron-core DDP + DistributedOptimizer on gloo CPU ranks).
-They make megatron-core pick a FusedAdam double (``tests/doubles``) for the duration of the job,
+They make megatron-core pick a FusedAdam double (``tests/harness/doubles``) for the duration of the job,
 train with or without ``megatron_offload.attach`` and return everything a bitwise comparison
 needs, including the raw bytes behind FP8 moments and the TE scale tensors.
 """
@@ -38,11 +38,11 @@ def precision_aware(
 
 @contextlib.contextmanager
 def injected(optimizer: str):
-    from tests.doubles import megatron_injection
+    from tests.harness.doubles import megatron_injection
 
     if optimizer == "te" or optimizer.startswith("te@"):
-        # "te@2.12": the double behaves as that TE line (tests/doubles/te_fused_adam.py).
-        from tests.doubles import te_fused_adam
+        # "te@2.12": the double behaves as that TE line (tests/harness/doubles/te_fused_adam.py).
+        from tests.harness.doubles import te_fused_adam
 
         line = optimizer.partition("@")[2] or te_fused_adam.line_of(te_fused_adam.TE_VERSION)
         version = {"2.12": "2.12.0", "2.17": te_fused_adam.TE_VERSION, "2.19": "2.19.0"}[line]
@@ -90,7 +90,7 @@ def inner_optimizers(optimizer):
 
 def state_buffers(value):
     """The tensors holding a state's bytes: the tensor itself, or an FP8 tensor's buffers."""
-    from tests.doubles.te_fused_adam import Float8Tensor
+    from tests.harness.doubles.te_fused_adam import Float8Tensor
 
     if isinstance(value, Float8Tensor):
         return {"_data": value._data, "_transpose": value._transpose}
@@ -158,7 +158,7 @@ def figures(offloader, optimizer) -> dict:
 
 def snapshot(model_chunks, optimizer) -> dict:
     """Model params plus every byte of optimizer state: FP8 internals, TE scales, group steps."""
-    from tests.doubles.te_fused_adam import Float8Tensor
+    from tests.harness.doubles.te_fused_adam import Float8Tensor
 
     params = {
         f"{i}.{name}": p.detach().clone()
@@ -191,7 +191,7 @@ def snapshot(model_chunks, optimizer) -> dict:
 
 def layout(optimizer) -> dict:
     """{state key: (python type, dtype, bytes per element incl. FP8 buffers)} of the first param."""
-    from tests.doubles.te_fused_adam import Float8Tensor
+    from tests.harness.doubles.te_fused_adam import Float8Tensor
 
     inner = inner_optimizers(optimizer)[0]
     param = inner.param_groups[0]["params"][0]
