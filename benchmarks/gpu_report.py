@@ -46,7 +46,7 @@ JOB_LINE = re.compile(r"\[gpu-report\] (\{.*\})\s*$", re.MULTILINE)
 # ------------------------------------------------------------------------------ parsing
 def parse_offload_lines(log: str) -> list[dict]:
     """The offloader's log lines (reduced over ranks), in order."""
-    from megatron_offload.report import parse_log_lines
+    from megatron_offload_testing.log_lines import parse_log_lines
 
     return parse_log_lines(log)
 

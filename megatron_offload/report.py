@@ -5,8 +5,6 @@ figures as TensorBoard / W&B scalars. ``megatron.training`` calls it from megatr
 
 from __future__ import annotations
 
-import re
-
 from .device import numa
 from .engine.figures import gbps
 
@@ -81,27 +79,20 @@ def offload_figures(stats: dict) -> dict:
     }
 
 
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
-#: A size as ``human_bytes`` writes it, for parsers of the log line.
-SIZE_PATTERN = r"[0-9.]+ (?:B|KiB|MiB|GiB|TiB)"
+#: The units ``human_bytes`` writes (a parser of the log line reads them back).
+UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
 
 def human_bytes(nbytes: float) -> str:
     """``nbytes`` in the binary unit that keeps it under 1024, with 4 significant digits
     (``617.0 KiB``, ``1.500 GiB``; whole bytes below 1 KiB)."""
     value, unit = float(nbytes), 0
-    while abs(value) >= 1024 and unit < len(_UNITS) - 1:
+    while abs(value) >= 1024 and unit < len(UNITS) - 1:
         value, unit = value / 1024, unit + 1
     if unit == 0:
         return f"{int(value)} B"
     decimals = 3 if abs(value) < 10 else 2 if abs(value) < 100 else 1
-    return f"{value:.{decimals}f} {_UNITS[unit]}"
-
-
-def parse_bytes(text: str) -> float:
-    """The bytes of a size written by ``human_bytes``."""
-    number, unit = text.split()
-    return float(number) * 1024 ** _UNITS.index(unit)
+    return f"{value:.{decimals}f} {UNITS[unit]}"
 
 
 def _copy(name: str, ms: float, gbps: float) -> str:
@@ -125,31 +116,6 @@ def format_offload_stats(iteration: int, figures: dict, *, ranks: int = 1) -> st
         + (f" checkpoint wait: {wait:.3f} ms |" if wait > 0 else "")
         + scope
     )
-
-
-_LOG_LINE = re.compile(
-    r"\[optimizer-state offload\] iteration +(?P<iteration>\d+) \| "
-    rf"offloaded: (?P<offloaded>{SIZE_PATTERN}) \| host: (?P<host>{SIZE_PATTERN}) \|"
-    r"(?: D2H: (?P<d2h_ms>[0-9.]+) ms \((?P<d2h_gbps>[0-9.]+) GB/s\) \|)?"
-    r"(?: H2D: (?P<h2d_ms>[0-9.]+) ms \((?P<h2d_gbps>[0-9.]+) GB/s\) \|)?"
-    r" exposed: (?P<exposed_ms>[0-9.]+) ms \| issue: (?P<issue_ms>[0-9.]+) ms \|"
-    r"(?: checkpoint wait: (?P<checkpoint_wait_ms>[0-9.]+) ms \|)?"
-    r"(?: \(max over (?P<ranks>\d+) ranks[^)]*\))?"
-)
-
-
-def parse_log_lines(log: str) -> list[dict]:
-    """The figures of every log line in ``log``, in order (``offload_figures``' keys, plus
-    ``iteration`` and ``ranks``); a figure the line omits (not yet measured) is 0.0."""
-    rows = []
-    for match in _LOG_LINE.finditer(log):
-        found = match.groupdict()
-        row = {"iteration": int(found.pop("iteration")), "ranks": int(found.pop("ranks") or 1)}
-        row["offloaded_gib"] = parse_bytes(found.pop("offloaded")) / GIB
-        row["host_gib"] = parse_bytes(found.pop("host")) / GIB
-        row.update({key: float(value or 0.0) for key, value in found.items()})
-        rows.append(row)
-    return rows
 
 
 def summary(stats: dict) -> str:

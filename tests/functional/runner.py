@@ -143,8 +143,8 @@ class Run:
     command: list
 
     def offload_lines(self) -> list[dict]:
-        """The offloader's log lines (``stats_log.parse_log_lines``)."""
-        from megatron_offload.report import parse_log_lines
+        """The offloader's log lines (``megatron_offload_testing.log_lines``)."""
+        from megatron_offload_testing.log_lines import parse_log_lines
 
         return parse_log_lines(self.log)
 

@@ -4,7 +4,7 @@ pointing at a file that exists, and the log line it shows the one the code print
 import re
 from pathlib import Path
 
-from megatron_offload.report import parse_log_lines
+from megatron_offload_testing.log_lines import parse_log_lines
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", REPO / "examples" / "README.md", *sorted((REPO / "docs").glob("*.md"))]

@@ -4,6 +4,7 @@ log line the parsers read back."""
 import pytest
 
 from megatron_offload import report as stats_log
+from megatron_offload_testing import log_lines
 
 
 @pytest.mark.parametrize(
@@ -20,7 +21,7 @@ from megatron_offload import report as stats_log
 )
 def test_sizes_are_written_in_the_unit_that_keeps_them_under_1024(nbytes, text):
     assert stats_log.human_bytes(nbytes) == text
-    assert stats_log.parse_bytes(text) == pytest.approx(nbytes, rel=1e-3)
+    assert log_lines.parse_bytes(text) == pytest.approx(nbytes, rel=1e-3)
 
 
 def _figures(**changes):
@@ -52,7 +53,7 @@ def test_the_log_line_leaves_out_copies_not_yet_measured_and_parses_back():
         _figures(d2h_ms=0.7, d2h_gbps=0.9, h2d_ms=1.0, h2d_gbps=0.6, checkpoint_wait_ms=2.5),
         ranks=2,
     )
-    rows = stats_log.parse_log_lines("noise\n" + first + "\n" + later + "\n")
+    rows = log_lines.parse_log_lines("noise\n" + first + "\n" + later + "\n")
     assert [(r["iteration"], r["ranks"]) for r in rows] == [(1, 1), (2, 2)]
     assert (
         rows[0]["h2d_ms"] == 0.0
