@@ -214,14 +214,25 @@ def run_dropped_prefetch(skip_labels=()) -> dict:
     return _outcome(device, raised)
 
 
-def run_rebuild_after_reload(skip_labels=()) -> dict:
-    """States appear after a cycle (Adam's first step comes after the first offload): the
-    engine lays the groups out again and gives back the old host arena."""
+def _scenario(body, skip_labels=()) -> dict:
+    """``body(model, device, engine)`` on a fresh model, checked device and engine; a protocol
+    violation it raises ends it and is part of the outcome."""
     off = Model()
     device = CheckedDevice(skip_labels=skip_labels)
     engine = OffloadEngine(device, off.collect, name="checked")
     raised = None
     try:
+        body(off, device, engine)
+    except ProtocolViolation as exc:
+        raised = exc
+    return _outcome(device, raised)
+
+
+def run_rebuild_after_reload(skip_labels=()) -> dict:
+    """States appear after a cycle (Adam's first step comes after the first offload): the
+    engine lays the groups out again and gives back the old host arena."""
+
+    def body(off, device, engine):
         engine.offload()
         engine.release()
         engine.reload()
@@ -232,35 +243,27 @@ def run_rebuild_after_reload(skip_labels=()) -> dict:
         engine.release()
         engine.reload()
         engine.wait()
-    except ProtocolViolation as exc:
-        raised = exc
-    return _outcome(device, raised)
+
+    return _scenario(body, skip_labels)
 
 
 def run_close_after_reload(skip_labels=()) -> dict:
     """Detach right after a copy-back: close() gives back the host arena."""
-    off = Model()
-    device = CheckedDevice(skip_labels=skip_labels)
-    engine = OffloadEngine(device, off.collect, name="checked")
-    raised = None
-    try:
+
+    def body(off, device, engine):
         off.step(0)
         engine.offload()
         engine.release()
         engine.reload()
         engine.close()
-    except ProtocolViolation as exc:
-        raised = exc
-    return _outcome(device, raised)
+
+    return _scenario(body, skip_labels)
 
 
 def run_step_after_unreleased_offload(skip_labels=()) -> dict:
     """offload() then reload() without release(): the memory never left, and a step follows."""
-    off = Model()
-    device = CheckedDevice(skip_labels=skip_labels)
-    engine = OffloadEngine(device, off.collect, name="checked")
-    raised = None
-    try:
+
+    def body(off, device, engine):
         off.step(0)
         engine.offload()
         engine.reload()
@@ -268,9 +271,8 @@ def run_step_after_unreleased_offload(skip_labels=()) -> dict:
         engine.mark_dirty()
         device.note_compute()
         off.step(1)
-    except ProtocolViolation as exc:
-        raised = exc
-    return _outcome(device, raised)
+
+    return _scenario(body, skip_labels)
 
 
 # --------------------------------------------------------------------- tests

@@ -40,6 +40,13 @@ def host_like(device, tensor):
     return device.host_buffer(nbytes).view(tensor.dtype).view(tensor.shape)
 
 
+def setup(**options):
+    """A checked device (``options``), a side stream, a device tensor and a host buffer like it."""
+    device = CheckedDevice(**options)
+    src = values()
+    return device, device.new_stream(), src, host_like(device, src)
+
+
 def d2h(device, side, host, tensor):
     """Issue a D2H the way the protocol wants it: after the compute stream's work."""
     device.wait_stream(side, device.current_stream(), label="test-d2h")
@@ -86,10 +93,7 @@ def test_compute_stream_copies_run_at_once():
 
 
 def test_side_stream_copy_is_deferred_until_the_compute_stream_waits():
-    device = CheckedDevice()
-    side = device.new_stream()
-    src = values()
-    host = host_like(device, src)
+    device, side, src, host = setup()
     event = d2h(device, side, host, src)
     assert device.pending() == 1 and is_poison(host)  # queued, not run
     device.wait_event(device.current_stream(), event, label="use")
@@ -98,10 +102,7 @@ def test_side_stream_copy_is_deferred_until_the_compute_stream_waits():
 
 @pytest.mark.parametrize("how", ["wait_stream", "synchronize_event", "synchronize"])
 def test_other_ways_of_ordering_run_the_queue(how):
-    device = CheckedDevice()
-    side = device.new_stream()
-    src = values()
-    host = host_like(device, src)
+    device, side, src, host = setup()
     event = d2h(device, side, host, src)
     if how == "wait_stream":
         device.wait_stream(device.current_stream(), side, label="x")
@@ -159,10 +160,7 @@ def test_ordering_is_transitive_through_the_compute_stream():
 
 
 def test_a_queued_copy_keeps_the_memory_it_was_issued_with():
-    device = CheckedDevice()
-    side = device.new_stream()
-    src = values()
-    host = host_like(device, src)
+    device, side, src, host = setup()
     d2h(device, side, host, src)
     old = src[:]  # keeps the old memory alive: only the tensor object is re-pointed
     with torch.no_grad():
@@ -208,20 +206,14 @@ def test_regrown_memory_is_poisoned(isolated):
 
 # --------------------------------------------------------------- violations
 def test_d2h_without_waiting_for_the_compute_stream():
-    device = CheckedDevice()
-    side = device.new_stream()
-    src = values()
-    host = host_like(device, src)
+    device, side, src, host = setup()
     with raises(UNORDERED_DEVICE_ACCESS, 1):
         with device.use_stream(side):
             device.copy(host, src)
 
 
 def test_any_compute_stream_call_after_the_wait_counts_as_new_work():
-    device = CheckedDevice()
-    side = device.new_stream()
-    src = values()
-    host = host_like(device, src)
+    device, side, src, host = setup()
     device.wait_stream(side, device.current_stream())
     device.record_stream(src, side)  # the caller may have run kernels before this call
     with raises(UNORDERED_DEVICE_ACCESS, 1):
@@ -230,10 +222,7 @@ def test_any_compute_stream_call_after_the_wait_counts_as_new_work():
 
 
 def _release_under_queued_read():
-    device = CheckedDevice()
-    side = device.new_stream()
-    src = values()
-    host = host_like(device, src)
+    device, side, src, host = setup()
     d2h(device, side, host, src)
     try:
         device.release(src)
@@ -248,10 +237,7 @@ def test_release_while_a_queued_copy_reads_without_record_stream(isolated):
 
 
 def _release_without_record_lets_garbage_through():
-    device = CheckedDevice(raise_violations=False)
-    side = device.new_stream()
-    src = values()
-    host = host_like(device, src)
+    device, side, src, host = setup(raise_violations=False)
     d2h(device, side, host, src)
     device.release(src)
     device.synchronize()
@@ -264,10 +250,7 @@ def test_release_without_record_stream_frees_at_once(isolated):
 
 
 def _release_with_record_stream_defers_the_free():
-    device = CheckedDevice()
-    side = device.new_stream()
-    src = values()
-    host = host_like(device, src)
+    device, side, src, host = setup()
     d2h(device, side, host, src)
     device.record_stream(src, side, label="rec")
     device.release(src)
@@ -342,10 +325,7 @@ def test_d2h_overwriting_a_host_buffer_a_queued_h2d_reads():
 
 
 def test_host_reads_need_a_host_synchronization():
-    device = CheckedDevice()
-    side = device.new_stream()
-    src = values()
-    host = host_like(device, src)
+    device, side, src, host = setup()
     event = d2h(device, side, host, src)
     device.wait_event(device.current_stream(), event)  # ordered on the device only
     with raises(UNORDERED_HOST_READ, 5):
@@ -356,10 +336,7 @@ def test_host_reads_need_a_host_synchronization():
 
 
 def test_freeing_a_host_buffer_under_a_copy():
-    device = CheckedDevice()
-    side = device.new_stream()
-    src = values()
-    host = host_like(device, src)
+    device, side, src, host = setup()
     d2h(device, side, host, src)
     with raises(HOST_FREED_IN_USE, 5):
         device.free_host_buffer(host)
@@ -400,10 +377,7 @@ def test_the_compute_stream_using_memory_a_queued_copy_writes():
 
 
 def test_the_compute_stream_overwriting_memory_a_queued_copy_reads():
-    device = CheckedDevice()
-    side = device.new_stream()
-    src = values()
-    host = host_like(device, src)
+    device, side, src, host = setup()
     d2h(device, side, host, src)
     device.note_compute(writes=False)  # reading alongside a reader is fine
     with raises(OVERWRITE_WHILE_READ, 2):
@@ -449,10 +423,7 @@ def test_memory_dropped_under_a_queued_copy(isolated):
 
 
 def test_check_reports_work_nothing_ordered_and_drains():
-    device = CheckedDevice()
-    side = device.new_stream()
-    src = values()
-    host = host_like(device, src)
+    device, side, src, host = setup()
     d2h(device, side, host, src)
     with raises(NEVER_ORDERED, 5):
         device.check()
@@ -460,20 +431,14 @@ def test_check_reports_work_nothing_ordered_and_drains():
 
 
 def test_check_passes_when_everything_was_ordered():
-    device = CheckedDevice()
-    side = device.new_stream()
-    src = values()
-    host = host_like(device, src)
+    device, side, src, host = setup()
     event = d2h(device, side, host, src)
     device.synchronize_event(event)
     assert device.check() == []
 
 
 def test_violations_can_be_collected_instead_of_raised():
-    device = CheckedDevice(raise_violations=False)
-    side = device.new_stream()
-    src = values()
-    host = host_like(device, src)
+    device, side, src, host = setup(raise_violations=False)
     with device.use_stream(side):
         device.copy(host, src)
     assert [(v.rule, v.kind) for v in device.violations] == [(1, UNORDERED_DEVICE_ACCESS)]
@@ -484,10 +449,7 @@ def test_violations_can_be_collected_instead_of_raised():
 
 # ------------------------------------------------------------ fault injection
 def test_skip_labels_drop_exactly_the_labelled_calls():
-    device = CheckedDevice(skip_labels={"test-d2h"})
-    side = device.new_stream()
-    src = values()
-    host = host_like(device, src)
+    device, side, src, host = setup(skip_labels={"test-d2h"})
     with raises(UNORDERED_DEVICE_ACCESS, 1) as info:
         d2h(device, side, host, src)
     assert "test-d2h" in str(info.value)  # the report names what was dropped
@@ -499,10 +461,7 @@ def test_skip_labels_drop_exactly_the_labelled_calls():
 
 
 def test_skipping_a_record_stream_or_a_host_synchronization():
-    device = CheckedDevice(skip_labels={"rec", "sync"}, raise_violations=False)
-    side = device.new_stream()
-    src = values()
-    host = host_like(device, src)
+    device, side, src, host = setup(skip_labels={"rec", "sync"}, raise_violations=False)
     event = d2h(device, side, host, src)
     device.synchronize_event(event, label="sync")
     assert device.pending() == 1  # dropped: nothing ran
