@@ -20,10 +20,7 @@ What the step contains, per parameter:
 
 - states on the host: streamed, packed into chunks of consecutive parameters;
 - no state yet (the first step, where Adam creates its states): updated one parameter
-  per call, and the new states are copied to the host and freed right after, so even the
-  first step never holds more than one parameter's states beyond the slots. They go into
-  one host staging buffer for the whole step (``engine.HostBuffers``; a few more only where
-  the states' size is not known in advance), never a buffer per tensor;
+  per call, the new states copied to the host and freed right after (``new_states.py``);
 - everything else (states kept on the device): updated together in one call.
 
 The budget and the plan are in ``plan.py``. At each step every parameter is checked before
@@ -45,14 +42,15 @@ import functools
 
 import torch
 
-from ..adapters import MASTER_WEIGHTS, OPTIMIZER_STATES, inner_optimizers
+from ..adapters import inner_optimizers
 from ..adapters.holders import Repointing, same_kind
-from ..engine import HostBuffers, OffloadEngine, OffloadStateError, SlotSizeError, SlotStream
+from ..engine import OffloadEngine, OffloadStateError, SlotStream
 from ..engine.slots import aligned_bytes
 from ..engine.undo import StepUndo
 from ..interceptions import Interceptions
 from ..phase import Phase, PhaseTracker
-from .plan import SMALL_STATE_ROOM, Budget, planned
+from .new_states import NewStates
+from .plan import SMALL_STATE_ROOM, Budget
 
 _ABSENT = object()
 
@@ -180,13 +178,13 @@ class ChunkedUpdate:
             self.budget.check_new_states(param, engine.name)
         self._base_steps = {id(g): g.get("step", _ABSENT) for g in inner.param_groups}
         self._final_steps = {}
-        # Host memory for the states this step creates (none in a steady step): one buffer
-        # sized for all of them where their sizes are known.
-        expected = [planned(inner, param, self.kinds)[0] for param in creating]
-        remaining = [sum(expected[i:]) for i in range(len(expected))]
-        name = f"{engine.name}: staging"
-        staging = HostBuffers(engine.device, budget=engine.budget, name=name) if creating else None
+        # The states this step creates go to the host as they appear (none in a steady step).
         undo = self.undo
+        new = (
+            NewStates(engine, inner, self.kinds, self.stream, creating, undone=undo is not None)
+            if creating
+            else None
+        )
         if undo is not None:
             undo.begin()
             if not undo.nbytes:
@@ -194,7 +192,7 @@ class ChunkedUpdate:
                 # step and the next save, not one per tensor.
                 undo.reserve(
                     sum(chunk.nbytes for chunk in chunks)
-                    + sum(expected)
+                    + (sum(new.expected) if new is not None else 0)
                     + sum(
                         aligned_bytes(p) + SMALL_STATE_ROOM
                         for g in inner.param_groups
@@ -213,7 +211,7 @@ class ChunkedUpdate:
             with self.phase.within(Phase.STREAMING):
                 for index, param in enumerate(creating):
                     self._call([param])
-                    self._to_host(param, staging, remaining[index])
+                    new.to_host(index, param)
                 self.stream.run(
                     chunks,
                     functools.partial(self._update_chunk, streamed),
@@ -223,7 +221,7 @@ class ChunkedUpdate:
             failed = False
         except BaseException as error:
             if undo is not None:
-                self._undo(error, stateless, scaled, staging)
+                self._undo(error, stateless, scaled, new)
             raise
         finally:
             for group in inner.param_groups:
@@ -237,13 +235,14 @@ class ChunkedUpdate:
                     group["step"] = final
         return None
 
-    def _undo(self, error: BaseException, stateless, scaled: set[int], staging) -> None:
-        """Put back what the failed step changed: the saved bytes, and no state it created."""
+    def _undo(self, error: BaseException, stateless, scaled: set[int], new) -> None:
+        """Put back what the failed step changed: the saved bytes, and no state it created
+        (``new``: their ``NewStates``, or None)."""
         inner, engine = self.inner, self.engine
         try:
             self.undo.restore()
-            if staging is not None:
-                staging.free()
+            if new is not None:
+                new.staging.free()
             created = []
             for param in stateless:
                 entries = inner.state.pop(param, None)
@@ -408,42 +407,3 @@ class ChunkedUpdate:
                 group["params"] = params_of_group
         for group, _ in chosen:
             self._final_steps[id(group)] = group.get("step", _ABSENT)
-
-    def _to_host(self, param, staging: HostBuffers, hint: int) -> None:
-        """Copy the states just created for ``param`` to ``staging`` on the host and free
-        their device memory (``hint``: the bytes the states still to come will take)."""
-        engine = self.engine
-        entries = self.inner.state.get(param) or {}
-        moving = []
-        for key, _, tensor in inner_optimizers.state_places(param, entries):
-            kind = MASTER_WEIGHTS if inner_optimizers.is_master_key(key) else OPTIMIZER_STATES
-            if kind in self.kinds and engine.stageable(tensor):
-                moving.append(tensor)
-        size = sum(aligned_bytes(t) for t in moving)  # as the slots will hold them
-        if size > self.stream.slot_bytes:
-            # Reached only with an optimizer whose state sizes cannot be known before its first
-            # step (not torch's, apex's or TE's Adam: those were checked before any update), so
-            # the parameters updated earlier in this step keep their update: say so.
-            raise SlotSizeError(
-                f"{engine.name}: the states of parameter {tuple(param.shape)} take {size:,} bytes, "
-                f"more than one slot of the chunked update ({self.stream.slot_bytes:,} bytes), which "
-                f"this optimizer's configuration did not tell before its first step"
-                + (
-                    ""
-                    if self.undo is not None
-                    else "; parameters updated earlier in this step keep "
-                    "their update, so do not retry this step"
-                )
-                + f". Give the chunked update at least {self.stream.budget_for(size):,} bytes "
-                "(chunked_update_bytes), or leave it unset."
-            )
-        if not moving:
-            return
-        try:
-            engine.adopted.stage_out(moving, staging, hint=hint)
-        except BaseException:
-            # The states stay on the device, in the optimizer; staging memory no state lives
-            # in goes back (stage_out waited for the copies into it). Memory that earlier
-            # parameters' states use stays: the engine gives it back with them.
-            staging.free()
-            raise
