@@ -67,17 +67,23 @@ def test_ranges_cover_the_buffer_with_page_aligned_borders():
     assert pinned.split_ranges(base, 0, 4, page=PAGE) == []
 
 
-def test_pages_are_faulted_in_by_several_threads_and_registered_once():
-    buffer = torch.full((64 * PAGE,), 0xAB, dtype=torch.uint8)
-    fake = FakeRegistry()
-    ranges = pinned.pin(
+def _pin(buffer, registry, **options):
+    """``pinned.pin`` with ``registry``'s calls, four threads and ranges of at least a page."""
+    return pinned.pin(
         buffer,
-        register=fake.register,
-        unregister=fake.unregister,
+        register=registry.register,
+        unregister=registry.unregister,
         threads=4,
         min_range_bytes=PAGE,
         page=PAGE,
+        **options,
     )
+
+
+def test_pages_are_faulted_in_by_several_threads_and_registered_once():
+    buffer = torch.full((64 * PAGE,), 0xAB, dtype=torch.uint8)
+    fake = FakeRegistry()
+    ranges = _pin(buffer, fake)
     base = buffer.data_ptr()
     assert ranges == ((base, buffer.numel()),)
     assert fake.calls == [("register", base, buffer.numel(), None)]
@@ -98,15 +104,7 @@ def test_pages_are_faulted_in_by_several_threads_and_registered_once():
 def test_per_range_registration_runs_on_the_pool_and_unregisters_what_succeeded_on_failure():
     buffer = torch.zeros(32 * PAGE, dtype=torch.uint8)
     fake = FakeRegistry()
-    ranges = pinned.pin(
-        buffer,
-        register=fake.register,
-        unregister=fake.unregister,
-        threads=4,
-        per_range=True,
-        min_range_bytes=PAGE,
-        page=PAGE,
-    )
+    ranges = _pin(buffer, fake, per_range=True)
     assert len(ranges) == 4 and len(fake.live) == 4
     assert all(name.startswith("pin-host") for name in fake.threads)
     pinned.unpin(ranges, fake.unregister)
@@ -114,30 +112,14 @@ def test_per_range_registration_runs_on_the_pool_and_unregisters_what_succeeded_
 
     failing = FakeRegistry(fail_at={2})
     with pytest.raises(pinned.PinError, match="failed with error 2") as info:
-        pinned.pin(
-            buffer,
-            register=failing.register,
-            unregister=failing.unregister,
-            threads=4,
-            per_range=True,
-            min_range_bytes=PAGE,
-            page=PAGE,
-        )
+        _pin(buffer, failing, per_range=True)
     assert info.value.code == 2
     assert not failing.live  # the three ranges that were registered are unregistered again
     assert sum(1 for c in failing.calls if c[0] == "unregister") == 3
 
     raising = FakeRegistry(raise_at={1})
     with pytest.raises(OSError, match="planted"):
-        pinned.pin(
-            buffer,
-            register=raising.register,
-            unregister=raising.unregister,
-            threads=4,
-            per_range=True,
-            min_range_bytes=PAGE,
-            page=PAGE,
-        )
+        _pin(buffer, raising, per_range=True)
     assert not raising.live
 
 

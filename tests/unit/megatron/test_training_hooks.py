@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import inspect
 
 import pytest
 
@@ -205,6 +207,17 @@ def _train(
     return "trained"
 
 
+def _train_signature(body):
+    """A function with ``train``'s signature (``_train``'s, which the wrapper binds by name)
+    whose call runs ``body(config)``."""
+
+    @functools.wraps(_train)
+    def train(*args, **kwargs):
+        return body(inspect.signature(_train).bind(*args, **kwargs).arguments["config"])
+
+    return train
+
+
 def _call_train(train, optimizer, config):
     return train(None, [], optimizer, None, None, None, None, config, {}, None)
 
@@ -212,21 +225,8 @@ def _call_train(train, optimizer, config):
 def test_train_without_offloader_is_untouched(megatron_args):
     seen = []
 
-    def train(
-        forward_step_func,
-        model,
-        optimizer,
-        opt_param_scheduler,
-        train_data_iterator,
-        valid_data_iterator,
-        process_non_loss_data_func,
-        config,
-        checkpointing_context,
-        non_loss_data_func,
-        inference_model=None,
-        p2p_communicator=None,
-        pg_collection=None,
-    ):
+    @_train_signature
+    def train(config):
         seen.append(config.finalize_model_grads_func)
         return "trained"
 
@@ -273,21 +273,8 @@ def test_prefetch_survives_a_train_that_assigns_the_default(megatron_args):
 
     module = argparse.Namespace(finalize_model_grads=finalize_model_grads)
 
-    def train_018(
-        forward_step_func,
-        model,
-        optimizer,
-        opt_param_scheduler,
-        train_data_iterator,
-        valid_data_iterator,
-        process_non_loss_data_func,
-        config,
-        checkpointing_context,
-        non_loss_data_func,
-        inference_model=None,
-        p2p_communicator=None,
-        pg_collection=None,
-    ):
+    @_train_signature
+    def train_018(config):
         config.finalize_model_grads_func = module.finalize_model_grads  # unconditionally
         for _ in range(2):
             config.finalize_model_grads_func()
