@@ -185,6 +185,19 @@ def _cpu_manual_seed(seed):
     torch.default_generator.manual_seed(int(seed))
 
 
+def _cpu_device():
+    return torch.device("cpu")
+
+
+def answer_an_index(on: bool = True) -> None:
+    """``torch.cuda.current_device()`` answers 0, an index as on a GPU (``on``), or the CPU
+    device again. Megatron-FSDP formats it into ``"cuda:{index}"`` while it builds and steps;
+    the function mode sends a bare index to the CPU, but not inside the autograd engine (a
+    tensor-parallel gather in MoE's backward would reach CUDA), so only runs that need it
+    turn it on, until their end."""
+    torch.cuda.current_device = (lambda: 0) if on else _cpu_device
+
+
 def install() -> None:
     """Redirect megatron-core's CUDA assumptions to the CPU for this whole process (idempotent).
 
@@ -205,8 +218,10 @@ def install() -> None:
 
     cuda = torch.cuda
     # Needed: ParamAndGradBuffer, DistributedOptimizer, tensor_parallel layers and
-    # rotary embeddings allocate with `device=torch.cuda.current_device()`.
-    _patch(cuda, "current_device", lambda: torch.device("cpu"))
+    # rotary embeddings allocate with `device=torch.cuda.current_device()` (the CPU device:
+    # inside the autograd engine, where the function mode is not active, an index would
+    # reach CUDA; Megatron-FSDP needs one all the same: ``answer_an_index``).
+    _patch(cuda, "current_device", _cpu_device)
     # Needed (0.19): _ParamAndGradBucketGroup.start_grad_sync/finish_grad_sync call
     # torch.cuda.current_stream() on every gradient reduction.
     _patch(cuda, "current_stream", lambda device=None: _HOST_STREAM)

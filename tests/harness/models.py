@@ -31,6 +31,8 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_offload_testing import cpu_megatron
+
 from .gloo import allow_uneven_all_gather
 
 __all__ = [
@@ -296,12 +298,27 @@ def build(
     # get_model, only the first chunk's buffers are split into buckets. DP replicas start
     # equal because every DP rank draws the same init seed (Megatron broadcasts only with
     # --data-parallel-random-init).
-    model_chunks = [
-        DistributedDataParallel(
-            config=config, ddp_config=ddp_config, module=module, disable_bucketing=index > 0
-        )
-        for index, module in enumerate(modules)
-    ]
+    if ddp_config.use_megatron_fsdp:
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+        # Megatron-FSDP formats the current device into "cuda:{index}" (until the job's end:
+        # the rank pool's teardown turns it off), and allocates its gradient buckets inside
+        # post-accumulate-grad hooks, where the device-rewriting mode is not active: its
+        # device is given here.
+        cpu_megatron.answer_an_index()
+        model_chunks = [
+            FullyShardedDataParallel(
+                config=config, ddp_config=ddp_config, module=module, device=torch.device("cpu")
+            )
+            for module in modules
+        ]
+    else:
+        model_chunks = [
+            DistributedDataParallel(
+                config=config, ddp_config=ddp_config, module=module, disable_bucketing=index > 0
+            )
+            for index, module in enumerate(modules)
+        ]
 
     optimizer_name = optimizer
     if layer_wise:
