@@ -229,6 +229,7 @@ class AutomaticCycle:
         # Entering it ends reads served since the last step (their writes are in the host
         # copy). The update orders itself after the copy-back (pre-hook).
         token = offloader.phase.enter(Phase.STEPPING)
+        finished = False
         try:
             # Start the copy-back now (nothing to do if a hook already did): it overlaps the
             # gradient copy, unscale, norm and clipping the step does before the update,
@@ -237,6 +238,7 @@ class AutomaticCycle:
             for chunked in self._chunked:
                 chunked.stream.clear_figures()
             result = self._previous_step(*args, **kwargs)
+            finished = True
         finally:
             # A step that raised (an out-of-memory in the update, an interrupt) leaves the
             # states where a finished step does: off the device, what it wrote copied out.
@@ -245,14 +247,16 @@ class AutomaticCycle:
             try:
                 offloader.offload_after_step()
             except (torch.OutOfMemoryError, MemoryError) as error:
-                # A new layout's host arena or scratch could not be had. The update happened:
-                # raising would invite the caller to apply it twice. What could not be
-                # offloaded stays on the device, counted; the next offload tries again.
+                # A new layout's host arena or scratch could not be had. A finished update
+                # happened: raising would invite the caller to apply it twice (a failed one
+                # raises its own error below). What could not be offloaded stays on the
+                # device, counted; the next offload tries again.
+                step = "finished: do not repeat it" if finished else "raised (its error follows)"
                 warnings.warn(
                     "the offload after the step could not get the memory it needed "
-                    f"({getattr(error, 'operation', error)}). The step itself finished: do not "
-                    "repeat it. What could not be offloaded stays on the device "
-                    "(stats()['resident_bytes']) until the next offload, which tries again.",
+                    f"({getattr(error, 'operation', error)}). The step itself {step}. What "
+                    "could not be offloaded stays on the device (stats()['resident_bytes']) "
+                    "until the next offload, which tries again.",
                     RuntimeWarning,
                     stacklevel=3,
                 )
