@@ -327,3 +327,34 @@ def test_a_budget_or_a_node_too_small_for_sleep_is_refused_before_anything_is_gi
         assert sleep_bytes > 0 and host_bytes == arena + sleep_bytes
         assert "sleep() copies the parameters" in found["node_refused"], found
         assert "can give 1" in found["node_refused"] and found["node_untouched"]
+
+
+def asleep_job():
+    """The RL loop's one line: ``with offloader.asleep(): rollout()`` after every step,
+    nested once (a framework's own sleep inside the user's)."""
+    import megatron_offload
+    from tests.harness import models
+
+    chunks, optimizer, config = models.build("gpt", "bf16")
+    offloader = megatron_offload.attach(optimizer)
+    results, inside = [], []
+    for step in range(STEPS):
+        results.append(models.train_step(chunks, optimizer, config, step))
+        with offloader.asleep():
+            with offloader.asleep():
+                inside.append(offloader.sleeping and _device_bytes(chunks, optimizer))
+            still = offloader.sleeping  # the inner block leaves the outer one's sleep
+            _rollout_block()
+        inside[-1] = (inside[-1], still, offloader.sleeping)
+    results.append(models.train_step(chunks, optimizer, config, STEPS))
+    offloader.detach()
+    return {"results": results, "inside": inside, "snapshot": models.snapshot(chunks, optimizer)}
+
+
+def test_the_asleep_block_sleeps_and_wakes_around_a_rollout_and_nests(rank_pool):
+    references = _references(rank_pool)
+    for reference, run in zip(references, rank_pool.run(asleep_job)):
+        assert _same(reference, run)
+        for asleep, still, after in run["inside"]:
+            assert asleep["states"] == asleep["masters"] == asleep["parameters"] == 0, asleep
+            assert still and not after

@@ -230,8 +230,29 @@ def test_close_while_released_is_refused():
     engine.close()
     engine.close()  # twice is harmless
     assert engine.stats()["host_bytes"] == 0
-    with pytest.raises(OffloadStateError, match="closed"):
-        engine.offload()
+    for move in (engine.offload, engine.release, engine.reload, engine.rescan):
+        with pytest.raises(OffloadStateError, match="closed"):
+            move()
+
+
+def test_a_fingerprint_unchanged_lays_nothing_out_again():
+    model = Model()
+    looks = []
+
+    def collect():
+        looks.append(1)
+        return model.collect()
+
+    engine = OffloadEngine(CPUDevice(), collect, fingerprint=lambda: "same")
+    engine.offload()
+    engine.reload()
+    engine.rescan()  # the fingerprint says nothing changed: collect is not asked
+    engine.offload()
+    assert len(looks) == 1 and not engine.adopted
+    engine.invalidate()  # something it cannot see changed: asked again
+    engine.rescan()
+    assert len(looks) == 2
+    engine.close()
 
 
 def test_tensors_the_engine_cannot_move_stay_resident_and_are_counted():
