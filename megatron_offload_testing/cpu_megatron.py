@@ -189,13 +189,20 @@ def _cpu_device():
     return torch.device("cpu")
 
 
+def _cuda_index():
+    return 0
+
+
 def answer_an_index(on: bool = True) -> None:
     """``torch.cuda.current_device()`` answers 0, an index as on a GPU (``on``), or the CPU
     device again. Megatron-FSDP formats it into ``"cuda:{index}"`` while it builds and steps;
     the function mode sends a bare index to the CPU, but not inside the autograd engine (a
     tensor-parallel gather in MoE's backward would reach CUDA), so only runs that need it
     turn it on, until their end."""
-    torch.cuda.current_device = (lambda: 0) if on else _cpu_device
+    if on:
+        torch.cuda.current_device = _cuda_index
+    elif torch.cuda.current_device is _cuda_index:  # only what was turned on is turned off
+        torch.cuda.current_device = _cpu_device
 
 
 def install() -> None:

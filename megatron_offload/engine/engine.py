@@ -129,8 +129,9 @@ class OffloadEngine:
         return self.host.buffer
 
     @property
-    def budget(self) -> HostBudget | None:
-        """The ``HostBudget`` the engine's host memory counts against (None: no limit)."""
+    def budget(self) -> HostBudget:
+        """The ``HostBudget`` the engine's host memory comes from and counts against (its
+        ``limit`` None: no limit)."""
         return self.host.budget
 
     @property

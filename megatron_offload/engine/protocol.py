@@ -1,9 +1,10 @@
 """The copy protocol: moving an engine's pieces between device and host, in order.
 
 ``CopyProtocol`` issues every copy, event, stream wait and release of the engine's pieces
-(``Piece``); ``OffloadEngine`` (``engine.py``) decides what the pieces are and hands them
-over (``take_pieces``), and holds one ``CopyProtocol``, which it asks for every move. The rules (why each exists: docs/design.md; each device call below is labelled with
-the rule it keeps, ``labels.py``):
+(``Piece``); ``OffloadEngine`` (``engine.py``) decides what the pieces are, hands them over
+(``take_pieces``) and holds one ``CopyProtocol``, which makes every move. The rules (why
+each exists: docs/design.md; each device call below is labelled with the rule it keeps,
+``labels.py``):
 
 1. A D2H starts after the work that last wrote the tensors (every stream that used them).
 2. Device memory is released only once the allocator knows the D2H stream reads it
