@@ -31,6 +31,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megatron_offload_testing.pretrain_flags import gpt_flags, schedule_flags
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "pretrain_gpt.py"
 JOB = "benchmarks.gpu_report_job"
@@ -345,52 +347,21 @@ def megatron_flags(args, world_size: int) -> list[str]:
     """The example's flags for ``world_size`` data-parallel ranks (one global batch is
     ``--micro-batches`` micro-batches per rank)."""
     return [
-        "--num-layers",
-        str(args.layers),
-        "--hidden-size",
-        str(args.hidden),
-        "--num-attention-heads",
-        str(args.heads),
-        "--seq-length",
-        str(args.seq_length),
-        "--max-position-embeddings",
-        str(args.seq_length),
+        *gpt_flags(
+            layers=args.layers,
+            hidden=args.hidden,
+            heads=args.heads,
+            seq_length=args.seq_length,
+            vocab=args.vocab,
+        ),
         "--micro-batch-size",
         str(args.micro_batch),
         "--global-batch-size",
         str(args.micro_batch * args.micro_batches * world_size),
+        *schedule_flags(lr="1e-4", min_lr="1e-5"),
         "--train-iters",
         str(args.iters),
-        "--lr",
-        "1e-4",
-        "--min-lr",
-        "1e-5",
-        "--lr-decay-style",
-        "cosine",
-        "--lr-warmup-iters",
-        "1",
-        "--weight-decay",
-        "0.01",
-        "--clip-grad",
-        "1.0",
-        "--seed",
-        "1234",
         "--bf16",
-        "--use-distributed-optimizer",
-        "--mock-data",
-        "--tokenizer-type",
-        "NullTokenizer",
-        "--vocab-size",
-        str(args.vocab),
-        "--transformer-impl",
-        "local",
-        "--no-gradient-accumulation-fusion",
-        "--no-persist-layer-norm",
-        "--no-masked-softmax-fusion",
-        "--eval-iters",
-        "0",
-        "--eval-interval",
-        "100000",
         "--log-interval",
         "1",
         "--distributed-backend",

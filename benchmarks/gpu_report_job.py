@@ -33,6 +33,8 @@ import statistics
 import sys
 import time
 
+from megatron_offload import find_offloader
+
 MARKER = "[gpu-report]"
 STATS_KEYS = (
     "offloaded_bytes",
@@ -107,14 +109,6 @@ class Probe:
 def _distributed_optimizers(optimizer) -> list:
     inner = getattr(optimizer, "chained_optimizers", None)
     return list(inner) if inner is not None else [optimizer]
-
-
-def find_offloader(optimizer):
-    for candidate in [optimizer] + _distributed_optimizers(optimizer):
-        found = getattr(candidate, "_state_offloader", None)
-        if found is not None:
-            return found
-    return None
 
 
 def state_bytes(optimizer) -> int:

@@ -6,7 +6,8 @@ megatron-core and megatron.training run on gloo ranks (``cpu_megatron``, ``cpu_t
 Megatron-Bridge's training modules import on a CPU (``bridge_imports``)."""
 
 from .allocator_model import AllocatorModel, ModelledOutOfMemory
-from .checked_device import (
+from .checked_device import CheckedDevice
+from .checked_records import (
     DEVICE_RACE,
     FREED_IN_USE,
     HOST_FREED_IN_USE,
@@ -20,7 +21,6 @@ from .checked_device import (
     UNORDERED_HOST_READ,
     USE_BEFORE_COPY,
     WRITE_BEFORE_ALLOCATION,
-    CheckedDevice,
     ProtocolViolation,
     Violation,
     fill_poison,

@@ -75,23 +75,13 @@ from megatron_offload.device.base import Device
 
 from .checked_access import AccessRules
 from .checked_checks import DeviceChecks
-from .checked_records import (  # noqa: F401 - re-exported: named from here by tests and devices
-    DEVICE_RACE,
+from .checked_records import (
     FREED_IN_USE,
     HOST_FREED_IN_USE,
-    HOST_OVERWRITE,
-    NEVER_ORDERED,
-    OVERWRITE_WHILE_READ,
     RECORDED_ON_RETIRED_STREAM,
     RELEASE_IN_USE,
-    RELEASED_ACCESS,
-    UNORDERED_DEVICE_ACCESS,
-    UNORDERED_HOST_READ,
-    USE_BEFORE_COPY,
-    WRITE_BEFORE_ALLOCATION,
     ProtocolViolation,
     Violation,
-    _Access,
     _Event,
     _Memory,
     _Op,

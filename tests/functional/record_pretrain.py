@@ -23,6 +23,8 @@ import os
 import runpy
 import sys
 
+from megatron_offload import find_offloader
+
 
 def _hex(value):
     if value is None:
@@ -35,14 +37,6 @@ def _hex(value):
 def _distributed_optimizers(optimizer):
     inner = getattr(optimizer, "chained_optimizers", None)
     return list(inner) if inner is not None else [optimizer]
-
-
-def _offloader(optimizer):
-    for candidate in [optimizer] + _distributed_optimizers(optimizer):
-        found = getattr(candidate, "_state_offloader", None)
-        if found is not None:
-            return found
-    return None
 
 
 def _state_tensors(optimizer):
@@ -111,7 +105,7 @@ class Recorder:
             result = original(*args, **kwargs)
             optimizer = kwargs["optimizer"] if "optimizer" in kwargs else args[3]
             loss_dict, skipped_iter, grad_norm = result[0], result[1], result[5]
-            offloader = _offloader(optimizer)
+            offloader = find_offloader(optimizer)
             entry = {
                 "lm_loss": _hex(loss_dict.get("lm loss")) if loss_dict else None,
                 "grad_norm": _hex(grad_norm),
@@ -153,7 +147,7 @@ class Recorder:
             # The digest reads the states as the save does: from the host copy while offloaded.
             import contextlib
 
-            offloader = _offloader(optimizer)
+            offloader = find_offloader(optimizer)
             stored = _state_storage_bytes(optimizer)
             with offloader.host_view() if offloader is not None else contextlib.nullcontext():
                 digest = _state_digest(optimizer)
@@ -191,7 +185,7 @@ def wrap_load_checkpoint(original):
             ):
                 dopt._init_optimizer_states_with_dummy_values()
         result = original(ddp_model, optimizer, *args, **kwargs)
-        if optimizer is not None and _offloader(optimizer) is None:
+        if optimizer is not None and find_offloader(optimizer) is None:
             from megatron_offload.access.guard import restore_step_tensors
 
             for dopt in _distributed_optimizers(optimizer):

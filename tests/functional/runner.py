@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from megatron_offload_testing.pretrain_flags import gpt_flags, schedule_flags
+
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "pretrain_gpt.py"
 RECORDER = REPO / "tests" / "functional" / "record_pretrain.py"
@@ -31,49 +33,12 @@ RUN_TIMEOUT = 420.0
 # A small GPT trained the way pretrain_gpt.py trains: mock data, the local transformer
 # implementation, no fused CUDA kernels (all also valid on GPUs), exact per-iteration values.
 MODEL_FLAGS = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--max-position-embeddings",
-    "32",
+    *gpt_flags(),
     "--micro-batch-size",
     "2",
     "--global-batch-size",
     "8",
-    "--lr",
-    "1e-3",
-    "--min-lr",
-    "1e-4",
-    "--lr-decay-style",
-    "cosine",
-    "--lr-warmup-iters",
-    "1",
-    "--weight-decay",
-    "0.01",
-    "--clip-grad",
-    "1.0",
-    "--seed",
-    "1234",
-    "--use-distributed-optimizer",
-    "--mock-data",
-    "--tokenizer-type",
-    "NullTokenizer",
-    "--vocab-size",
-    "128",
-    "--transformer-impl",
-    "local",
-    "--no-gradient-accumulation-fusion",
-    "--no-persist-layer-norm",
-    "--no-masked-softmax-fusion",
-    "--eval-iters",
-    "0",
-    "--eval-interval",
-    "1000",
+    *schedule_flags(lr="1e-3", min_lr="1e-4"),
     "--log-interval",
     "2",
     # Batches are read in the training process: loader workers (spawned, importing torch

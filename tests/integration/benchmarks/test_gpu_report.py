@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 from benchmarks import gpu_report as gr
+from megatron_offload_testing.pretrain_flags import gpt_flags
 from tests.unit.benchmarks.test_gpu_report import _guard  # noqa: F401
 
 
@@ -15,16 +16,7 @@ from tests.unit.benchmarks.test_gpu_report import _guard  # noqa: F401
 def cpu_runs(tmp_path_factory):
     """The job around the pretrain example on one CPU rank (gloo), offloading on and off."""
     flags = [
-        "--num-layers",
-        "2",
-        "--hidden-size",
-        "64",
-        "--num-attention-heads",
-        "4",
-        "--seq-length",
-        "32",
-        "--max-position-embeddings",
-        "32",
+        *gpt_flags(),
         "--micro-batch-size",
         "2",
         "--global-batch-size",
@@ -34,21 +26,6 @@ def cpu_runs(tmp_path_factory):
         "--seed",
         "1234",
         "--bf16",
-        "--use-distributed-optimizer",
-        "--mock-data",
-        "--tokenizer-type",
-        "NullTokenizer",
-        "--vocab-size",
-        "128",
-        "--transformer-impl",
-        "local",
-        "--no-gradient-accumulation-fusion",
-        "--no-persist-layer-norm",
-        "--no-masked-softmax-fusion",
-        "--eval-iters",
-        "0",
-        "--eval-interval",
-        "1000",
         "--log-interval",
         "1",
         "--train-iters",

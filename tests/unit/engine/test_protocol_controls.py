@@ -20,18 +20,8 @@ import pytest
 import torch
 
 from megatron_offload.engine import OffloadEngine, labels
-from megatron_offload_testing import (
-    FREED_IN_USE,
-    HOST_FREED_IN_USE,
-    OVERWRITE_WHILE_READ,
-    RELEASE_IN_USE,
-    UNORDERED_DEVICE_ACCESS,
-    UNORDERED_HOST_READ,
-    USE_BEFORE_COPY,
-    WRITE_BEFORE_ALLOCATION,
-    CheckedDevice,
-    ProtocolViolation,
-)
+from megatron_offload_testing import CheckedDevice, ProtocolViolation
+from megatron_offload_testing import checked_records as records
 
 STATES, MASTERS = "optimizer_states", "master_weights"
 
@@ -303,18 +293,18 @@ def test_full_protocol_is_clean_and_bitwise(isolated):
 # whether the same run without raising also corrupts the results (poison reaches the
 # optimizer or the host read).
 CAUGHT_BY = {
-    labels.D2H_AFTER_WRITERS: ((1, UNORDERED_DEVICE_ACCESS), False),
-    labels.D2H_RECORD_STREAM: ((2, RELEASE_IN_USE), True),
-    labels.H2D_AFTER_ALLOCATION: ((7, WRITE_BEFORE_ALLOCATION), False),
-    labels.H2D_AFTER_D2H: ((5, UNORDERED_HOST_READ), True),
-    labels.USE_AFTER_H2D: ((4, USE_BEFORE_COPY), True),
-    labels.HOST_READ_AFTER_D2H: ((5, UNORDERED_HOST_READ), True),
-    labels.HOST_FREE_AFTER_COPIES: ((5, HOST_FREED_IN_USE), False),
+    labels.D2H_AFTER_WRITERS: ((1, records.UNORDERED_DEVICE_ACCESS), False),
+    labels.D2H_RECORD_STREAM: ((2, records.RELEASE_IN_USE), True),
+    labels.H2D_AFTER_ALLOCATION: ((7, records.WRITE_BEFORE_ALLOCATION), False),
+    labels.H2D_AFTER_D2H: ((5, records.UNORDERED_HOST_READ), True),
+    labels.USE_AFTER_H2D: ((4, records.USE_BEFORE_COPY), True),
+    labels.HOST_READ_AFTER_D2H: ((5, records.UNORDERED_HOST_READ), True),
+    labels.HOST_FREE_AFTER_COPIES: ((5, records.HOST_FREED_IN_USE), False),
 }
 # Labels whose call matters only on a path the main scenario does not need: each has its own
 # scenario, clean with the call and caught without it.
 CAUGHT_ONLY_WHEN_DROPPED = {
-    labels.WRITE_AFTER_D2H: (run_step_after_unreleased_offload, (2, OVERWRITE_WHILE_READ)),
+    labels.WRITE_AFTER_D2H: (run_step_after_unreleased_offload, (2, records.OVERWRITE_WHILE_READ)),
 }
 
 
@@ -388,12 +378,12 @@ def run_engine_dropped_with_copies_in_flight(skip_labels=()) -> dict:
 @pytest.mark.parametrize(
     "scenario,caught",
     [
-        (run_rebuild_after_reload, (5, HOST_FREED_IN_USE)),
-        (run_close_after_reload, (5, HOST_FREED_IN_USE)),
-        (run_engine_dropped_with_copies_in_flight, (5, HOST_FREED_IN_USE)),
+        (run_rebuild_after_reload, (5, records.HOST_FREED_IN_USE)),
+        (run_close_after_reload, (5, records.HOST_FREED_IN_USE)),
+        (run_engine_dropped_with_copies_in_flight, (5, records.HOST_FREED_IN_USE)),
         # The regrown device memory dies with the engine while the H2D may still write it:
         # the finalizer's host wait is what keeps that safe.
-        (run_dropped_prefetch, (2, FREED_IN_USE)),
+        (run_dropped_prefetch, (2, records.FREED_IN_USE)),
     ],
 )
 def test_host_arena_is_freed_only_after_its_copies(isolated, scenario, caught):

@@ -12,22 +12,8 @@ import math
 import pytest
 import torch
 
-from megatron_offload_testing import (
-    DEVICE_RACE,
-    FREED_IN_USE,
-    HOST_FREED_IN_USE,
-    HOST_OVERWRITE,
-    NEVER_ORDERED,
-    OVERWRITE_WHILE_READ,
-    RELEASE_IN_USE,
-    RELEASED_ACCESS,
-    UNORDERED_DEVICE_ACCESS,
-    UNORDERED_HOST_READ,
-    USE_BEFORE_COPY,
-    WRITE_BEFORE_ALLOCATION,
-    CheckedDevice,
-    ProtocolViolation,
-)
+from megatron_offload_testing import CheckedDevice, ProtocolViolation
+from megatron_offload_testing import checked_records as records
 
 
 def values(n=4, dtype=torch.float32):
@@ -207,7 +193,7 @@ def test_regrown_memory_is_poisoned(isolated):
 # --------------------------------------------------------------- violations
 def test_d2h_without_waiting_for_the_compute_stream():
     device, side, src, host = setup()
-    with raises(UNORDERED_DEVICE_ACCESS, 1):
+    with raises(records.UNORDERED_DEVICE_ACCESS, 1):
         with device.use_stream(side):
             device.copy(host, src)
 
@@ -216,7 +202,7 @@ def test_any_compute_stream_call_after_the_wait_counts_as_new_work():
     device, side, src, host = setup()
     device.wait_stream(side, device.current_stream())
     device.record_stream(src, side)  # the caller may have run kernels before this call
-    with raises(UNORDERED_DEVICE_ACCESS, 1):
+    with raises(records.UNORDERED_DEVICE_ACCESS, 1):
         with device.use_stream(side):
             device.copy(host, src)
 
@@ -233,7 +219,7 @@ def _release_under_queued_read():
 
 def test_release_while_a_queued_copy_reads_without_record_stream(isolated):
     # Raised before anything is freed.
-    assert isolated.run(_release_under_queued_read) == (RELEASE_IN_USE, 2, 16)
+    assert isolated.run(_release_under_queued_read) == (records.RELEASE_IN_USE, 2, 16)
 
 
 def _release_without_record_lets_garbage_through():
@@ -246,7 +232,7 @@ def _release_without_record_lets_garbage_through():
 
 def test_release_without_record_stream_frees_at_once(isolated):
     kinds, garbage = isolated.run(_release_without_record_lets_garbage_through)
-    assert kinds == [RELEASE_IN_USE] and garbage
+    assert kinds == [records.RELEASE_IN_USE] and garbage
 
 
 def _release_with_record_stream_defers_the_free():
@@ -294,7 +280,7 @@ def _h2d_into_regrown_memory(wait_first):
 
 
 def test_h2d_into_regrown_memory_must_wait_for_the_allocation(isolated):
-    assert isolated.run(_h2d_into_regrown_memory, False) == (WRITE_BEFORE_ALLOCATION, 7)
+    assert isolated.run(_h2d_into_regrown_memory, False) == (records.WRITE_BEFORE_ALLOCATION, 7)
     assert isolated.run(_h2d_into_regrown_memory, True) == values().tolist()
 
 
@@ -305,7 +291,7 @@ def test_h2d_reading_a_host_buffer_before_its_d2h_is_ordered():
     host = host_like(device, src)
     d2h(device, down, host, src)
     device.wait_stream(up, device.current_stream())
-    with raises(UNORDERED_HOST_READ, 5):
+    with raises(records.UNORDERED_HOST_READ, 5):
         with device.use_stream(up):
             device.copy(back, host)
 
@@ -320,7 +306,7 @@ def test_d2h_overwriting_a_host_buffer_a_queued_h2d_reads():
     device.wait_stream(up, device.current_stream())
     with device.use_stream(up):
         device.copy(back, host)  # queued: still reads the host copy
-    with raises(HOST_OVERWRITE, 5):
+    with raises(records.HOST_OVERWRITE, 5):
         d2h(device, down, host, src)
 
 
@@ -328,7 +314,7 @@ def test_host_reads_need_a_host_synchronization():
     device, side, src, host = setup()
     event = d2h(device, side, host, src)
     device.wait_event(device.current_stream(), event)  # ordered on the device only
-    with raises(UNORDERED_HOST_READ, 5):
+    with raises(records.UNORDERED_HOST_READ, 5):
         device.check_readable(host)
     device.synchronize_event(event, label="host-read")
     device.check_readable(host)
@@ -338,7 +324,7 @@ def test_host_reads_need_a_host_synchronization():
 def test_freeing_a_host_buffer_under_a_copy():
     device, side, src, host = setup()
     d2h(device, side, host, src)
-    with raises(HOST_FREED_IN_USE, 5):
+    with raises(records.HOST_FREED_IN_USE, 5):
         device.free_host_buffer(host)
     device.synchronize()
     device.free_host_buffer(host)
@@ -355,7 +341,7 @@ def test_side_streams_racing_on_device_memory():
         device.wait_stream(stream, device.current_stream())
     with device.use_stream(one):
         device.copy(tensor, host)
-    with raises(DEVICE_RACE, 3):
+    with raises(records.DEVICE_RACE, 3):
         with device.use_stream(two):
             device.copy(host, tensor)
 
@@ -370,9 +356,9 @@ def test_the_compute_stream_using_memory_a_queued_copy_writes():
     device.wait_stream(side, device.current_stream())
     with device.use_stream(side):
         device.copy(tensor, host)
-    with raises(USE_BEFORE_COPY, 4):
+    with raises(records.USE_BEFORE_COPY, 4):
         device.check_readable(tensor)
-    with raises(USE_BEFORE_COPY, 4):
+    with raises(records.USE_BEFORE_COPY, 4):
         device.note_compute()
 
 
@@ -380,7 +366,7 @@ def test_the_compute_stream_overwriting_memory_a_queued_copy_reads():
     device, side, src, host = setup()
     d2h(device, side, host, src)
     device.note_compute(writes=False)  # reading alongside a reader is fine
-    with raises(OVERWRITE_WHILE_READ, 2):
+    with raises(records.OVERWRITE_WHILE_READ, 2):
         device.note_compute()
 
 
@@ -396,7 +382,7 @@ def _copy_from_released_memory():
 
 
 def test_copies_of_released_memory_are_refused(isolated):
-    assert isolated.run(_copy_from_released_memory) == (RELEASED_ACCESS, 3)
+    assert isolated.run(_copy_from_released_memory) == (records.RELEASED_ACCESS, 3)
 
 
 def _memory_dies_under_a_queued_write(record):
@@ -418,14 +404,14 @@ def _memory_dies_under_a_queued_write(record):
 
 
 def test_memory_dropped_under_a_queued_copy(isolated):
-    assert isolated.run(_memory_dies_under_a_queued_write, False) == [(FREED_IN_USE, 2)]
+    assert isolated.run(_memory_dies_under_a_queued_write, False) == [(records.FREED_IN_USE, 2)]
     assert isolated.run(_memory_dies_under_a_queued_write, True) == []
 
 
 def test_check_reports_work_nothing_ordered_and_drains():
     device, side, src, host = setup()
     d2h(device, side, host, src)
-    with raises(NEVER_ORDERED, 5):
+    with raises(records.NEVER_ORDERED, 5):
         device.check()
     assert device.pending() == 0 and torch.equal(host, src)
 
@@ -441,7 +427,7 @@ def test_violations_can_be_collected_instead_of_raised():
     device, side, src, host = setup(raise_violations=False)
     with device.use_stream(side):
         device.copy(host, src)
-    assert [(v.rule, v.kind) for v in device.violations] == [(1, UNORDERED_DEVICE_ACCESS)]
+    assert [(v.rule, v.kind) for v in device.violations] == [(1, records.UNORDERED_DEVICE_ACCESS)]
     with pytest.raises(ProtocolViolation):
         device.check()
     assert len(device.check(raise_on_violation=False)) == 2  # plus the never-ordered copy
@@ -450,7 +436,7 @@ def test_violations_can_be_collected_instead_of_raised():
 # ------------------------------------------------------------ fault injection
 def test_skip_labels_drop_exactly_the_labelled_calls():
     device, side, src, host = setup(skip_labels={"test-d2h"})
-    with raises(UNORDERED_DEVICE_ACCESS, 1) as info:
+    with raises(records.UNORDERED_DEVICE_ACCESS, 1) as info:
         d2h(device, side, host, src)
     assert "test-d2h" in str(info.value)  # the report names what was dropped
     device.wait_stream(side, device.current_stream(), label="other")  # not dropped
@@ -466,7 +452,7 @@ def test_skipping_a_record_stream_or_a_host_synchronization():
     device.synchronize_event(event, label="sync")
     assert device.pending() == 1  # dropped: nothing ran
     device.check_readable(host)
-    assert [v.kind for v in device.violations] == [UNORDERED_HOST_READ]
+    assert [v.kind for v in device.violations] == [records.UNORDERED_HOST_READ]
     device.record_stream(src, side, label="rec")
     assert device.calls["rec"] == device.skipped["rec"] == 1
 
@@ -562,7 +548,7 @@ def _d2h_after_work_on_another_compute_stream(wait_for_other):
 
 
 def test_a_d2h_must_wait_for_the_other_compute_stream_that_wrote_the_memory():
-    assert _d2h_after_work_on_another_compute_stream(False) == (UNORDERED_DEVICE_ACCESS, 1)
+    assert _d2h_after_work_on_another_compute_stream(False) == (records.UNORDERED_DEVICE_ACCESS, 1)
     assert _d2h_after_work_on_another_compute_stream(True) is None
 
 
@@ -600,7 +586,10 @@ def _release_used_on_another_stream(record, order):
 
 
 def test_release_of_memory_used_on_another_stream_needs_record_stream_or_an_order(isolated):
-    assert isolated.run(_release_used_on_another_stream, False, False) == (RELEASE_IN_USE, 2)
+    assert isolated.run(_release_used_on_another_stream, False, False) == (
+        records.RELEASE_IN_USE,
+        2,
+    )
     assert isolated.run(_release_used_on_another_stream, True, False) is None
     assert isolated.run(_release_used_on_another_stream, False, True) is None
 
