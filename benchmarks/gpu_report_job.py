@@ -34,6 +34,7 @@ import sys
 import time
 
 from megatron_offload import find_offloader
+from megatron_offload_testing.records import chain_members, exact
 
 MARKER = "[gpu-report]"
 STATS_KEYS = (
@@ -59,14 +60,6 @@ COPY_REPEATS = 5
 def emit(record: dict, fd: int = 1) -> None:
     """One line, one ``write`` (atomic on a pipe below PIPE_BUF; torchrun merges the ranks)."""
     os.write(fd, f"{MARKER} {json.dumps(record, sort_keys=True)}\n".encode())
-
-
-def _hex(value):
-    if value is None:
-        return None
-    if hasattr(value, "item"):
-        value = value.item()
-    return float(value).hex()
 
 
 class Probe:
@@ -106,11 +99,6 @@ class Probe:
         }
 
 
-def _distributed_optimizers(optimizer) -> list:
-    inner = getattr(optimizer, "chained_optimizers", None)
-    return list(inner) if inner is not None else [optimizer]
-
-
 def state_bytes(optimizer) -> int:
     """Bytes of every per-parameter tensor the offloader moves by default: the inner
     optimizer's state tensors and the fp32 master shards (shapes only, no data read; the
@@ -118,7 +106,7 @@ def state_bytes(optimizer) -> int:
     import torch
 
     total = 0
-    for dopt in _distributed_optimizers(optimizer):
+    for dopt in chain_members(optimizer):
         for group in dopt.optimizer.param_groups:
             for param in group["params"]:
                 for key, value in dict.get(dopt.optimizer.state, param, {}).items():
@@ -132,7 +120,7 @@ def state_bytes(optimizer) -> int:
 def master_grad_bytes(optimizer) -> int:
     """Bytes of the gradients the fp32 master shards hold now (each storage once)."""
     seen, total = set(), 0
-    for dopt in _distributed_optimizers(optimizer):
+    for dopt in chain_members(optimizer):
         for group in getattr(dopt, "shard_fp32_from_float16_groups", None) or []:
             for master in group:
                 grad = None if master is None else master.grad
@@ -231,8 +219,8 @@ class IterationRecorder:
             "t_exit": t_exit,
             "allocated_entry": allocated_entry,
             **self.probe.snapshot(),
-            "lm_loss": _hex(loss_dict.get("lm loss")) if loss_dict else None,
-            "grad_norm": _hex(grad_norm),
+            "lm_loss": exact(loss_dict.get("lm loss")) if loss_dict else None,
+            "grad_norm": exact(grad_norm),
             "skipped": int(skipped),
             "state_bytes": state_bytes(optimizer) if optimizer is not None else None,
             "offload_calls": len(self.offloads),

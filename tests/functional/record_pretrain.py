@@ -24,19 +24,7 @@ import runpy
 import sys
 
 from megatron_offload import find_offloader
-
-
-def _hex(value):
-    if value is None:
-        return None
-    if hasattr(value, "item"):
-        value = value.item()
-    return float(value).hex()
-
-
-def _distributed_optimizers(optimizer):
-    inner = getattr(optimizer, "chained_optimizers", None)
-    return list(inner) if inner is not None else [optimizer]
+from megatron_offload_testing.records import chain_members, exact
 
 
 def _state_tensors(optimizer):
@@ -44,7 +32,7 @@ def _state_tensors(optimizer):
     the inner optimizer's moments and the fp32 master shards (metadata only: no data read)."""
     import torch
 
-    for index, dopt in enumerate(_distributed_optimizers(optimizer)):
+    for index, dopt in enumerate(chain_members(optimizer)):
         for g, group in enumerate(dopt.optimizer.param_groups):
             for p, param in enumerate(group["params"]):
                 # dict's own lookup: the offloader's guarded mapping would bring the states back.
@@ -107,15 +95,15 @@ class Recorder:
             loss_dict, skipped_iter, grad_norm = result[0], result[1], result[5]
             offloader = find_offloader(optimizer)
             entry = {
-                "lm_loss": _hex(loss_dict.get("lm loss")) if loss_dict else None,
-                "grad_norm": _hex(grad_norm),
+                "lm_loss": exact(loss_dict.get("lm loss")) if loss_dict else None,
+                "grad_norm": exact(grad_norm),
                 "skipped": int(skipped_iter),
                 "expected_offload_bytes": _expected_offload_bytes(optimizer),
                 "offloader": None,
                 # Megatron's own offloader (Megatron-LM dev's chunked one), where the line has it.
                 "megatron_own_offloader": any(
                     getattr(dopt, "_optimizer_state_offloader", None) is not None
-                    for dopt in _distributed_optimizers(optimizer)
+                    for dopt in chain_members(optimizer)
                 ),
             }
             if offloader is not None:
@@ -179,7 +167,7 @@ def wrap_load_checkpoint(original):
 
     @functools.wraps(original)
     def load_checkpoint(ddp_model, optimizer, *args, **kwargs):
-        for dopt in _distributed_optimizers(optimizer) if optimizer is not None else ():
+        for dopt in chain_members(optimizer) if optimizer is not None else ():
             if hasattr(dopt, "_init_optimizer_states_with_dummy_values") and not len(
                 dopt.optimizer.state
             ):
@@ -188,7 +176,7 @@ def wrap_load_checkpoint(original):
         if optimizer is not None and find_offloader(optimizer) is None:
             from megatron_offload.access.guard import restore_step_tensors
 
-            for dopt in _distributed_optimizers(optimizer):
+            for dopt in chain_members(optimizer):
                 groups = dopt.optimizer.param_groups
                 restore_step_tensors(dopt.optimizer, {"optimizer": {"param_groups": groups}})
         return result

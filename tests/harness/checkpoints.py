@@ -1,4 +1,5 @@
-"""Reading a torch_dist checkpoint back in the test process."""
+"""Reading a torch_dist checkpoint back in the test process, and writing a loaded one into a
+harness model and its optimizer."""
 
 from __future__ import annotations
 
@@ -35,3 +36,22 @@ def torch_dist_tensors(checkpoint: str, scratch: str | None = None) -> dict:
 
     walk("", torch.load(scratch, weights_only=False))
     return flat
+
+
+def apply_loaded(chunks, optimizer, state: dict) -> None:
+    """Write a loaded distributed checkpoint into the model and the optimizer: parameters by
+    name without the DDP wrapper's ``module.`` prefixes (the harness models' sharded keys carry
+    them), every parameter found, Transformer Engine's extra state left out."""
+    import torch
+
+    loaded = {
+        k.replace("module.", ""): v
+        for k, v in state["model"].items()
+        if not k.endswith("_extra_state")
+    }
+    params = dict(chunks[0].named_parameters())
+    assert len(params) == len(loaded)
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(loaded[name.replace("module.", "")])
+    optimizer.load_state_dict(state["optimizer"])

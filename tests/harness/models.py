@@ -481,6 +481,16 @@ def flush_param_gather(model_chunks) -> None:
             chunk.enable_forward_pre_hook()
 
 
+def final_snapshot(model_chunks, optimizer, offloader=None) -> dict:
+    """``snapshot`` after the last step: the states brought back first when ``offloader`` is
+    given, and the pending parameter all-gather finished."""
+    if offloader:
+        offloader.reload()
+        offloader.wait()
+    flush_param_gather(model_chunks)
+    return snapshot(model_chunks, optimizer)
+
+
 # Inspection helpers live in inspection.py; re-exported here for the jobs that use them.
 from .inspection import (  # noqa: E402
     distributed_optimizers,

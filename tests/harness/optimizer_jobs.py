@@ -125,6 +125,19 @@ def state_census(optimizer) -> dict:
     }
 
 
+# The figures of ``stats()`` the jobs record after each step.
+STATS_KEYS = (
+    "tracked_bytes",
+    "offloaded_bytes",
+    "resident_bytes",
+    "host_bytes",
+    "kept_resident_bytes",
+    "d2h_copies",
+    "h2d_copies",
+    "cycles",
+)
+
+
 def collected(offloader) -> list[torch.Tensor]:
     from megatron_offload.adapters import megatron_wrappers as adapter
 
@@ -133,20 +146,10 @@ def collected(offloader) -> list[torch.Tensor]:
 
 def figures(offloader, optimizer) -> dict:
     stats = offloader.stats()
-    keys = (
-        "tracked_bytes",
-        "offloaded_bytes",
-        "resident_bytes",
-        "host_bytes",
-        "kept_resident_bytes",
-        "d2h_copies",
-        "h2d_copies",
-        "cycles",
-    )
     tensors = collected(offloader)
     census = state_census(optimizer)
     return {
-        **{k: stats[k] for k in keys},
+        **{k: stats[k] for k in STATS_KEYS},
         "groups": sum(len(e.pieces) for e in offloader.engines),
         "tensors": len(tensors),
         "max_storage": max((t.untyped_storage().nbytes() for t in tensors), default=0),

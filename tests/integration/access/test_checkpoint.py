@@ -10,6 +10,8 @@ and all alike with and without offloading.
 import pytest
 import torch
 
+from tests.harness.checkpoints import apply_loaded
+
 STEPS, SAVE_AFTER = 6, 3
 SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
 
@@ -92,18 +94,7 @@ def _load(chunks, optimizer, directory, offload):
     state = dist_checkpointing.load(
         _sharded_state_dict(chunks, optimizer, is_loading=True), directory
     )
-    # The harness models' sharded keys carry the DDP wrapper's "module." prefixes; match
-    # parameters by name without them.
-    loaded = {
-        k.replace("module.", ""): v
-        for k, v in state["model"].items()
-        if not k.endswith("_extra_state")
-    }
-    params = dict(chunks[0].named_parameters())
-    assert len(params) == len(loaded)
-    for name, param in params.items():
-        param.copy_(loaded[name.replace("module.", "")])
-    optimizer.load_state_dict(state["optimizer"])
+    apply_loaded(chunks, optimizer, state)
     if not offload:
         # The offloader repairs the per-parameter `step` tensors megatron-core's load leaves
         # shared and stale with torch AdamW; the reference (no offloader) gets the same fix.

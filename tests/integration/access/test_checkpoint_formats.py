@@ -21,6 +21,7 @@ import os
 import pytest
 import torch
 
+from tests.harness.checkpoints import apply_loaded
 from tests.integration.access.test_checkpoint import (
     DeviceWatch,
     _all_released,
@@ -57,14 +58,7 @@ def _load(chunks, optimizer, directory, sharding):
     state = dist_checkpointing.load(
         _sharded(chunks, optimizer, sharding, is_loading=True), directory
     )
-    loaded = {
-        k.replace("module.", ""): v
-        for k, v in state["model"].items()
-        if not k.endswith("_extra_state")
-    }
-    for name, param in chunks[0].named_parameters():
-        param.copy_(loaded[name.replace("module.", "")])
-    optimizer.load_state_dict(state["optimizer"])
+    apply_loaded(chunks, optimizer, state)
     if not any(
         getattr(d, "_state_offloader", None) for d in models.distributed_optimizers(optimizer)
     ):

@@ -12,6 +12,8 @@ import io
 import pytest
 import torch
 
+from tests.harness.checkpoints import apply_loaded
+
 # Resident snapshots and a directory every rank sees, as the DistributedOptimizer checkpoint tests take them.
 from tests.integration.access.test_checkpoint import (
     DeviceWatch,
@@ -57,14 +59,7 @@ def _load(chunks, optimizer, directory, fmt, saved):
         from megatron.core import dist_checkpointing
 
         state = dist_checkpointing.load(_sharded(chunks, optimizer, is_loading=True), directory)
-        loaded = {
-            k.replace("module.", ""): v
-            for k, v in state["model"].items()
-            if not k.endswith("_extra_state")
-        }
-        for name, param in chunks[0].named_parameters():
-            param.copy_(loaded[name.replace("module.", "")])
-        optimizer.load_state_dict(state["optimizer"])
+        apply_loaded(chunks, optimizer, state)
         return
     state = torch.load(io.BytesIO(saved), weights_only=False)
     chunks[0].load_state_dict(state["model"])

@@ -17,6 +17,7 @@ import importlib.util
 import pytest
 import torch
 
+from tests.harness.optimizer_jobs import STATS_KEYS
 from tests.integration.offloader.test_attach_megatron import assert_bitwise_equal
 
 pytestmark = pytest.mark.skipif(
@@ -47,17 +48,8 @@ def _figures(offloader, optimizer):
         from megatron_offload.adapters import megatron_wrappers as adapter
 
         sizes += [t.untyped_storage().nbytes() for _, t in adapter.collect(leaf)]
-    keys = (
-        "tracked_bytes",
-        "offloaded_bytes",
-        "resident_bytes",
-        "host_bytes",
-        "kept_resident_bytes",
-        "d2h_copies",
-        "h2d_copies",
-    )
     return {
-        **{k: stats[k] for k in keys},
+        **{k: stats[k] for k in STATS_KEYS},
         "pieces": sum(stats["pieces"].values()),
         "max_storage": max(sizes, default=0),
     }

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.harness import optimizer_jobs
+from tests.harness.checkpoints import apply_loaded
 from tests.integration.access.test_checkpoint import DeviceWatch, _all_released
 
 SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
@@ -152,16 +153,7 @@ def _load(chunks, optimizer, directory):
     from megatron.core import dist_checkpointing
 
     state = dist_checkpointing.load(_sharded(chunks, optimizer, is_loading=True), directory)
-    loaded = {
-        k.replace("module.", ""): v
-        for k, v in state["model"].items()
-        if not k.endswith("_extra_state")
-    }
-    params = dict(chunks[0].named_parameters())
-    assert len(params) == len(loaded)
-    for name, param in params.items():
-        param.copy_(loaded[name.replace("module.", "")])
-    optimizer.load_state_dict(state["optimizer"])
+    apply_loaded(chunks, optimizer, state)
 
 
 def checkpoint_job(offload, remainders, moments, directory, chunked=None):

@@ -85,15 +85,8 @@ def nemo_rl_job(mode: str, directory: str):
         worker.save_checkpoint(_save(directory))
         phases.append(("save_checkpoint", _figures(offloader, chunks)))
         results += worker.train(1)
-        if offloader is not None:
-            offloader.reload()
-            offloader.wait()
-        models.flush_param_gather(chunks)
-        return {
-            "phases": phases,
-            "results": results,
-            "snapshot": models.snapshot(chunks, optimizer),
-        }
+        snapshot = models.final_snapshot(chunks, optimizer, offloader)
+        return {"phases": phases, "results": results, "snapshot": snapshot}
     finally:
         nemo_rl.uninstall(MegatronPolicyWorker)
 
@@ -158,15 +151,8 @@ def verl_job(mode: str, directory: str, real: bool = False):
         for _ in range(2):
             results.append(models.train_step(chunks, optimizer, config, step))
             step += 1
-        if offloader is not None:
-            offloader.reload()
-            offloader.wait()
-        models.flush_param_gather(chunks)
-        return {
-            "phases": phases,
-            "results": results,
-            "snapshot": models.snapshot(chunks, optimizer),
-        }
+        snapshot = models.final_snapshot(chunks, optimizer, offloader)
+        return {"phases": phases, "results": results, "snapshot": snapshot}
     finally:
         verl.uninstall(utils)
 

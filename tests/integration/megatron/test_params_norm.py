@@ -107,11 +107,7 @@ def norm_job(offload: bool, precision_aware: bool = False, steps: int = 3):
                 report["control_tally"] = dict(tally)
             results.append(models.train_step(chunks, optimizer, config, steps))
             report["results"] = results
-            if offloader is not None:
-                offloader.reload()
-                offloader.wait()
-            models.flush_param_gather(chunks)
-            report["snapshot"] = models.snapshot(chunks, optimizer)
+            report["snapshot"] = models.final_snapshot(chunks, optimizer, offloader)
             if offloader is not None:
                 offloader.detach()
     finally:

@@ -9,6 +9,8 @@ crashing pytest.
 import pytest
 import torch
 
+from tests.harness.optimizer_jobs import STATS_KEYS
+
 
 # ------------------------------------------------------------------- rank-side jobs
 def _tracked_storage_bytes(offloader):
@@ -54,11 +56,7 @@ def train_job(
         results.append(models.train_step(chunks, optimizer, config, step, micro_batches))
         if offloader:
             figures.append(_figures(offloader, _tracked_storage_bytes(offloader)))
-    if offloader:
-        offloader.reload()
-        offloader.wait()
-    models.flush_param_gather(chunks)
-    snapshot = models.snapshot(chunks, optimizer)
+    snapshot = models.final_snapshot(chunks, optimizer, offloader)
     check_devices(devices)
     numel = sum(p.numel() for chunk in chunks for p in chunk.parameters())
     return {
@@ -72,18 +70,8 @@ def train_job(
 
 def _figures(offloader, sizes):
     stats = offloader.stats()
-    keys = (
-        "tracked_bytes",
-        "offloaded_bytes",
-        "resident_bytes",
-        "host_bytes",
-        "kept_resident_bytes",
-        "d2h_copies",
-        "h2d_copies",
-        "cycles",
-    )
     return {
-        **{k: stats[k] for k in keys},
+        **{k: stats[k] for k in STATS_KEYS},
         "tensors": len(sizes),
         "max_storage": max(sizes, default=0),
     }

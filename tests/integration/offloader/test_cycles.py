@@ -117,11 +117,7 @@ def rl_job(offload, checked=False):
     with offloaded():
         results.append(models.train_step(chunks, optimizer, config, 2))  # a step inside a block
     results.append(models.train_step(chunks, optimizer, config, 3))
-    if offloader:
-        offloader.reload()
-        offloader.wait()
-    models.flush_param_gather(chunks)
-    snapshot = models.snapshot(chunks, optimizer)
+    snapshot = models.final_snapshot(chunks, optimizer, offloader)
     check_devices(devices)
     return {"results": results, "seen": seen, "snapshot": snapshot}
 
@@ -213,11 +209,7 @@ def rl_selection_job(offload, checked=False):
         look("after-step-in-block")
     look("after-block-with-step")
     results.append(models.train_step(chunks, optimizer, config, 4))
-    if offloader:
-        offloader.reload()
-        offloader.wait()
-    models.flush_param_gather(chunks)
-    snapshot = models.snapshot(chunks, optimizer)
+    snapshot = models.final_snapshot(chunks, optimizer, offloader)
     check_devices(devices)
     return {"results": results, "seen": seen, "snapshot": snapshot, "checked": len(devices)}
 

@@ -150,11 +150,7 @@ def matrix_job(
                         ),
                     }
                 )
-        if offloader:
-            offloader.reload()
-            offloader.wait()
-        models.flush_param_gather(chunks)
-        snapshot = models.snapshot(chunks, optimizer)
+        snapshot = models.final_snapshot(chunks, optimizer, offloader)
         check_devices(devices)
         return {
             "results": results,

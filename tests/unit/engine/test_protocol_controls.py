@@ -22,8 +22,7 @@ import torch
 from megatron_offload.engine import OffloadEngine, labels
 from megatron_offload_testing import CheckedDevice, ProtocolViolation
 from megatron_offload_testing import checked_records as records
-
-STATES, MASTERS = "optimizer_states", "master_weights"
+from tests.harness.adamw_model import AdamWModel
 
 # Every label constant the engine passes to the device (upper-case names holding
 # "words-like-this"), found by reading the module so a new label cannot go without a
@@ -38,7 +37,7 @@ LABELS = sorted(
 )
 
 
-class Model:
+class Model(AdamWModel):
     """Parameters of several dtypes with an AdamW; gradients depend only on the step index."""
 
     SHAPES = (
@@ -49,30 +48,7 @@ class Model:
     )
 
     def __init__(self, seed: int = 0) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.params = [
-            torch.nn.Parameter(torch.randn(shape, generator=gen).to(dtype))
-            for shape, dtype in self.SHAPES
-        ]
-        self.opt = torch.optim.AdamW(self.params, lr=0.01)
-
-    def collect(self):
-        for p in self.params:
-            yield MASTERS, p
-        for p in self.params:
-            state = self.opt.state.get(p, {})
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in state:
-                    yield STATES, state[key]
-
-    def step(self, index: int) -> None:
-        for j, p in enumerate(self.params):
-            gen = torch.Generator().manual_seed(1000 * index + j)
-            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
-        self.opt.step()
-
-    def tensors(self):
-        return [t for _, t in self.collect()]
+        super().__init__(self.SHAPES, seed)
 
 
 def _outcome(device: CheckedDevice, raised: ProtocolViolation | None, **extra) -> dict:

@@ -14,38 +14,17 @@ import torch
 from megatron_offload.engine import OffloadEngine
 from megatron_offload_testing.allocator_model import AllocatorModel, MiB
 from megatron_offload_testing.modelled_device import REUSE_BEFORE_COPY, ModelledDevice
+from tests.harness.adamw_model import AdamWModel
 
-STATES, MASTERS = "optimizer_states", "master_weights"
 D2H, H2D = 1e9, 2e9  # bytes per second
 STEP = 0.01  # modelled seconds of one optimizer step
 NUMEL = 3 * MiB // 4  # float32 elements: 3 MiB per tensor (large pool, split 20 MiB segments)
 RECORD_STREAM = "d2h-record-stream"  # the engine's label for its record_stream calls
 
 
-class Net:
+def new_net() -> AdamWModel:
     """Two parameters and their AdamW states, all 3 MiB, in the shape the adapters produce."""
-
-    def __init__(self) -> None:
-        gen = torch.Generator().manual_seed(0)
-        self.params = [torch.nn.Parameter(torch.randn(NUMEL, generator=gen)) for _ in range(2)]
-        self.opt = torch.optim.AdamW(self.params, lr=0.01)
-
-    def collect(self):
-        for p in self.params:
-            yield MASTERS, p
-        for p in self.params:
-            state = self.opt.state.get(p, {})
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in state:
-                    yield STATES, state[key]
-
-    def step(self, index: int) -> None:
-        for j, p in enumerate(self.params):
-            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * index + j))
-        self.opt.step()
-
-    def snapshot(self):
-        return [t.detach().clone() for _, t in self.collect()]
+    return AdamWModel([((NUMEL,), torch.float32)] * 2, grad_seed=100)
 
 
 def new_device(**kwargs) -> ModelledDevice:
@@ -56,7 +35,7 @@ def new_device(**kwargs) -> ModelledDevice:
 def _offload_cycles(steps: int):
     device = new_device()
     model = device.model
-    net = Net()
+    net = new_net()
     engine = OffloadEngine(device, net.collect)
     cycles = []
     for index in range(steps):
@@ -138,7 +117,7 @@ def test_released_memory_becomes_reusable_when_the_d2h_ends_and_reload_reuses_it
 def _allocate_during_the_d2h(skip: tuple[str, ...]):
     device = new_device(skip_labels=skip, raise_violations=False)
     model = device.model
-    net = Net()
+    net = new_net()
     engine = OffloadEngine(device, net.collect)
     net.step(0)
     model.compute(STEP)
@@ -181,7 +160,7 @@ def _reload_from_another_stream():
     device = new_device()
     model = device.model
     other = device.compute_stream()
-    net = Net()
+    net = new_net()
     engine = OffloadEngine(device, net.collect)
     for index in range(3):
         if engine.is_released():
