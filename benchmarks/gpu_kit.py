@@ -321,18 +321,25 @@ def mapping_private_bytes(address: int) -> int:
     return total
 
 
-def _fork(buffer: torch.Tensor) -> dict:
+def timed_fork(report) -> tuple[float, int]:
+    """(milliseconds ``os.fork()`` took, the integer ``report()`` returns in the child); the
+    child reports and leaves at once (it never touches CUDA)."""
     read, write = os.pipe()
     start = time.perf_counter()
     pid = os.fork()
-    if pid == 0:  # the child: measure and leave at once (it never touches CUDA)
-        os.write(write, str(mapping_private_bytes(buffer.data_ptr())).encode())
+    if pid == 0:
+        os.write(write, str(report()).encode())
         os._exit(0)
     forked_ms = (time.perf_counter() - start) * 1e3
     child = int(os.read(read, 64))
     os.waitpid(pid, 0)
     os.close(read)
     os.close(write)
+    return forked_ms, child
+
+
+def _fork(buffer: torch.Tensor) -> dict:
+    forked_ms, child = timed_fork(lambda: mapping_private_bytes(buffer.data_ptr()))
     return {"fork_ms": forked_ms, "child_private_bytes": child, "bytes": buffer.numel()}
 
 

@@ -43,33 +43,16 @@ from .timing import (
 def _train_step(model_chunks, optimizer, config, step_index: int, device: torch.device) -> bool:
     """One iteration as megatron.training.training.train_step runs it, data on ``device``.
 
-    Mirrors ``tests.harness.models.train_step`` (which builds its batches on the CPU) so the
-    same code serves CPU ranks and GPUs.
+    ``tests.harness.models.step_on`` with the batch moved to ``device``, so the same code
+    serves CPU ranks and GPUs.
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     from tests.harness import models
 
     spec = config.harness_spec
-    for chunk in model_chunks:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
     batch = {k: v.to(device) for k, v in models._micro_batch(spec, step_index, 0).items()}
-    get_forward_backward_func()(
-        forward_step_func=partial(models._forward_step, spec),
-        data_iterator=iter([batch]),
-        model=model_chunks,
-        num_microbatches=1,
-        seq_length=spec.seq_length,
-        micro_batch_size=spec.micro_batch_size,
-        decoder_seq_length=None,
-        forward_only=False,
+    _losses, update_successful, _grad_norm = models.step_on(
+        model_chunks, optimizer, config, [batch]
     )
-    update_successful, _grad_norm, _zeros = optimizer.step()
-    if update_successful and config.harness_pre_hook_pending:
-        for chunk in model_chunks:
-            chunk.enable_forward_pre_hook()
-        config.harness_pre_hook_pending = False
     return bool(update_successful)
 
 

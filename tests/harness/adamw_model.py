@@ -42,3 +42,22 @@ class AdamWModel:
 
     def snapshot(self) -> list:
         return [t.detach().clone() for t in self.tensors()]
+
+
+def two_group_adamw(sizes, seed: int = 0):
+    """Parameters of ``sizes`` alternating fp32 and fp64 (two groups: a chunk of the chunked
+    update moves two segments) and their torch AdamW: ``(params, optimizer)``."""
+    gen = torch.Generator().manual_seed(seed)
+    dtypes = (torch.float32, torch.float64)
+    params = [
+        torch.nn.Parameter(torch.randn(n, generator=gen).to(dtypes[i % 2]))
+        for i, n in enumerate(sizes)
+    ]
+    return params, torch.optim.AdamW(params, lr=0.01)
+
+
+def seeded_grads(params, step: int) -> None:
+    """Gradients that depend only on the step and the parameter's position."""
+    for j, p in enumerate(params):
+        gen = torch.Generator().manual_seed(10 * step + j)
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)

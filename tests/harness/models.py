@@ -415,6 +415,34 @@ def _forward_step(spec: HarnessSpec, data_iterator, model):
     return output, partial(_loss_func, batch["loss_mask"])
 
 
+def step_on(model_chunks, optimizer, config, batches: list) -> tuple:
+    """One iteration on these micro-batches, as megatron.training's train_step runs it;
+    returns the schedule's reduced losses, whether the update happened and the grad norm,
+    as they come (no host synchronization)."""
+    spec: HarnessSpec = config.harness_spec
+    for chunk in model_chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    # The interleaved schedule takes one iterator per model chunk.
+    data = [iter(batches) for _ in model_chunks] if len(model_chunks) > 1 else iter(batches)
+    losses_reduced = get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, spec),
+        data_iterator=data,
+        model=model_chunks,
+        num_microbatches=len(batches),
+        seq_length=spec.seq_length,
+        micro_batch_size=spec.micro_batch_size,
+        decoder_seq_length=None,
+        forward_only=False,
+    )
+    update_successful, grad_norm, _num_zeros = optimizer.step()
+    if update_successful and config.harness_pre_hook_pending:
+        for chunk in model_chunks:
+            chunk.enable_forward_pre_hook()
+        config.harness_pre_hook_pending = False
+    return losses_reduced, update_successful, grad_norm
+
+
 def train_step(model_chunks, optimizer, config, step_index: int, micro_batches: int = 1) -> dict:
     """One iteration of megatron.training.training.train_step.
 
@@ -426,31 +454,8 @@ def train_step(model_chunks, optimizer, config, step_index: int, micro_batches: 
     data-parallel ranks, as train_step reports 'lm loss'.
     """
     spec: HarnessSpec = config.harness_spec
-    for chunk in model_chunks:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-
     batches = [_micro_batch(spec, step_index, i) for i in range(micro_batches)]
-    # The interleaved schedule takes one iterator per model chunk.
-    batches = [iter(batches) for _ in model_chunks] if len(model_chunks) > 1 else iter(batches)
-    forward_backward = get_forward_backward_func()
-    losses_reduced = forward_backward(
-        forward_step_func=partial(_forward_step, spec),
-        data_iterator=batches,
-        model=model_chunks,
-        num_microbatches=micro_batches,
-        seq_length=spec.seq_length,
-        micro_batch_size=spec.micro_batch_size,
-        decoder_seq_length=None,
-        forward_only=False,
-    )
-    update_successful, grad_norm, _num_zeros = optimizer.step()
-
-    if update_successful and config.harness_pre_hook_pending:
-        for chunk in model_chunks:
-            chunk.enable_forward_pre_hook()
-        config.harness_pre_hook_pending = False
-
+    losses_reduced, update_successful, grad_norm = step_on(model_chunks, optimizer, config, batches)
     loss = None
     if losses_reduced:
         total = torch.vstack([x["lm loss"].view(-1) for x in losses_reduced]).sum(dim=0)

@@ -138,6 +138,15 @@ STATS_KEYS = (
 )
 
 
+def piece_places(offloader) -> dict:
+    """``{kind: set of places}`` of every piece of every engine (``"resident"``, ``"released"``...)."""
+    places = {}
+    for engine in offloader.engines:
+        for piece in engine.pieces:
+            places.setdefault(piece.kind, set()).add(piece.place.value)
+    return places
+
+
 def collected(offloader) -> list[torch.Tensor]:
     from megatron_offload.adapters import megatron_wrappers as adapter
 

@@ -21,14 +21,14 @@ import os
 import pytest
 import torch
 
-from tests.harness.checkpoints import apply_loaded
-from tests.integration.access.test_checkpoint import (
+from tests.harness.checkpoints import (
     DeviceWatch,
-    _all_released,
-    _chunked_options,
-    _equal,
-    _final_snapshot,
-    _shared_directory,
+    all_released,
+    apply_loaded,
+    chunked_options,
+    offloaded_snapshot,
+    shared_directory,
+    tensors_equal,
 )
 
 SAVE_AFTER, MORE = 3, 2
@@ -110,12 +110,12 @@ def formats_job(
 
     out = {}
     for mode in modes:
-        where = _shared_directory(os.path.join(directory, mode))
+        where = shared_directory(os.path.join(directory, mode))
         torch.manual_seed(5)
         chunks, optimizer, config = models.build("mlp", "bf16")
         options, devices = checked_device_options() if prefetch_first else ({}, [])
         if mode == "chunked":
-            options = _chunked_options(optimizer, options)
+            options = chunked_options(optimizer, options)
         if mode == "partial":  # the largest tensors making up half the bytes; the rest resident
             options = {"offload_fraction": 0.5}
         offloader = megatron_offload.attach(optimizer, **options) if offload else None
@@ -136,7 +136,7 @@ def formats_job(
         except Exception as error:  # noqa: BLE001 - megatron-core's own failures are compared
             saved = f"{type(error).__name__}: {error}"
         if offloader:
-            figures["save"] = {**watch.figures(), "released_after": _all_released(offloader)}
+            figures["save"] = {**watch.figures(), "released_after": all_released(offloader)}
         if saved != "ok":
             out[mode] = {"saved": saved, "figures": figures, "results": results}
             if offloader:
@@ -154,7 +154,7 @@ def formats_job(
         except Exception as error:  # noqa: BLE001 - megatron-core's own failures are compared
             loaded = f"{type(error).__name__}: {error}"
         if offloader:
-            figures["load"] = {**watch.figures(), "released_after": _all_released(offloader)}
+            figures["load"] = {**watch.figures(), "released_after": all_released(offloader)}
         again = (
             [
                 models.train_step(chunks, optimizer, config, step)
@@ -173,7 +173,7 @@ def formats_job(
             "again": again,
             "loaded": loaded,
             "figures": figures,
-            "snapshot": _final_snapshot(chunks, optimizer, offloader),
+            "snapshot": offloaded_snapshot(chunks, optimizer, offloader),
             "checkpoint": _read_back(where, sharding),
         }
         if offloader:
@@ -246,7 +246,10 @@ def test_every_sharding_type_is_saved_and_loaded_from_the_host(rank_pool, tmp_pa
             if sharding == "dp_reshardable":
                 assert ref["loaded"] == "ok" and ref["again"] == ref["results"][SAVE_AFTER:]
             for section in ("params", "optimizer"):
-                assert _equal(ref["snapshot"][section], run["snapshot"][section]), (mode, section)
+                assert tensors_equal(ref["snapshot"][section], run["snapshot"][section]), (
+                    mode,
+                    section,
+                )
 
 
 def test_partial_offload_saves_and_loads_from_both_places(rank_pool, tmp_path):
@@ -278,7 +281,7 @@ def test_partial_offload_saves_and_loads_from_both_places(rank_pool, tmp_path):
             and run["again"] == ref["again"] == ref["results"][SAVE_AFTER:]
         )
         for section in ("params", "optimizer"):
-            assert _equal(ref["snapshot"][section], run["snapshot"][section]), section
+            assert tensors_equal(ref["snapshot"][section], run["snapshot"][section]), section
 
 
 def test_a_save_between_the_prefetch_and_the_step(rank_pool, tmp_path):
@@ -340,7 +343,7 @@ def torch_format_job(offload, directory):
     import megatron_offload
     from tests.harness import models
 
-    directory = _shared_directory(directory)
+    directory = shared_directory(directory)
     chunks, optimizer, config = models.build("mlp", "bf16")
     offloader = megatron_offload.attach(optimizer) if offload else None
     for step in range(SAVE_AFTER):
@@ -358,7 +361,7 @@ def torch_format_job(offload, directory):
         saved = torch.load(path, weights_only=False)
         out["param_state"] = {str(k): v for k, v in _flatten(saved)}
     if offloader:
-        out["figures"] = {**watch.figures(), "released_after": _all_released(offloader)}
+        out["figures"] = {**watch.figures(), "released_after": all_released(offloader)}
     return out
 
 

@@ -12,14 +12,14 @@ import io
 import pytest
 import torch
 
-from tests.harness.checkpoints import apply_loaded
-
-# Resident snapshots and a directory every rank sees, as the DistributedOptimizer checkpoint tests take them.
-from tests.integration.access.test_checkpoint import (
+from tests.harness.checkpoints import (
     DeviceWatch,
-    _all_released,
-    _final_snapshot,
-    _shared_directory,
+    all_released,
+    apply_loaded,
+    assert_phases_equal,
+    offloaded_snapshot,
+    shared_directory,
+    tensors_equal,
 )
 
 STEPS, SAVE_AFTER = 5, 3
@@ -79,7 +79,7 @@ def checkpoint_job(offload, fmt, directory, build_kw):
         **build_kw,
         "transformer_overrides": {"hidden_dropout": 0.0, "attention_dropout": 0.0},
     }
-    directory = _shared_directory(directory)
+    directory = shared_directory(directory)
     out = {}
     chunks, optimizer, config = models.build("gpt", "bf16", **build_kw)
     offloader = megatron_offload.attach(optimizer) if offload else None
@@ -91,9 +91,9 @@ def checkpoint_job(offload, fmt, directory, build_kw):
             with DeviceWatch(offloader) as watch:
                 saved = _save(chunks, optimizer, directory, fmt)
             if offloader:  # served from the host copy: nothing came back
-                out["save"] = {**watch.figures(), "released_after": _all_released(offloader)}
+                out["save"] = {**watch.figures(), "released_after": all_released(offloader)}
     out["uninterrupted"] = results
-    out["uninterrupted_snapshot"] = _final_snapshot(chunks, optimizer, offloader)
+    out["uninterrupted_snapshot"] = offloaded_snapshot(chunks, optimizer, offloader)
 
     torch.manual_seed(99)  # a different init: everything must come from the checkpoint
     chunks, optimizer, config = models.build("gpt", "bf16", **build_kw)
@@ -105,20 +105,16 @@ def checkpoint_job(offload, fmt, directory, build_kw):
         _load(chunks, optimizer, directory, fmt, saved)
     if offloader:
         # The states the load creates (this optimizer had none) are put on the host at once.
-        out["load"] = {**watch.figures(), "released_after": _all_released(offloader)}
+        out["load"] = {**watch.figures(), "released_after": all_released(offloader)}
     out["resumed"] = [
         models.train_step(chunks, optimizer, config, s) for s in range(SAVE_AFTER, STEPS)
     ]
-    out["resumed_snapshot"] = _final_snapshot(chunks, optimizer, offloader)
+    out["resumed_snapshot"] = offloaded_snapshot(chunks, optimizer, offloader)
     if offloader:
         stats = offloader.stats()
         out["all_offloaded"] = stats["offloaded_bytes"] == stats["tracked_bytes"] > 0
     torch.distributed.barrier()
     return out
-
-
-def _equal(a, b):
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 CASES = [
@@ -153,15 +149,10 @@ def test_checkpoint_while_offloaded_then_resume_is_bitwise(rank_pool, tmp_path, 
             off["load"],
         )
         assert off["load"]["peak_state_bytes"] == 0, off["load"]
-        for phase in ("uninterrupted", "resumed"):
-            assert off[phase] == ref[phase], phase
-            for section in ("params", "optimizer"):
-                assert _equal(
-                    ref[phase + "_snapshot"][section], off[phase + "_snapshot"][section]
-                ), phase
+        assert_phases_equal(ref, off, ("uninterrupted", "resumed"))
         assert off["resumed"] == off["uninterrupted"][SAVE_AFTER:]
         for section in ("params", "optimizer"):
-            assert _equal(
+            assert tensors_equal(
                 off["uninterrupted_snapshot"][section], off["resumed_snapshot"][section]
             ), section
 

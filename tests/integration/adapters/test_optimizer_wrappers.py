@@ -138,13 +138,8 @@ def test_adam_without_distributed_optimizer_skipped_step_rl_phase_checked_device
     reference = rank_pool.run(emerging_job, "adam", 5, False, skip_at=3, rl_at=1)
     offloaded = rank_pool.run(emerging_job, "adam", 5, True, skip_at=3, rl_at=1, checked=True)
     assert_bitwise_equal(reference, offloaded)
-    assert [r["update_successful"] for r in reference[0]["results"]] == [
-        True,
-        True,
-        True,
-        False,
-        True,
-    ]
+    updated = [r["update_successful"] for r in reference[0]["results"]]
+    assert updated == [step != 3 for step in range(5)]  # all but the skipped step
     _assert_offloaded_between_steps(offloaded)
     for rank in offloaded:
         assert rank["classes"] == ["Float16OptimizerWithFloat16Params/AdamW"]

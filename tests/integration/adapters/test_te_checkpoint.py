@@ -18,8 +18,7 @@ import pytest
 import torch
 
 from tests.harness import optimizer_jobs
-from tests.harness.checkpoints import apply_loaded
-from tests.integration.access.test_checkpoint import DeviceWatch, _all_released
+from tests.harness.checkpoints import DeviceWatch, all_released, apply_loaded, shared_directory
 
 SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
 CASES = [
@@ -27,15 +26,6 @@ CASES = [
     pytest.param(True, "fp8", id="remainders-fp8"),
     pytest.param(False, "bf16", id="fp32master-bf16"),
 ]
-
-
-def _shared_directory(path):
-    shared = [path]
-    torch.distributed.broadcast_object_list(shared, src=0)
-    if torch.distributed.get_rank() == 0:
-        os.makedirs(shared[0], exist_ok=True)
-    torch.distributed.barrier()
-    return shared[0]
 
 
 def _calls(chunks, optimizer, directory):
@@ -92,7 +82,7 @@ def walk_job(offload, remainders, moments, directory):
     import megatron_offload
     from tests.harness import models
 
-    directory = _shared_directory(directory)
+    directory = shared_directory(directory)
     with optimizer_jobs.injected("te"):
         chunks, optimizer, config = models.build(
             "mlp", "bf16", optimizer_overrides=optimizer_jobs.precision_aware(remainders, moments)
@@ -167,7 +157,7 @@ def checkpoint_job(offload, remainders, moments, directory, chunked=None):
     import megatron_offload
     from tests.harness import models
 
-    directory = _shared_directory(directory)
+    directory = shared_directory(directory)
     overrides = optimizer_jobs.precision_aware(remainders, moments)
     out = {}
 
@@ -198,7 +188,7 @@ def checkpoint_job(offload, remainders, moments, directory, chunked=None):
                 if offloader:
                     out["save"] = {
                         **watch.figures(),
-                        "released_after": _all_released(offloader),
+                        "released_after": all_released(offloader),
                         "tracked_bytes": offloader.stats()["tracked_bytes"],
                     }
         out["uninterrupted"] = results
@@ -220,7 +210,7 @@ def checkpoint_job(offload, remainders, moments, directory, chunked=None):
         with DeviceWatch(offloader) as watch:
             _load(chunks, optimizer, directory)
         if offloader:
-            out["load"] = {**watch.figures(), "released_after": _all_released(offloader)}
+            out["load"] = {**watch.figures(), "released_after": all_released(offloader)}
         out["loaded_running"] = [
             models.train_step(chunks, optimizer, config, s) for s in range(SAVE_AFTER, STEPS)
         ]

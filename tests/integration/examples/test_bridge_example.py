@@ -1,26 +1,17 @@
 """The Megatron-Bridge example's training function, run in the rank pool of the Bridge
 environment (the example itself is torchrun)."""
 
-import argparse
-import importlib.util
-import os
-
 import pytest
+
+from tests.harness.examples import train_plain_and_offloaded
 
 pytestmark = pytest.mark.bridge  # skipped, with the reason, where Bridge is absent (conftest)
 
-EXAMPLE = os.path.join(
-    os.path.dirname(__file__), "..", "..", "..", "examples", "bridge_train_offload.py"
-)
-
 
 def example_job(steps):
-    spec = importlib.util.spec_from_file_location("bridge_train_offload", EXAMPLE)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    args = argparse.Namespace(bf16=True, steps=steps)
-    plain, _ = example.train(args, offload=False)
-    offloaded, stats = example.train(args, offload=True)
+    plain, offloaded, stats = train_plain_and_offloaded(
+        "bridge_train_offload.py", bf16=True, steps=steps
+    )
     return plain, offloaded, stats["host_bytes"], stats["offloaded_bytes"]
 
 

@@ -2,23 +2,16 @@
 resumed by a freshly built model and optimizer, bitwise as the run that went on."""
 
 import argparse
-import importlib.util
-import os
 import sys
 
 import torch
 
-EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples")
+from tests.harness.examples import EXAMPLES, load_example
 
 
 def _example():
-    sys.path.insert(0, os.path.abspath(EXAMPLES))
-    spec = importlib.util.spec_from_file_location(
-        "checkpoint_offload", os.path.join(EXAMPLES, "checkpoint_offload.py")
-    )
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    return example
+    sys.path.insert(0, EXAMPLES)
+    return load_example("checkpoint_offload.py")
 
 
 def _shared(path):

@@ -4,20 +4,17 @@ megatron-core (2 gloo ranks). Every tracked byte is on the host at every phase o
 step, and training is bitwise that of the same worker without the sketch."""
 
 import importlib.util
-import os
 
 import pytest
 import torch
 
-EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "rl")
+from tests.harness.examples import load_example
+
 BUILD = dict(overlap_grad_reduce=True, bucket_size=3000)
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(EXAMPLES, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example(f"rl/{name}.py")
 
 
 def _offloaded(optimizer):

@@ -1,23 +1,14 @@
 """The demo example's training function, run in the rank pool (the demo itself is torchrun)."""
 
-import argparse
-import importlib.util
-import os
-
 import pytest
 
-EXAMPLE = os.path.join(
-    os.path.dirname(__file__), "..", "..", "..", "examples", "train_gpt_offload.py"
-)
+from tests.harness.examples import load_example, train_plain_and_offloaded
 
 
 def example_job(bf16, steps):
-    spec = importlib.util.spec_from_file_location("train_gpt_offload", EXAMPLE)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    args = argparse.Namespace(bf16=bf16, steps=steps)
-    plain, _ = example.train(args, offload=False)
-    offloaded, stats = example.train(args, offload=True)
+    plain, offloaded, stats = train_plain_and_offloaded(
+        "train_gpt_offload.py", bf16=bf16, steps=steps
+    )
     return plain, offloaded, stats["host_bytes"], stats["d2h_copies"]
 
 
@@ -32,9 +23,7 @@ def test_example_trains_identically_with_offloading(rank_pool, bf16):
 def test_demo_prints_one_table_with_every_rank_folded_in(rank_pool):
     """The demo's table: one header, one row per step, each rank's offloaded and host MiB,
     and 'NO' as soon as one rank's losses differ (the negative control)."""
-    spec = importlib.util.spec_from_file_location("train_gpt_offload_table", EXAMPLE)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_example("train_gpt_offload.py", "train_gpt_offload_table")
     ranks = [
         (plain, offloaded, {"host_bytes": host, "d2h_copies": copies, "h2d_copies": copies})
         for plain, offloaded, host, copies in rank_pool.run(example_job, True, 2)

@@ -21,14 +21,8 @@ import contextlib
 
 import torch
 
-OFFLOAD_ARGS = dict(
-    offload_optimizer_states=True,
-    offload_master_weights=None,
-    offload_release_master_grads=True,
-    offload_prefetch=None,
-    offload_log_stats=None,
-    log_interval=2,
-)
+from tests.harness.optimizer_jobs import piece_places
+from tests.harness.training_args import offload_args
 
 
 def _count_copies(offloader):
@@ -51,14 +45,6 @@ def _count_copies(offloader):
     return tally
 
 
-def _places(offloader):
-    places = {}
-    for engine in offloader.engines:
-        for group in engine.pieces:
-            places.setdefault(group.kind, set()).add(group.place.name)
-    return places
-
-
 def norm_job(offload: bool, precision_aware: bool = False, steps: int = 3):
     from megatron.training.utils import common_utils
 
@@ -74,14 +60,14 @@ def norm_job(offload: bool, precision_aware: bool = False, steps: int = 3):
     try:
         with injected:
             chunks, optimizer, config = models.build("mlp", "bf16", optimizer_overrides=overrides)
-            args = argparse.Namespace(**{**OFFLOAD_ARGS, "offload_optimizer_states": offload})
+            args = offload_args(offload_optimizer_states=offload, offload_release_master_grads=True)
             offloader = hooks.attach_for_training(optimizer, args)
             results = [models.train_step(chunks, optimizer, config, step) for step in range(steps)]
             inside = []
 
             def calc_params_l2_norm(model):  # megatron's, noting what is on the device
                 if offloader is not None:
-                    inside.append(_places(offloader))
+                    inside.append(piece_places(offloader))
                 return common_utils.calc_params_l2_norm(model)
 
             # What patch_megatron() installs as training.calc_params_l2_norm.
@@ -89,11 +75,11 @@ def norm_job(offload: bool, precision_aware: bool = False, steps: int = 3):
             if offloader is None:
                 report["norm"] = patched(chunks)
             else:
-                report["before"] = _places(offloader)
+                report["before"] = piece_places(offloader)
                 tally = _count_copies(offloader)
                 report["norm"] = patched(chunks)
                 report["tally"], report["inside"] = dict(tally), inside[0]
-                report["after"] = _places(offloader)
+                report["after"] = piece_places(offloader)
                 sizes = {}
                 for engine in offloader.engines:
                     for group in engine.pieces:
@@ -143,10 +129,10 @@ def test_params_norm_reloads_only_the_master_weights(rank_pool):
         assert (
             rank["before"]
             == rank["after"]
-            == {"master_weights": {"RELEASED"}, "optimizer_states": {"RELEASED"}}
+            == {"master_weights": {"released"}, "optimizer_states": {"released"}}
         )
         # While the norm ran: the masters on the device, the moments still on the host.
-        assert rank["inside"] == {"master_weights": {"RESIDENT"}, "optimizer_states": {"RELEASED"}}
+        assert rank["inside"] == {"master_weights": {"resident"}, "optimizer_states": {"released"}}
         # Negative control: bringing everything back moves the moments too, and the counter
         # sees them.
         assert rank["control_tally"] == {
@@ -169,7 +155,7 @@ def test_params_norm_reloads_nothing_on_the_precision_aware_path(rank_pool):
             rank["inside"]
             == rank["before"]
             == rank["after"]
-            == {"master_weights": {"RELEASED"}, "optimizer_states": {"RELEASED"}}
+            == {"master_weights": {"released"}, "optimizer_states": {"released"}}
         )
         assert rank["control_tally"] == {
             ("h2d", "master_weights"): rank["masters_bytes"],

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import argparse
-
 from megatron_offload.megatron import training as hooks
-from tests.unit.megatron.test_training_hooks import OFFLOAD_ARGS  # noqa: F401
+from tests.harness.training_args import offload_args
 
 
 # ---------------------------------------------------------------- a real optimizer (rank pool)
@@ -16,7 +14,7 @@ def hooks_job(offload: bool, steps: int = 3):
     from tests.harness import models
 
     chunks, optimizer, config = models.build("gpt", "bf16")
-    args = argparse.Namespace(**{**OFFLOAD_ARGS, "offload_optimizer_states": offload})
+    args = offload_args(offload_optimizer_states=offload)
     offloader = hooks.attach_for_training(optimizer, args)
     trace = []
     if offloader is not None:

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from tests.harness.optimizer_jobs import piece_places
+
 
 def _resident_sizes(offloader, distributed):
     from megatron_offload.adapters import megatron_wrappers as adapter
@@ -146,15 +148,6 @@ def test_rl_phases_nest_and_compose_with_the_step_cycle(rank_pool, checked):
         assert seen["resident-after-outer"]
 
 
-def _places(offloader):
-    """{kind: set of group places} over every engine."""
-    places = {}
-    for engine in offloader.engines:
-        for group in engine.pieces:
-            places.setdefault(group.kind, set()).add(group.place.value)
-    return places
-
-
 def rl_selection_job(offload, checked=False):
     """A step cycle that keeps the masters on the device, and rollouts that free them too."""
     import megatron_offload
@@ -178,7 +171,7 @@ def rl_selection_job(offload, checked=False):
 
     def look(name):
         if offloader:
-            seen[name] = (_places(offloader), offloader.stats()["offloaded_bytes"])
+            seen[name] = (piece_places(offloader), offloader.stats()["offloaded_bytes"])
 
     def block(**selection):
         return offloader.offloaded(**selection) if offloader else _Null()

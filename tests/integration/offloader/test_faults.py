@@ -254,12 +254,11 @@ def full_disk_job(offload: bool, directory: str):
     states stay offloaded with their host copy intact, training goes on, and a save made again
     resumes bitwise."""
     import megatron_offload
-    from tests.harness import models
+    from tests.harness import checkpoints, models
     from tests.harness.faults import FullDisk
-    from tests.integration.access.test_checkpoint import _load, _save, _shared_directory
 
-    failed = _shared_directory(directory + "/failed")
-    saved = _shared_directory(directory + "/saved")
+    failed = checkpoints.shared_directory(directory + "/failed")
+    saved = checkpoints.shared_directory(directory + "/saved")
     chunks, optimizer, config = models.build("mlp", "bf16")
     offloader = megatron_offload.attach(optimizer) if offload else None
     results = [models.train_step(chunks, optimizer, config, step) for step in range(2)]
@@ -268,13 +267,13 @@ def full_disk_job(offload: bool, directory: str):
         before = _device_bytes_mlp(optimizer)
         with FullDisk(failed) as disk:
             try:
-                _save(chunks, optimizer, failed, async_save=False)
+                checkpoints.save(chunks, optimizer, failed, async_save=False)
                 found["raised"] = None
             except BaseException as error:  # torch.distributed.checkpoint raises a BaseException
                 found["raised"] = f"{type(error).__name__}: {error}"
         found["writes_failed"] = disk.failed
         found["still_offloaded"] = offloader.is_offloaded and _device_bytes_mlp(optimizer) == before
-    _save(chunks, optimizer, saved, async_save=False)
+    checkpoints.save(chunks, optimizer, saved, async_save=False)
     results += [models.train_step(chunks, optimizer, config, step) for step in range(2, 4)]
     if offloader is not None:
         offloader.detach()
@@ -282,7 +281,7 @@ def full_disk_job(offload: bool, directory: str):
     torch.manual_seed(99)
     chunks, optimizer, config = models.build("mlp", "bf16")
     offloader = megatron_offload.attach(optimizer) if offload else None
-    _load(chunks, optimizer, saved, offload)
+    checkpoints.load(chunks, optimizer, saved, offload)
     resumed = [models.train_step(chunks, optimizer, config, step) for step in range(2, 4)]
     if offloader is not None:
         offloader.detach()
@@ -473,16 +472,15 @@ def corrupt_checkpoint_job(offload: bool, directory: str):
     import os
 
     import megatron_offload
-    from tests.harness import models
-    from tests.integration.access.test_checkpoint import _load, _save, _shared_directory
+    from tests.harness import checkpoints, models
 
-    good = _shared_directory(directory + "/good")
-    cut = _shared_directory(directory + "/cut")
+    good = checkpoints.shared_directory(directory + "/good")
+    cut = checkpoints.shared_directory(directory + "/cut")
     chunks, optimizer, config = models.build("mlp", "bf16")
     offloader = megatron_offload.attach(optimizer) if offload else None
     results = [models.train_step(chunks, optimizer, config, step) for step in range(2)]
-    _save(chunks, optimizer, good, async_save=False)
-    _save(chunks, optimizer, cut, async_save=False)
+    checkpoints.save(chunks, optimizer, good, async_save=False)
+    checkpoints.save(chunks, optimizer, cut, async_save=False)
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
         for path in glob.glob(os.path.join(cut, "*.distcp")):
@@ -493,7 +491,7 @@ def corrupt_checkpoint_job(offload: bool, directory: str):
     found = {}
     host = offloader.stats()["host_bytes"] if offload else None
     try:
-        _load(chunks, optimizer, cut, offload)
+        checkpoints.load(chunks, optimizer, cut, offload)
         found["raised"] = None
     except BaseException as error:  # torch.distributed.checkpoint raises a BaseException
         found["raised"] = type(error).__name__
@@ -501,7 +499,7 @@ def corrupt_checkpoint_job(offload: bool, directory: str):
         stats = offloader.stats()
         found["held"] = (stats["host_bytes"] == host, stats["resident_bytes"])
     torch.distributed.barrier()
-    _load(chunks, optimizer, good, offload)
+    checkpoints.load(chunks, optimizer, good, offload)
     results += [models.train_step(chunks, optimizer, config, step) for step in range(2, 4)]
     if offloader is not None:
         offloader.detach()

@@ -24,7 +24,7 @@ def accounting_job(mode):
     import megatron_offload
     from megatron_offload.device.cpu import CPUDevice
     from tests.harness import models
-    from tests.integration.access.test_checkpoint import _chunked_options
+    from tests.harness.checkpoints import chunked_options
 
     class CountingDevice(CPUDevice):
         def __init__(self):
@@ -54,7 +54,7 @@ def accounting_job(mode):
     chunks, optimizer, config = models.build("mlp", "bf16")
     options = {"device_factory": factory}
     if mode != "whole":
-        options = _chunked_options(optimizer, options)
+        options = chunked_options(optimizer, options)
         options["chunked_update_undo"] = mode == "undo"
     offloader = megatron_offload.attach(optimizer, **options)
     per_step = []
@@ -99,13 +99,13 @@ def staging_budget_job():
     import megatron_offload
     from megatron_offload.errors import HostMemoryBudgetError
     from tests.harness import models
-    from tests.integration.access.test_checkpoint import _chunked_options
+    from tests.harness.checkpoints import chunked_options
 
     chunks, optimizer, config = models.build("mlp", "bf16")
-    probe = megatron_offload.attach(optimizer, **_chunked_options(optimizer, {}))
+    probe = megatron_offload.attach(optimizer, **chunked_options(optimizer, {}))
     arena = probe.stats()["host_bytes"]  # reserved at attach: the arena alone
     probe.detach()
-    options = _chunked_options(optimizer, {"host_memory_budget": arena})
+    options = chunked_options(optimizer, {"host_memory_budget": arena})
     offloader = megatron_offload.attach(optimizer, **options)
     try:
         models.train_step(chunks, optimizer, config, 0)

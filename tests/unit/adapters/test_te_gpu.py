@@ -324,13 +324,7 @@ def _assert_bitwise_and_offloaded(reference, offloaded):
 @pytest.mark.parametrize("remainders", [True, False])
 @pytest.mark.parametrize("moments", ["fp32", "bf16", "fp8"])
 def test_real_te_precision_aware_training_is_bitwise_identical_offloaded(remainders, moments):
-    from packaging.version import Version
-
-    version = Version(_te_version())
-    if moments == "bf16" and version < Version("2.3"):
-        pytest.skip(f"Transformer Engine {version} has no bf16 moments (TE 2.3+)")
-    if remainders and version < Version("2.1"):
-        pytest.skip(f"Transformer Engine {version} has no store_param_remainders (TE 2.1+)")
+    version = _skip_unsupported(remainders, moments)
     reference = _run(remainders, moments, False)
     offloaded = _run(remainders, moments, True)
     assert reference["te_version"] == offloaded["te_version"] == str(version)

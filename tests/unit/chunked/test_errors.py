@@ -21,13 +21,13 @@ from __future__ import annotations
 import types
 
 import pytest
-import torch
 
 from megatron_offload.adapters import megatron_wrappers as adapter
 from megatron_offload.chunked.update import ChunkedUpdate
 from megatron_offload.engine import OffloadEngine
 from megatron_offload.phase import Phase
 from megatron_offload_testing import CheckedDevice, ProtocolViolation
+from tests.harness.adamw_model import seeded_grads, two_group_adamw
 
 STATES = "optimizer_states"
 
@@ -52,30 +52,13 @@ class FailingDevice(CheckedDevice):
         super().copy(dst, src)
 
 
-def _model(sizes, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    dtypes = (torch.float32, torch.float64)  # two groups: a chunk moves two segments
-    params = [
-        torch.nn.Parameter(torch.randn(n, generator=gen).to(dtypes[i % 2]))
-        for i, n in enumerate(sizes)
-    ]
-    return params, torch.optim.AdamW(params, lr=0.01)
-
-
-def _grads(params, step):
-    for j, p in enumerate(params):
-        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + j)).to(
-            p.dtype
-        )
-
-
 def run_failing_copy(fail_in: str, fail_at: int) -> dict:
     """Train with the chunked update; make the ``fail_at``-th copy of one step raise.
 
     ``fail_in``: "creation" (the first step, whose new states go to the host buffer by
     buffer), "stream" (a later step, whose states stream through the slots).
     """
-    params, opt = _model((40, 7, 33, 16, 5, 24))
+    params, opt = two_group_adamw((40, 7, 33, 16, 5, 24))
     distrib = types.SimpleNamespace(optimizer=opt)
     device = FailingDevice()
     engine = OffloadEngine(
@@ -85,7 +68,7 @@ def run_failing_copy(fail_in: str, fail_at: int) -> dict:
     chunked.install()
     error = None
     for step in range(3):
-        _grads(params, step)
+        seeded_grads(params, step)
         if fail_in == ("creation" if step == 0 else "stream" if step == 2 else None):
             device.arm(fail_at)
         token = chunked.phase.enter(Phase.STEPPING)

@@ -18,6 +18,7 @@ from megatron_offload.chunked.update import ChunkedUpdate
 from megatron_offload.engine import HostBuffers, OffloadEngine
 from megatron_offload.phase import Phase
 from megatron_offload_testing import CheckedDevice
+from tests.harness.adamw_model import seeded_grads, two_group_adamw
 
 STATES = "optimizer_states"
 SIZES = (40, 7, 33, 16, 5, 24)
@@ -38,26 +39,9 @@ class CountingDevice(CheckedDevice):
         super().free_host_buffer(buffer)
 
 
-def _model(seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    dtypes = (torch.float32, torch.float64)
-    params = [
-        torch.nn.Parameter(torch.randn(n, generator=gen).to(dtypes[i % 2]))
-        for i, n in enumerate(SIZES)
-    ]
-    return params, torch.optim.AdamW(params, lr=0.01)
-
-
-def _grads(params, step):
-    for j, p in enumerate(params):
-        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + j)).to(
-            p.dtype
-        )
-
-
 def run_first_steps(steps=3, undo=False) -> dict:
-    params, opt = _model()
-    ref_params, ref_opt = _model()
+    params, opt = two_group_adamw(SIZES)
+    ref_params, ref_opt = two_group_adamw(SIZES)
     distrib = types.SimpleNamespace(optimizer=opt)
     device = CountingDevice()
     engine = OffloadEngine(
@@ -70,8 +54,8 @@ def run_first_steps(steps=3, undo=False) -> dict:
     at_attach = list(device.buffers)
     per_step = []
     for step in range(steps):
-        _grads(params, step)
-        _grads(ref_params, step)
+        seeded_grads(params, step)
+        seeded_grads(ref_params, step)
         before = len(device.buffers)
         token = chunked.phase.enter(Phase.STEPPING)
         try:

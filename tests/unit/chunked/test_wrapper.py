@@ -22,17 +22,13 @@ from megatron_offload.interceptions import Interceptions
 from megatron_offload.offloader.cycle import AutomaticCycle
 from megatron_offload.offloader.members import Member
 from megatron_offload.phase import Phase
+from tests.harness.adamw_model import seeded_grads
 
 
 def _optimizer(cls=torch.optim.AdamW, sizes=(30, 20, 10), seed=0):
     gen = torch.Generator().manual_seed(seed)
     params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in sizes]
     return params, cls(params, lr=0.01)
-
-
-def _grads(params, step):
-    for j, p in enumerate(params):
-        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + j))
 
 
 def _attached(opt, budget=2 * 2 * 128):  # two slots of the largest parameter's moments
@@ -55,8 +51,8 @@ def run_paths():
     calls = []
     opt.register_step_pre_hook(lambda *a: calls.append(1))
     for step in range(3):
-        _grads(params, step)
-        _grads(ref_params, step)
+        seeded_grads(params, step)
+        seeded_grads(ref_params, step)
         ref.step()
         calls.clear()
         token = chunked.phase.enter(Phase.STEPPING)
@@ -124,7 +120,7 @@ def run_replacing(cls, steps=3):
     params, opt = _optimizer(cls)
     engine, chunked = _attached(opt)
     for step in range(steps):
-        _grads(params, step)
+        seeded_grads(params, step)
         token = chunked.phase.enter(Phase.STEPPING)
         try:
             opt.step()
@@ -144,7 +140,7 @@ def run_replacing(cls, steps=3):
 def run_plain(steps=3):
     params, opt = _optimizer()
     for step in range(steps):
-        _grads(params, step)
+        seeded_grads(params, step)
         opt.step()
     return [p.detach().clone() for p in params]
 
@@ -196,7 +192,7 @@ def run_cached_layout():
     chunked.stream.plan = lambda *a, **k: plans.append(1) or plan(*a, **k)
     counts = []
     for step in range(5):
-        _grads(params, step)
+        seeded_grads(params, step)
         if step == 3:
             engine.reload()  # the user brings everything back: the layout key changes
             engine.wait()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import time
 
 import pytest
 
@@ -59,18 +58,9 @@ def fork_with_pinned(nbytes: int, arena: bool):
         iov = _IoVec(buffer.data_ptr(), nbytes)
         if libc.syscall(_IO_URING_REGISTER, ring, _REGISTER_BUFFERS, ctypes.byref(iov), 1) < 0:
             return f"io_uring buffer registration failed: {os.strerror(ctypes.get_errno())}"
-        read, write = os.pipe()
-        start = time.perf_counter()
-        pid = os.fork()
-        if pid == 0:  # the child: report and leave at once
-            os.write(write, str(_private_bytes()).encode())
-            os._exit(0)
-        forked_ms = (time.perf_counter() - start) * 1e3
-        child = int(os.read(read, 64))
-        os.waitpid(pid, 0)
-        os.close(read)
-        os.close(write)
-        return forked_ms, child
+        from benchmarks.gpu_kit import timed_fork
+
+        return timed_fork(_private_bytes)
     finally:
         os.close(ring)  # unregisters the buffer
 

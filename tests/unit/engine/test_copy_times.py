@@ -14,13 +14,13 @@ from megatron_offload.device import CPUDevice
 from megatron_offload.engine import OffloadEngine
 from megatron_offload.engine.figures import PENDING_PER_QUANTITY, CopyTimes, gbps
 
-from ..testing.test_modelled_device import D2H, H2D, STEP, Net, new_device
+from ..testing.test_modelled_device import D2H, H2D, STEP, new_device, new_net
 
 
 def _modelled_cycle():
     device = new_device()
     model = device.model
-    net = Net()
+    net = new_net()
     engine = OffloadEngine(device, net.collect)
     net.step(0)
     model.compute(STEP)
@@ -71,7 +71,7 @@ def test_modelled_transfer_times_and_exposed_time(isolated):
 
 
 def _cpu_cycle():
-    net = Net()
+    net = new_net()
     engine = OffloadEngine(CPUDevice(), net.collect)
     net.step(0)
     engine.offload(release=True)

@@ -61,6 +61,13 @@ def _outcome(device: CheckedDevice, raised: ProtocolViolation | None, **extra) -
     }
 
 
+def _round_trip(engine) -> None:
+    """Offload, release and reload: the copy back is issued, not waited for."""
+    engine.offload()
+    engine.release()
+    engine.reload()
+
+
 def run_cycles(skip_labels=(), raise_violations=True, max_piece_bytes=None) -> dict:
     """Offload/release/reload/wait cycles with steps, skipped steps, back-to-back calls and
     host reads; returns where the results differ from the run without offloading.
@@ -125,12 +132,8 @@ def run_cycles(skip_labels=(), raise_violations=True, max_piece_bytes=None) -> d
         # offload again; reload then offload before anything waited for the copy-back.
         engine.offload()
         engine.reload()
-        engine.offload()
-        engine.release()
-        engine.reload()
-        engine.offload()
-        engine.release()
-        engine.reload()
+        _round_trip(engine)
+        _round_trip(engine)
         engine.wait()
         step(5)
 
@@ -167,9 +170,7 @@ def run_dropped_prefetch(skip_labels=()) -> dict:
     raised = None
     try:
         off.step(0)
-        engine.offload()
-        engine.release()
-        engine.reload()
+        _round_trip(engine)
         hosts = [group.host for group in engine.pieces]
         del engine, off
         gc.collect()
@@ -199,15 +200,11 @@ def run_rebuild_after_reload(skip_labels=()) -> dict:
     engine lays the groups out again and gives back the old host arena."""
 
     def body(off, device, engine):
-        engine.offload()
-        engine.release()
-        engine.reload()
+        _round_trip(engine)
         engine.wait()
         device.note_compute()
         off.step(0)
-        engine.offload()  # new tensors: the layout is rebuilt and the old arena freed
-        engine.release()
-        engine.reload()
+        _round_trip(engine)  # new tensors: the layout is rebuilt and the old arena freed
         engine.wait()
 
     return _scenario(body, skip_labels)
@@ -218,9 +215,7 @@ def run_close_after_reload(skip_labels=()) -> dict:
 
     def body(off, device, engine):
         off.step(0)
-        engine.offload()
-        engine.release()
-        engine.reload()
+        _round_trip(engine)
         engine.close()
 
     return _scenario(body, skip_labels)

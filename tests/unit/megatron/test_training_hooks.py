@@ -17,15 +17,7 @@ import pytest
 from megatron_offload.interceptions import PROCESS, Interceptions
 from megatron_offload.megatron import training as hooks
 from megatron_offload.megatron.arguments import OffloadArgumentError
-
-OFFLOAD_ARGS = dict(
-    offload_optimizer_states=True,
-    offload_master_weights=None,
-    offload_release_master_grads=None,
-    offload_prefetch=None,
-    offload_log_stats=None,
-    log_interval=2,
-)
+from tests.harness.training_args import offload_args
 
 
 # ------------------------------------------------------------------------------ stand-ins
@@ -83,7 +75,7 @@ class FakeOptimizer:
 
 @pytest.fixture
 def megatron_args(monkeypatch):
-    args = argparse.Namespace(**OFFLOAD_ARGS)
+    args = offload_args()
     monkeypatch.setattr(hooks, "_get_args", lambda: args)
     return args
 
@@ -504,12 +496,9 @@ def test_rates_are_the_minimum_over_ranks_and_times_the_maximum(monkeypatch):
 
 def test_attach_for_training_needs_the_flag():
     assert hooks.attach_for_training(object(), argparse.Namespace()) is None
-    assert hooks.attach_for_training(None, argparse.Namespace(**OFFLOAD_ARGS)) is None
+    assert hooks.attach_for_training(None, offload_args()) is None
     existing = FakeOffloader([])
-    assert (
-        hooks.attach_for_training(FakeOptimizer(existing), argparse.Namespace(**OFFLOAD_ARGS))
-        is existing
-    )
+    assert hooks.attach_for_training(FakeOptimizer(existing), offload_args()) is existing
 
 
 # ----------------------------------------------------------------------------- the launcher
@@ -623,7 +612,7 @@ def test_detached_offloaders_are_forgotten_and_the_norm_runs_without_them(monkey
 
 def test_log_for_megatron_does_nothing_without_the_flag_or_an_offloader(monkeypatch):
     global_vars = pytest.importorskip("megatron.training.global_vars")
-    args = argparse.Namespace(**OFFLOAD_ARGS)
+    args = offload_args()
     monkeypatch.setattr(global_vars, "get_args", lambda: args)
     monkeypatch.setattr(hooks, "_ATTACHED", [])
     args.offload_log_stats = False

@@ -41,6 +41,18 @@ def d2h(device, side, host, tensor):
         return device.record_event(side)
 
 
+def queued_h2d(**options):
+    """A device tensor with its host copy taken, and a copy back into it queued on a side
+    stream that waited for the compute stream: (device, side stream, tensor, host copy)."""
+    device, side, tensor, host = setup(**options)
+    device.copy(host, tensor)
+    device.synchronize()
+    device.wait_stream(side, device.current_stream())
+    with device.use_stream(side):
+        device.copy(tensor, host)
+    return device, side, tensor, host
+
+
 def is_poison(tensor):
     return bool(torch.isnan(tensor).all())
 
@@ -347,15 +359,7 @@ def test_side_streams_racing_on_device_memory():
 
 
 def test_the_compute_stream_using_memory_a_queued_copy_writes():
-    device = CheckedDevice()
-    side = device.new_stream()
-    tensor = values()
-    host = host_like(device, tensor)
-    device.copy(host, tensor)
-    device.synchronize()
-    device.wait_stream(side, device.current_stream())
-    with device.use_stream(side):
-        device.copy(tensor, host)
+    device, side, tensor, host = queued_h2d()
     with raises(records.USE_BEFORE_COPY, 4):
         device.check_readable(tensor)
     with raises(records.USE_BEFORE_COPY, 4):
@@ -386,15 +390,7 @@ def test_copies_of_released_memory_are_refused(isolated):
 
 
 def _memory_dies_under_a_queued_write(record):
-    device = CheckedDevice(raise_violations=False)
-    side = device.new_stream()
-    tensor = values()
-    host = host_like(device, tensor)
-    device.copy(host, tensor)
-    device.synchronize()
-    device.wait_stream(side, device.current_stream())
-    with device.use_stream(side):
-        device.copy(tensor, host)
+    device, side, tensor, host = queued_h2d(raise_violations=False)
     if record:
         device.record_stream(tensor, side, label="rec")
     del tensor
