@@ -14,6 +14,8 @@ those mappings) in the isolated process.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -79,6 +81,9 @@ def run_offload_fault(scenario: str, fail_at: int | None) -> dict:
     tracked = _values(1, 8)
     engine = OffloadEngine(device, lambda: [(STATES, t) for t in tracked])
     expected = SCENARIOS[scenario](engine, device, tracked)
+    # Mappings of earlier runs in this process that are garbage now must not be given back
+    # inside the measured call.
+    gc.collect()
     host_before, mapped_before = engine.stats()["host_bytes"], shared_mapping_bytes()
     out = {"raised": None}
     with AllocationFaults(fail_at, host=True) as faults:
