@@ -25,3 +25,11 @@ def check_devices(devices):
     gc.collect()
     for device in devices:
         device.check()
+
+
+def assert_dropped_call_caught(isolated, scenario, label, caught, **kwargs):
+    """Run ``scenario`` in the isolated process with the ordering calls labelled ``label``
+    dropped: at least one was dropped, and the checked device raised ``caught`` (rule, kind)."""
+    out = isolated.run(scenario, skip_labels=(label,), **kwargs)
+    assert out["skipped"].get(label, 0) > 0
+    assert out["raised"] == caught, out

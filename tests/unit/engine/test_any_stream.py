@@ -22,6 +22,7 @@ from megatron_offload_testing import (
     CheckedDevice,
     ProtocolViolation,
 )
+from tests.harness.checked import assert_dropped_call_caught
 
 from .test_protocol_controls import PIECE_BYTES, Model, _outcome
 
@@ -110,9 +111,7 @@ def test_two_compute_streams_are_clean_and_bitwise(isolated):
 
 @pytest.mark.parametrize("label", sorted(ANY_STREAM_CONTROLS))
 def test_dropped_call_for_another_stream_is_caught(isolated, label):
-    out = isolated.run(run_two_streams, skip_labels=(label,))
-    assert out["skipped"].get(label, 0) > 0
-    assert out["raised"] == ANY_STREAM_CONTROLS[label], out
+    assert_dropped_call_caught(isolated, run_two_streams, label, ANY_STREAM_CONTROLS[label])
 
 
 def test_one_stream_issues_none_of_the_calls_for_another(isolated):

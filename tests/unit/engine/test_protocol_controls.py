@@ -23,6 +23,7 @@ from megatron_offload.engine import OffloadEngine, labels
 from megatron_offload_testing import CheckedDevice, ProtocolViolation
 from megatron_offload_testing import checked_records as records
 from tests.harness.adamw_model import AdamWModel
+from tests.harness.checked import assert_dropped_call_caught
 
 # Every label constant the engine passes to the device (upper-case names holding
 # "words-like-this"), found by reading the module so a new label cannot go without a
@@ -164,32 +165,31 @@ def run_dropped_prefetch(skip_labels=()) -> dict:
     finalizer waits for its copies before anything it owns is freed. The host copy is kept
     alive here so that only the device side is in question.
     """
-    off = Model()
-    device = CheckedDevice(skip_labels=skip_labels)
-    engine = OffloadEngine(device, off.collect, name="checked")
-    raised = None
-    try:
+
+    def body(off, device, engine):
         off.step(0)
         _round_trip(engine)
-        hosts = [group.host for group in engine.pieces]
-        del engine, off
-        gc.collect()
-        device.synchronize()
-        del hosts
-    except ProtocolViolation as exc:
-        raised = exc
-    return _outcome(device, raised)
+        return [group.host for group in engine.pieces]
+
+    return _scenario(body, skip_labels, after_drop=lambda device: device.synchronize())
 
 
-def _scenario(body, skip_labels=()) -> dict:
+def _scenario(body, skip_labels=(), after_drop=None) -> dict:
     """``body(model, device, engine)`` on a fresh model, checked device and engine; a protocol
-    violation it raises ends it and is part of the outcome."""
+    violation it raises ends it and is part of the outcome. With ``after_drop(device)``, the
+    model and the engine are then dropped (a training job replaced mid-run) and ``after_drop``
+    runs once they are collected; what ``body`` returns is kept alive until then."""
     off = Model()
     device = CheckedDevice(skip_labels=skip_labels)
     engine = OffloadEngine(device, off.collect, name="checked")
     raised = None
     try:
-        body(off, device, engine)
+        kept = body(off, device, engine)
+        if after_drop is not None:
+            del engine, off
+            gc.collect()
+            after_drop(device)
+        del kept
     except ProtocolViolation as exc:
         raised = exc
     return _outcome(device, raised)
@@ -281,13 +281,11 @@ CAUGHT_ONLY_WHEN_DROPPED = {
 
 @pytest.mark.parametrize("label", sorted(CAUGHT_BY))
 def test_dropped_ordering_call_is_caught(isolated, label):
-    (rule, kind), corrupts = CAUGHT_BY[label]
-    out = isolated.run(run_cycles, skip_labels=(label,))
-    assert out["skipped"].get(label, 0) > 0
-    assert out["raised"] == (rule, kind), out
+    caught, corrupts = CAUGHT_BY[label]
+    assert_dropped_call_caught(isolated, run_cycles, label, caught)
 
     data = isolated.run(run_cycles, skip_labels=(label,), raise_violations=False)
-    assert (rule, kind) in data["violations"]
+    assert caught in data["violations"]
     corrupted = bool(data["mismatches"] or data["host_mismatches"])
     # On the CPU the compute stream runs eagerly, so a missing wait *for* the compute
     # stream cannot change data here; every other missing call lets poison through.
@@ -310,10 +308,8 @@ def test_full_protocol_in_pieces_is_clean_and_bitwise(isolated):
 @pytest.mark.parametrize("label", sorted(CAUGHT_BY))
 def test_dropped_ordering_call_is_caught_in_pieces(isolated, label):
     """The same negative controls with pieces released one by one after their copies."""
-    (rule, kind), _ = CAUGHT_BY[label]
-    out = isolated.run(run_cycles, skip_labels=(label,), max_piece_bytes=PIECE_BYTES)
-    assert out["skipped"].get(label, 0) > 0
-    assert out["raised"] == (rule, kind), out
+    caught, _ = CAUGHT_BY[label]
+    assert_dropped_call_caught(isolated, run_cycles, label, caught, max_piece_bytes=PIECE_BYTES)
 
 
 @pytest.mark.parametrize("label", sorted(CAUGHT_ONLY_WHEN_DROPPED))
@@ -322,28 +318,19 @@ def test_ordering_call_needed_on_a_side_path_is_caught(isolated, label):
     clean = isolated.run(scenario)
     assert clean["raised"] is None and clean["violations"] == [], clean
     assert clean["calls"].get(label, 0) > 0
-    dropped = isolated.run(scenario, skip_labels=(label,))
-    assert dropped["skipped"].get(label, 0) > 0
-    assert dropped["raised"] == caught, dropped
+    assert_dropped_call_caught(isolated, scenario, label, caught)
 
 
 def run_engine_dropped_with_copies_in_flight(skip_labels=()) -> dict:
     """The optimizer and its engine are dropped right after an offload (a training job
     replaced mid-run): the D2H into the host arena is still queued when the arena dies."""
-    off = Model()
-    device = CheckedDevice(skip_labels=skip_labels)
-    engine = OffloadEngine(device, off.collect, name="checked")
-    raised = None
-    try:
+
+    def body(off, device, engine):
         off.step(0)
         engine.offload()
         engine.release()
-        del engine, off
-        gc.collect()
-        device.check()
-    except ProtocolViolation as exc:
-        raised = exc
-    return _outcome(device, raised)
+
+    return _scenario(body, skip_labels, after_drop=lambda device: device.check())
 
 
 @pytest.mark.parametrize(

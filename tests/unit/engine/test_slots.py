@@ -23,6 +23,7 @@ from megatron_offload_testing import (
     CheckedDevice,
     ProtocolViolation,
 )
+from tests.harness.checked import assert_dropped_call_caught
 
 STATES = "optimizer_states"
 
@@ -213,9 +214,7 @@ CAUGHT_BY = {
 
 @pytest.mark.parametrize("label", sorted(CAUGHT_BY))
 def test_dropped_ordering_call_is_caught(isolated, label):
-    out = isolated.run(run_stream, skip_labels=(label,))
-    assert out["skipped"].get(label, 0) > 0
-    assert out["raised"] == CAUGHT_BY[label], out
+    assert_dropped_call_caught(isolated, run_stream, label, CAUGHT_BY[label])
 
 
 def test_dropped_record_stream_lets_poison_into_the_host_copy(isolated):
