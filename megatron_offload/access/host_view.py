@@ -107,7 +107,8 @@ class HostView:
         self._writes = writes
         self._keys = keys
         self._reading = reading
-        self._token = None
+        #: What ``phase.leave`` takes when the block ends; None until it is entered.
+        self._token: int | None = None
         self.outer = False
         self._served: list[_Served] = []
 

@@ -58,9 +58,10 @@ class Layout:
         self.device = device
         self.name = name
         self.max_piece_bytes = max_piece_bytes
-        self._collect = collect
+        self._collect: Collect = collect
         self._fraction = fraction
-        self._streamed = streamed
+        #: The state tensors the chunked update streams through its slots (None without one).
+        self._streamed: Callable[[], Iterable[torch.Tensor]] | None = streamed
         #: ``(kind, tensor)`` as laid out now, in layout order.
         self.tracked: list[tuple[str, torch.Tensor]] = []
         #: ``(kind, tensor, why)`` of tensors ``collect`` returned that stay on the device.

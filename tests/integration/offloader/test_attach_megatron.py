@@ -170,15 +170,18 @@ def test_masters_offloaded_before_the_first_step(rank_pool):
         assert rank["figures"][1]["tracked_bytes"] == 3 * first["tracked_bytes"]  # + 2 moments
 
 
+def _bitwise_last_figures(rank_pool, options, **build) -> list:
+    """Four steps of the bf16 MLP without and with offloading (``options``), bitwise alike;
+    each rank's figures after the last step."""
+    reference = rank_pool.run(train_job, "mlp", "bf16", 4, False, **build)
+    offloaded = rank_pool.run(train_job, "mlp", "bf16", 4, True, options=options, **build)
+    assert_bitwise_equal(reference, offloaded)
+    return [rank["figures"][-1] for rank in offloaded]
+
+
 def test_selective_offload_leaves_the_other_kind_resident(rank_pool):
     kw = dict(overlap_grad_reduce=False, overlap_param_gather=False, bucket_size=None)
-    reference = rank_pool.run(train_job, "mlp", "bf16", 4, False, **kw)
-    moments_only = rank_pool.run(
-        train_job, "mlp", "bf16", 4, True, options={"offload_master_weights": False}, **kw
-    )
-    assert_bitwise_equal(reference, moments_only)
-    for rank in moments_only:
-        last = rank["figures"][-1]
+    for last in _bitwise_last_figures(rank_pool, {"offload_master_weights": False}, **kw):
         assert last["offloaded_bytes"] == last["tracked_bytes"] - last["resident_bytes"]
         assert last["resident_bytes"] == last["offloaded_bytes"] // 2  # masters: half of moments
 
@@ -251,13 +254,7 @@ def test_resident_block_for_reads_and_in_place_changes(rank_pool):
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
 def test_partial_offload_is_bitwise_and_moves_the_expected_bytes(rank_pool, fraction):
     kw = dict(overlap_grad_reduce=True, overlap_param_gather=False, bucket_size=1000)
-    reference = rank_pool.run(train_job, "mlp", "bf16", 4, False, **kw)
-    partial = rank_pool.run(
-        train_job, "mlp", "bf16", 4, True, options={"offload_fraction": fraction}, **kw
-    )
-    assert_bitwise_equal(reference, partial)
-    for rank in partial:
-        last = rank["figures"][-1]
+    for last in _bitwise_last_figures(rank_pool, {"offload_fraction": fraction}, **kw):
         tracked_plus_kept = last["tracked_bytes"] + last["kept_resident_bytes"]
         assert last["offloaded_bytes"] <= fraction * tracked_plus_kept
         if fraction == 0.0:

@@ -37,6 +37,15 @@ def _grads(params, seed=1, decoupled=True):
             p.grad = g.to(p.dtype)
 
 
+def _stepped_once(moments):
+    """Parameters and a FusedAdam storing remainders, after one step with gradients."""
+    params = _params()
+    opt = _te(params, True, moments)
+    _grads(params)
+    opt.step()
+    return params, opt
+
+
 def _te(params, remainders=True, moments=torch.float32, master=torch.float32, **kw):
     return FusedAdam(
         params,
@@ -164,10 +173,7 @@ def test_3_initialize_state_needs_both_arguments_and_set_scaled_state_creates():
 # ------------------------------------------------------- 5. get/set unscaled state
 @pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16, torch.float16, torch.uint8])
 def test_5_get_unscaled_state_is_live_only_for_fp32_and_int16(moments):
-    params = _params()
-    opt = _te(params, True, moments)
-    _grads(params)
-    opt.step()
+    params, opt = _stepped_once(moments)
     p = params[0]
     master = opt.get_unscaled_state(p, "master_param")
     assert master is opt.state[p]["master_param"] and master.dtype == torch.int16
@@ -178,10 +184,7 @@ def test_5_get_unscaled_state_is_live_only_for_fp32_and_int16(moments):
 
 @pytest.mark.parametrize("moments", [torch.bfloat16, torch.float16, torch.uint8])
 def test_5_set_scaled_state_writes_in_place_and_updates_scales_in_place(moments):
-    params = _params()
-    opt = _te(params, True, moments)
-    _grads(params)
-    opt.step()
+    params, opt = _stepped_once(moments)
     p = params[0]
     state = opt.state[p]["exp_avg"]
     storage = (state._data if isinstance(state, Float8Tensor) else state).data_ptr()
@@ -246,10 +249,7 @@ def test_6_state_dict_is_unscaled_and_load_state_dict_makes_new_tensors(remainde
 def test_6_load_state_dict_uses_the_given_tensors_not_torchs_cast_copies():
     # torch's own load casts state to the param dtype (bf16); TE rebuilds from the given dict,
     # so int16 remainders and fp32 values survive.
-    params = _params()
-    opt = _te(params, True, torch.float32)
-    _grads(params)
-    opt.step()
+    params, opt = _stepped_once(torch.float32)
     sd = opt.state_dict()
     saved = {k: {n: t.clone() for n, t in v.items()} for k, v in sd["state"].items()}
     fresh = _te(_params(), True, torch.float32)
@@ -317,10 +317,7 @@ def test_7_fp32_params_keep_an_unused_master_param():
 
 
 def test_7_states_are_updated_in_place():
-    params = _params()
-    opt = _te(params, True, torch.uint8)
-    _grads(params)
-    opt.step()
+    params, opt = _stepped_once(torch.uint8)
     p = params[0]
     before = {
         n: (t, (t._data if isinstance(t, Float8Tensor) else t).data_ptr())
@@ -403,10 +400,7 @@ def test_9_other_ops_dequantize_and_in_place_ops_requantize():
 
 
 def test_9_fp8_moment_rescaling_uses_absmax_over_448():
-    params = _params()
-    opt = _te(params, True, torch.uint8)
-    _grads(params)
-    opt.step()
+    params, opt = _stepped_once(torch.uint8)
     p = params[0]
     state = opt.state[p]["exp_avg"]
     scale = opt._scales[p]["exp_avg"]

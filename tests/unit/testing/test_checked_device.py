@@ -41,12 +41,21 @@ def d2h(device, side, host, tensor):
         return device.record_event(side)
 
 
+def copied_out(device):
+    """A device tensor and its host copy, the copy finished (eager: filled at once)."""
+    tensor = values()
+    host = host_like(device, tensor)
+    device.copy(host, tensor)
+    device.synchronize()
+    return tensor, host
+
+
 def queued_h2d(**options):
     """A device tensor with its host copy taken, and a copy back into it queued on a side
     stream that waited for the compute stream: (device, side stream, tensor, host copy)."""
-    device, side, tensor, host = setup(**options)
-    device.copy(host, tensor)
-    device.synchronize()
+    device = CheckedDevice(**options)
+    side = device.new_stream()
+    tensor, host = copied_out(device)
     device.wait_stream(side, device.current_stream())
     with device.use_stream(side):
         device.copy(tensor, host)
@@ -272,10 +281,7 @@ def test_release_with_record_stream_keeps_the_bytes_for_the_copy(isolated):
 def _h2d_into_regrown_memory(wait_first):
     device = CheckedDevice()
     side = device.new_stream()
-    tensor = values()
-    host = host_like(device, tensor)
-    device.copy(host, tensor)  # eager: the host copy is filled at once
-    device.synchronize()
+    tensor, host = copied_out(device)  # eager: the host copy is filled at once
     device.wait_stream(side, device.current_stream())
     device.release(tensor)
     device.regrow(tensor, 16)
@@ -345,10 +351,7 @@ def test_freeing_a_host_buffer_under_a_copy():
 def test_side_streams_racing_on_device_memory():
     device = CheckedDevice()
     one, two = device.new_stream(), device.new_stream()
-    tensor = values()
-    host = host_like(device, tensor)
-    device.copy(host, tensor)
-    device.synchronize()
+    tensor, host = copied_out(device)
     for stream in (one, two):
         device.wait_stream(stream, device.current_stream())
     with device.use_stream(one):
@@ -593,10 +596,7 @@ def test_release_of_memory_used_on_another_stream_needs_record_stream_or_an_orde
 def _h2d_on_another_stream_after_work_before_the_allocation():
     device = CheckedDevice()
     other, side = device.compute_stream(), device.new_stream()
-    tensor = values()
-    host = host_like(device, tensor)
-    device.copy(host, tensor)
-    device.synchronize()
+    tensor, host = copied_out(device)
     with device.use_stream(other):
         device.note_compute()  # before the allocation below: cannot touch the new block
     device.release(tensor)
