@@ -12,6 +12,8 @@ import contextlib
 
 import torch
 
+from tests.harness import compare
+
 DTYPES = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
@@ -303,17 +305,6 @@ def train_job(
 
 
 # ---------------------------------------------------------------------- comparisons (parent)
-def _equal(a, b) -> bool:
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        # Byte equality: also tells -0.0 from 0.0 and compares NaN payloads.
-        return (
-            a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-        )
-    return a == b
-
-
 def is_amax(key) -> bool:
     """An FP8 quantizer's amax. FusedAdam never reads it (it sets each moment's scale from the
     moment's absmax), and after a ``load_state_dict``/``set_scaled_state`` that creates a state,
@@ -323,16 +314,11 @@ def is_amax(key) -> bool:
 
 
 def assert_bitwise_equal(reference, offloaded, *, ignore=lambda key: False):
-    """Same results and the same bytes everywhere (keys for which ``ignore(key)`` is true
-    excepted; see ``is_amax``)."""
+    """The same optimizer classes, results and bytes everywhere (keys for which ``ignore(key)``
+    is true excepted; see ``is_amax``)."""
     for ref, off in zip(reference, offloaded):
         assert ref["classes"] == off["classes"]
-        assert ref["results"] == off["results"]
-        for section in ("params", "optimizer"):
-            a, b = ref["snapshot"][section], off["snapshot"][section]
-            assert a.keys() == b.keys()
-            different = [k for k in a if not ignore(k) and not _equal(a[k], b[k])]
-            assert not different, f"{section} differ: {different[:5]}"
+    compare.assert_bitwise_equal(reference, offloaded, ignore=ignore)
 
 
 def assert_offloaded_between_steps(offloaded, groups: int):

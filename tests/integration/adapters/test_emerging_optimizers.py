@@ -17,8 +17,8 @@ import importlib.util
 import pytest
 import torch
 
+from tests.harness.compare import assert_bitwise_equal
 from tests.harness.optimizer_jobs import STATS_KEYS
-from tests.integration.offloader.test_attach_megatron import assert_bitwise_equal
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("emerging_optimizers") is None,

@@ -10,8 +10,8 @@ between steps; on the real megatron-core, on gloo CPU ranks (the shared rank poo
 
 import pytest
 
+from tests.harness.compare import assert_bitwise_equal
 from tests.integration.offloader.test_attach_megatron import (
-    assert_bitwise_equal,
     assert_offloaded_between_steps,
     train_job,
 )

@@ -16,6 +16,7 @@ import contextlib
 import pytest
 
 from tests.harness import optimizer_jobs
+from tests.harness.compare import assert_bitwise_equal
 
 STEPS, SKIP_AT = 5, 3
 
@@ -189,16 +190,6 @@ def chunked_job(
         }
 
 
-def _assert_bitwise(reference, chunked):
-    for ref, off in zip(reference, chunked):
-        assert ref["results"] == off["results"]
-        for section in ("params", "optimizer"):
-            a, b = ref["snapshot"][section], off["snapshot"][section]
-            assert a.keys() == b.keys()
-            different = [k for k in a if not optimizer_jobs._equal(a[k], b[k])]
-            assert not different, f"{section} differ: {different[:5]}"
-
-
 def _assert_bounded(reference, chunked, dtype, *, min_chunks=2):
     for ref, off in zip(reference, chunked):
         budget = off["budget"]
@@ -291,7 +282,7 @@ def test_chunked_update_is_bitwise_and_bounded(rank_pool, name):
     model, dtype, job, pool = CASES[name]
     reference = rank_pool.run(chunked_job, model, dtype, offload=False, **job, **pool)
     chunked = rank_pool.run(chunked_job, model, dtype, **job, **pool)
-    _assert_bitwise(reference, chunked)
+    assert_bitwise_equal(reference, chunked)
     _assert_bounded(reference, chunked, dtype)
 
 
@@ -302,7 +293,7 @@ def test_chunked_update_with_a_virtual_pipeline(rank_pool4):
     layout = dict(pp=2, mp_kwargs={"virtual_pipeline_model_parallel_size": 2})
     reference = rank_pool4.run(chunked_job, "mlp", "bf16", offload=False, **job, **layout)
     chunked = rank_pool4.run(chunked_job, "mlp", "bf16", **job, **layout)
-    _assert_bitwise(reference, chunked)
+    assert_bitwise_equal(reference, chunked)
     _assert_bounded(reference, chunked, "bf16")
 
 
@@ -330,7 +321,7 @@ def test_chunked_update_with_fused_adam(rank_pool, kind, overrides):
     job = dict(chunk_fraction=0.25, kind=kind, overrides=overrides, build=dict(num_layers=4))
     reference = rank_pool.run(chunked_job, "mlp", "bf16", offload=False, **job)
     chunked = rank_pool.run(chunked_job, "mlp", "bf16", **job)
-    _assert_bitwise(reference, chunked)
+    assert_bitwise_equal(reference, chunked)
     _assert_bounded(reference, chunked, "bf16")
 
 
@@ -340,7 +331,7 @@ def test_attached_mid_run_the_existing_states_are_streamed_from_the_next_step(ra
     job = dict(chunk_fraction=0.25, build=dict(num_layers=4))
     reference = rank_pool.run(chunked_job, "mlp", "fp32", offload=False, **job)
     chunked = rank_pool.run(chunked_job, "mlp", "fp32", attach_at=2, **job)
-    _assert_bitwise(reference, chunked)
+    assert_bitwise_equal(reference, chunked)
     for rank in chunked:
         assert len(rank["figures"]) == STEPS - 2
         assert rank["figures"][0]["update_chunks"] >= 2  # streamed from the first step
@@ -354,7 +345,7 @@ def test_a_state_created_late_joins_the_streamed_ones(rank_pool):
     job = dict(chunk_fraction=0.25, kind="apex", build=dict(num_layers=4), drop_grads={0: 2, 5: 2})
     reference = rank_pool.run(chunked_job, "mlp", "bf16", offload=False, **job)
     chunked = rank_pool.run(chunked_job, "mlp", "bf16", **job)
-    _assert_bitwise(reference, chunked)
+    assert_bitwise_equal(reference, chunked)
     _assert_bounded(reference, chunked, "bf16")
     for rank in chunked:
         tracked = [f["tracked_bytes"] for f in rank["figures"]]
@@ -388,9 +379,9 @@ def test_planted_group_step_bug_is_caught(rank_pool):
     planted = rank_pool.run(planted_group_step_job, "mlp", "bf16", **job)
     again = rank_pool.run(chunked_job, "mlp", "bf16", **job)  # the plant is gone with its job
     with pytest.raises(AssertionError):
-        _assert_bitwise(reference, planted)
+        assert_bitwise_equal(reference, planted)
     assert all(max(f["update_chunks"] for f in rank["figures"]) >= 2 for rank in planted)
-    _assert_bitwise(reference, again)
+    assert_bitwise_equal(reference, again)
 
 
 @pytest.mark.parametrize(
@@ -411,7 +402,7 @@ def test_a_step_failing_part_way_is_undone_and_can_be_run_again(rank_pool, kind,
     failed = rank_pool.run(
         chunked_job, "mlp", "bf16", fail=(2, 3, when), options={"chunked_update_undo": True}, **job
     )
-    _assert_bitwise(reference, failed)
+    assert_bitwise_equal(reference, failed)
     for rank in failed:
         assert [f["step"] for f in rank["failures"]] == [2]
         assert any("undone" in note for note in rank["failures"][0]["notes"])

@@ -11,7 +11,8 @@ the adapters, the frameworks' moves read and rewrite the states of an attached o
 from __future__ import annotations
 
 import pytest
-import torch
+
+from tests.harness.compare import assert_bitwise_equal
 
 BUILD = dict(overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=3000)
 
@@ -157,14 +158,6 @@ def verl_job(mode: str, directory: str, real: bool = False):
         verl.uninstall(utils)
 
 
-def _same(reference, run):
-    for ref, off in zip(reference, run):
-        assert ref["results"] == off["results"]
-        for section in ("params", "optimizer"):
-            a, b = ref["snapshot"][section], off["snapshot"][section]
-            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), section
-
-
 _MODEL_OUT = ("offload_after_refit", "engine init (offload)", "train mode out (offload)")
 
 
@@ -187,7 +180,7 @@ def test_phases_through_the_adapter_keep_the_states_offloaded_and_train_bitwise(
     job = nemo_rl_job if framework == "nemo_rl" else verl_job
     reference = rank_pool.run(job, "reference", f"{shared_dir}/{framework}-reference")
     adapted = rank_pool.run(job, "adapted", f"{shared_dir}/{framework}-adapted")
-    _same(reference, adapted)
+    assert_bitwise_equal(reference, adapted)
     for rank in adapted:
         if framework == "nemo_rl":
             # NeMo-RL reloads before anything was offloaded: a no-op, nothing offloaded yet.

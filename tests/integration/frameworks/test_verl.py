@@ -15,10 +15,10 @@ cannot load; its train-mode switches call the two functions by name, as the job 
 
 import pytest
 
+from tests.harness.compare import assert_bitwise_equal
 from tests.integration.frameworks.test_rl_phases import (
     _MODEL_OUT,
     _all_offloaded,
-    _same,
     verl_job,
 )
 
@@ -36,7 +36,7 @@ def test_verl_own_moves_delegate_and_train_bitwise(rank_pool, shared_dir):
     assert verl.__version__ == "0.9.1"
     reference = rank_pool.run(verl_job, "reference", f"{shared_dir}/reference", True)
     adapted = rank_pool.run(verl_job, "adapted", f"{shared_dir}/adapted", True)
-    _same(reference, adapted)
+    assert_bitwise_equal(reference, adapted)
     for rank in adapted:
         assert _all_offloaded(rank) == [], rank["phases"]
         asleep = [f for name, f in rank["phases"] if name in _MODEL_OUT]

@@ -31,7 +31,8 @@ import re
 import warnings
 
 import pytest
-import torch
+
+from tests.harness.compare import assert_bitwise_equal
 
 SCALE = 4096  # modelled bytes per real byte
 PIECE = 16 << 10  # real max_piece_bytes: 64 MiB modelled
@@ -222,14 +223,6 @@ def _modelled_job(
     return out
 
 
-def _same(reference, run):
-    for ref, off in zip(reference, run):
-        assert ref["results"] == off["results"]
-        for section in ("params", "optimizer"):
-            a, b = ref["snapshot"][section], off["snapshot"][section]
-            assert all(torch.equal(a[k], b[k]) for k in a), section
-
-
 @pytest.fixture(scope="module")
 def reference(rank_pool):
     return rank_pool.run(modelled_job, PIECE, offload=False)
@@ -241,7 +234,7 @@ def pieces_run(rank_pool):
 
 
 def test_no_stall_in_steady_state_and_bitwise(reference, pieces_run):
-    _same(reference, pieces_run)
+    assert_bitwise_equal(reference, pieces_run)
     for rank in pieces_run:
         setup, *steady = rank["figures"]
         assert setup["state"] > 2 * 1024 * MIB  # a rank with GiBs of state, modelled
@@ -256,7 +249,7 @@ def test_chunked_update_has_no_stall_in_steady_state_and_is_bitwise(rank_pool, r
     """The chunked update on the model: the states stay on the host during the step and
     pass through two device slots; the masters are reloaded whole, in pieces."""
     run = rank_pool.run(modelled_job, PIECE, chunked=CHUNKED)
-    _same(reference, run)
+    assert_bitwise_equal(reference, run)
     for rank in run:
         setup, *steady = rank["figures"]
         assert setup["step_need"] < setup["state"]  # the step holds less than the state
@@ -334,7 +327,7 @@ def test_cuda_malloc_async_is_said_once_with_the_wait_it_costs(rank_pool, refere
     once the compute stream waited for its copy out. Nothing avoids that wait, so the
     offloader says so once, with the measured copy time. The native run says nothing."""
     run = rank_pool.run(modelled_job, PIECE, backend="cudaMallocAsync")
-    _same(reference, run)
+    assert_bitwise_equal(reference, run)
     for rank, native in zip(run, pieces_run):
         assert native["warnings"] == []
         assert len(rank["warnings"]) == 1, rank["warnings"]

@@ -9,6 +9,7 @@ crashing pytest.
 import pytest
 import torch
 
+from tests.harness.compare import assert_bitwise_equal
 from tests.harness.optimizer_jobs import STATS_KEYS
 
 
@@ -78,14 +79,6 @@ def _figures(offloader, sizes):
 
 
 # ------------------------------------------------------------------- comparisons
-def assert_bitwise_equal(reference, offloaded):
-    for ref_rank, off_rank in zip(reference, offloaded):
-        assert ref_rank["results"] == off_rank["results"]
-        for section in ("params", "optimizer"):
-            ref, off = ref_rank["snapshot"][section], off_rank["snapshot"][section]
-            assert ref.keys() == off.keys()
-            different = [k for k in ref if not torch.equal(ref[k], off[k])]
-            assert not different, f"{section} differ: {different[:5]}"
 
 
 def assert_offloaded_between_steps(offloaded, expect_masters):

@@ -16,7 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.integration.offloader.test_sleep import _device_bytes, _same
+from tests.harness.compare import same_run
+from tests.integration.offloader.test_sleep import _device_bytes
 
 STEPS = 3
 PIECES = {"max_piece_bytes": 1 << 17}  # several pieces per kind: faults between them
@@ -136,7 +137,7 @@ def test_an_out_of_memory_at_any_allocation_of_a_reload_holds_nothing(rank_pool,
             # Nothing the failed reload regrew is held: states and masters are as released.
             assert fault["device"] == run["released"], (fault["device"], run["released"])
             assert fault["resident"] == 0 and fault["offloaded"]
-        assert _same(reference, run)
+        assert same_run(reference, run)
 
 
 CHUNKED = {"chunked_update_bytes": 1 << 18}
@@ -172,7 +173,7 @@ def test_an_update_that_raises_part_way_leaves_the_states_off_the_device(rank_po
         after = run["after"]
         assert after["resident"] == 0
         assert after["device"]["states"] == after["device"]["masters"] == 0, after
-        assert _same(reference, run)  # what it wrote was copied out, not lost
+        assert same_run(reference, run)  # what it wrote was copied out, not lost
 
 
 def wake_fault_job(failing_rank: int | None = None):
@@ -246,7 +247,7 @@ def test_a_wake_that_meets_an_out_of_memory_keeps_everything_and_works_again(ran
                 assert "needed" in fault["raised"] and "call it again" in fault["raised"]
             assert fault["device"] == run["asleep"], (fault["device"], run["asleep"])
             assert fault["sleeping"] and fault["stats_asleep"]
-        assert _same(reference, run)
+        assert same_run(reference, run)
 
 
 def full_disk_job(offload: bool, directory: str):
@@ -366,7 +367,7 @@ def test_an_interrupt_inside_a_copy_leaves_a_state_the_same_call_completes(rank_
         assert run["reload"] == [True] * points  # nothing regrown is held
         assert run["offload"] == [True] * points  # what was not copied stayed on the device
         assert run["offloaded"] == [True] * points  # and the same call moved it
-        assert _same(reference, run)
+        assert same_run(reference, run)
 
 
 def chunked_fault_job():
@@ -461,7 +462,7 @@ def test_the_chunked_update_meeting_an_out_of_memory_holds_nothing(rank_pool):
             assert "chunked update's slots" in fault["raised"], fault["raised"]
             assert "call it again" in fault["raised"]
             assert fault["device"]["states"] == 0 and fault["resident"] == 0, fault
-        assert _same(reference, run)
+        assert same_run(reference, run)
 
 
 def corrupt_checkpoint_job(offload: bool, directory: str):
@@ -607,7 +608,7 @@ def test_a_load_while_offloaded_meeting_an_out_of_memory_holds_nothing(rank_pool
         assert any(f["ours"] for f in run["faults"]), run["faults"]
         assert sum(f["reached"] for f in run["faults"]) >= 3, run["faults"]
         assert run["offloaded"]
-        assert _same(reference, run)
+        assert same_run(reference, run)
 
 
 def after_step_fault_job(fail: bool):
@@ -650,7 +651,7 @@ def test_an_offload_after_the_step_meeting_an_out_of_memory_warns_and_goes_on(ra
         assert len(run["warned"]) == 1 and "do not repeat it" in run["warned"][0], run["warned"]
         assert run["unlaid"] > 0 and run["counted"][0] == run["counted"][1], run
         assert run["offloaded_later"] and ok["offloaded_later"]
-        assert _same(reference, run) and _same(reference, ok)
+        assert same_run(reference, run) and same_run(reference, ok)
 
 
 def _float16_state_bytes(optimizer) -> int:
@@ -727,7 +728,7 @@ def test_a_sleep_the_system_refuses_host_memory_gives_up_nothing(rank_pool, fail
         if failing == "rank 1" and rank == 0:
             assert "another rank" in run["raised"], run["raised"]
         assert run["awake"] and run["held"] and run["asleep"], run
-        assert _same(reference, run)
+        assert same_run(reference, run)
 
 
 def _same_sign(a: int, b: int) -> bool:

@@ -16,6 +16,8 @@ import warnings
 import pytest
 import torch
 
+from tests.harness.compare import same_run
+
 MOE = dict(
     num_moe_experts=4,
     moe_router_topk=2,
@@ -176,16 +178,6 @@ def _references(pool, **build) -> list:
     return _REFERENCES[key]
 
 
-def _same(reference, run) -> bool:
-    if reference["results"] != run["results"]:
-        return False
-    for section in ("params", "optimizer"):
-        for key, value in reference["snapshot"][section].items():
-            if not torch.equal(value, run["snapshot"][section][key]):
-                return False
-    return True
-
-
 @pytest.mark.parametrize("case", ["dense", "frozen", "moe", "automatic"])
 def test_sleep_trains_bitwise_with_nothing_on_the_device(rank_pool, case):
     build = {"frozen": {"freeze": "position_embeddings"}, "moe": {"moe": True}}.get(case, {})
@@ -193,7 +185,7 @@ def test_sleep_trains_bitwise_with_nothing_on_the_device(rank_pool, case):
     references = _references(rank_pool, **build, **ep)
     runs = rank_pool.run(sleep_job, "sleep", automatic=case == "automatic", **build, **ep)
     for reference, run in zip(references, runs):
-        assert _same(reference, run)
+        assert same_run(reference, run)
         for index, cycle in enumerate(run["cycles"]):
             resident = ("parameters", "gradients") if case == "automatic" else cycle["awake"]
             assert all(cycle["awake"][kind] for kind in resident), cycle["awake"]
@@ -224,14 +216,14 @@ def test_sleep_trains_bitwise_with_nothing_on_the_device(rank_pool, case):
 def test_a_wake_without_the_all_gather_or_the_cast_is_caught(rank_pool, plant):
     references = _references(rank_pool)
     runs = rank_pool.run(sleep_job, plant)
-    assert not any(_same(reference, run) for reference, run in zip(references, runs))
+    assert not any(same_run(reference, run) for reference, run in zip(references, runs))
 
 
 def test_weights_changed_outside_the_optimizer_are_copied_not_rebuilt(rank_pool):
     references = _references(rank_pool, load_at=1)
     runs = rank_pool.run(sleep_job, "sleep", load_at=1)
     for reference, run in zip(references, runs):
-        assert _same(reference, run)
+        assert same_run(reference, run)
         copied = [cycle["stats"]["copied_parameter_bytes"] for cycle in run["cycles"]]
         rebuilt = [cycle["stats"]["rebuilt_parameter_bytes"] for cycle in run["cycles"]]
         assert copied[0] == 0 and copied[1] == rebuilt[0] and copied[2] == 0, copied
@@ -247,7 +239,7 @@ def test_under_the_cycle_a_weight_change_is_seen_at_the_sleep(rank_pool):
     references = _references(rank_pool, load_at=1)
     runs = rank_pool.run(sleep_job, "sleep", automatic=True, load_at=1)
     for reference, run in zip(references, runs):
-        assert _same(reference, run)
+        assert same_run(reference, run)
         copied = [cycle["stats"]["copied_parameter_bytes"] for cycle in run["cycles"]]
         rebuilt = [cycle["stats"]["rebuilt_parameter_bytes"] for cycle in run["cycles"]]
         assert copied[0] == 0 and copied[1] == rebuilt[0] > 0 and copied[2] == 0, copied
@@ -261,7 +253,7 @@ def test_four_ranks_with_expert_buffers_and_a_frozen_parameter(rank_pool4):
     references = _references(rank_pool4, **build)
     runs = rank_pool4.run(sleep_job, "sleep", **build)
     for reference, run in zip(references, runs):
-        assert _same(reference, run)
+        assert same_run(reference, run)
         for cycle in run["cycles"]:
             assert cycle["asleep"] == dict.fromkeys(cycle["asleep"], 0), cycle["asleep"]
             stats = cycle["stats"]
@@ -354,7 +346,7 @@ def asleep_job():
 def test_the_asleep_block_sleeps_and_wakes_around_a_rollout_and_nests(rank_pool):
     references = _references(rank_pool)
     for reference, run in zip(references, rank_pool.run(asleep_job)):
-        assert _same(reference, run)
+        assert same_run(reference, run)
         for asleep, still, after in run["inside"]:
             assert asleep["states"] == asleep["masters"] == asleep["parameters"] == 0, asleep
             assert still and not after

@@ -10,7 +10,8 @@ import warnings
 
 import pytest
 
-from tests.integration.offloader.test_sleep import _device_bytes, _same
+from tests.harness.compare import same_run
+from tests.integration.offloader.test_sleep import _device_bytes
 
 SETTINGS = (
     ("cuda_graph_impl", "local"),
@@ -71,7 +72,7 @@ def test_sleep_under_every_graph_setting_keeps_the_captured_buffers(rank_pool):
     references = rank_pool.run(graphs_job, "reference")
     runs = rank_pool.run(graphs_job, "sleep")
     for reference, run in zip(references, runs):
-        assert _same(reference, run)
+        assert same_run(reference, run)
         for (name, value), cycle in zip(SETTINGS, run["cycles"]):
             assert cycle["kept"], (name, value)
             assert cycle["asleep"]["states"] == cycle["asleep"]["masters"] == 0

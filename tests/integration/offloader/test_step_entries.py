@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.integration.offloader.test_sleep import _same
+from tests.harness.compare import same_run
 
 # What happens between two steps, one per iteration, in this order.
 SEQUENCES = ("read", "write", "reload", "resident", "checkpoint", "offload twice")
@@ -105,7 +105,7 @@ def test_every_entry_point_after_every_sequence_is_bitwise_the_plain_run(rank_po
         runs = rank_pool.run(entry_job, mode, entry)
         for reference, run in zip(references, runs):
             assert run["seen"] == reference["seen"], (mode, run["seen"], reference["seen"])
-            assert _same(reference, run), mode
+            assert same_run(reference, run), mode
 
 
 def _state_bytes(wrapper) -> list[bytes]:
