@@ -5,7 +5,8 @@ before anything is built) and on the optimizer itself (``attach``, for loops tha
 optimizer from an ``OptimizerConfig``). Both read Megatron's own names, which the command
 line's ``args`` and megatron-core's configs share (``optimizer_cpu_offload``,
 ``optimizer_cuda_graph``, ``use_megatron_fsdp``, ``chunked_optimizer_state_offload``), so one
-function serves both and says the same thing: the flag and the field.
+function serves both and says the same thing: the flag and the field. Megatron-FSDP is
+served in the configurations ``refuse_megatron_fsdp`` lets through.
 """
 
 from __future__ import annotations
@@ -68,9 +69,41 @@ def refuse(*settings) -> None:
                 f"and allocates it again before the next. Drop --optimizer-cuda-graph, or drop {SWITCH}."
             )
         if getattr(source, "use_megatron_fsdp", False) or getattr(source, "use_custom_fsdp", False):
-            raise OffloadArgumentError(
-                f"optimizer-state offloading ({SWITCH}) does not support Megatron-FSDP "
-                "(use_megatron_fsdp, --use-megatron-fsdp), whose optimizer states live in its own "
-                "sharded buffers. Train with --use-distributed-optimizer instead, or drop "
-                f"{SWITCH}."
-            )
+            refuse_megatron_fsdp(source)
+
+
+#: The Megatron-FSDP sharding strategies offloading serves (each shown bitwise on CPU ranks).
+FSDP_STRATEGIES = ("optim_grads_params",)
+
+
+def refuse_megatron_fsdp(source) -> None:
+    """Raise ``OffloadArgumentError`` for the Megatron-FSDP settings offloading does not serve
+    (yet): other sharding strategies, hybrid sharding (HSDP) and its CUDA-graph mode."""
+    strategy = getattr(source, "data_parallel_sharding_strategy", None)
+    if strategy is not None and strategy not in FSDP_STRATEGIES:
+        raise OffloadArgumentError(
+            f"optimizer-state offloading ({SWITCH}) under Megatron-FSDP serves "
+            f"--data-parallel-sharding-strategy {' or '.join(FSDP_STRATEGIES)}, not {strategy!r}. "
+            f"Use {FSDP_STRATEGIES[0]}, or drop {SWITCH}."
+        )
+    if (getattr(source, "num_distributed_optimizer_instances", 1) or 1) > 1:
+        raise OffloadArgumentError(
+            f"optimizer-state offloading ({SWITCH}) does not serve Megatron-FSDP's hybrid "
+            "sharding (HSDP: --num-distributed-optimizer-instances above 1) yet. Use one "
+            f"distributed optimizer instance, or drop {SWITCH}."
+        )
+    if getattr(source, "megatron_fsdp_cuda_graph_mode", False):
+        raise OffloadArgumentError(
+            f"optimizer-state offloading ({SWITCH}) cannot run with Megatron-FSDP's CUDA-graph "
+            "mode (megatron_fsdp_cuda_graph_mode): a captured step replays fixed device "
+            "addresses, while offloading frees the state memory after every step. Turn it off, "
+            f"or drop {SWITCH}."
+        )
+
+
+def refuse_under_megatron_fsdp(feature: str, advice: str) -> None:
+    """Raise ``OffloadArgumentError``: ``feature`` of offloading does not serve Megatron-FSDP
+    yet (``advice``: what to do instead)."""
+    raise OffloadArgumentError(
+        f"{feature} does not serve Megatron-FSDP (--use-megatron-fsdp) yet: {advice}"
+    )

@@ -45,8 +45,10 @@ elements as the parameter. The wrapper object itself owns no memory and stays in
 the optimizer and its state-dict keys never notice. ``step`` counters, scalars and ``[1]``
 scales never move: they are tiny, and optimizers read and write them around every update.
 
-A tensor subclass whose layout is not known here is handed over as it is; the engine keeps
-such tensors resident and reports them (``kept_resident_bytes``) rather than guessing.
+A ``DTensor`` (Megatron-FSDP's states) holds this rank's shard in a plain local tensor,
+which is what moves (``_local_tensor``; an empty shard holds nothing and stays). A tensor
+subclass whose layout is not known here is handed over as it is; the engine keeps such tensors
+resident and reports them (``kept_resident_bytes``) rather than guessing.
 """
 
 from __future__ import annotations
@@ -98,6 +100,15 @@ def quantized_buffers(value: torch.Tensor, numel: int) -> list[str]:
     return names
 
 
+def dtensor_local(value: torch.Tensor) -> torch.Tensor | None:
+    """The plain local tensor of a ``DTensor`` (Megatron-FSDP's parameters and states hold
+    this rank's shard in one), else None."""
+    if type(value).__name__ != "DTensor":
+        return None
+    local = getattr(value, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) and is_plain(local) else None
+
+
 def state_tensors(param: torch.Tensor, entries) -> Iterator[tuple[str, torch.Tensor]]:
     """``(state key, tensor)`` for every per-parameter tensor of one parameter's state.
 
@@ -116,6 +127,11 @@ def state_places(param: torch.Tensor, entries) -> Iterator[tuple[str, Holder, to
     for key in sorted(entries):
         value = entries[key]
         if key in NEVER_MOVED or not isinstance(value, torch.Tensor):
+            continue
+        local = dtensor_local(value)
+        if local is not None:
+            # A DTensor (Megatron-FSDP): this rank's shard is its plain local tensor.
+            yield key, Holder(value, "_local_tensor"), local
             continue
         buffers = quantized_buffers(value, numel)
         if buffers:

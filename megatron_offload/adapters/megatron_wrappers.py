@@ -82,7 +82,7 @@ from typing import Iterator
 
 import torch
 
-from . import inner_optimizers
+from . import inner_optimizers, megatron_fsdp
 from .holders import Holder, Repointing, same_kind
 from .inner_optimizers import OTHER, kind_of
 
@@ -151,7 +151,9 @@ def master_groups(wrapper) -> list:
 
 
 def master_weights(wrapper) -> Iterator[torch.Tensor]:
-    """The master weights (or master shards) held outside the optimizer state (may be empty)."""
+    """The master weights (or master shards) held outside the optimizer state (may be empty):
+    under Megatron-FSDP, its per-group buffers of them (``megatron_fsdp.py``)."""
+    yield from megatron_fsdp.master_buffers(wrapper)
     for groups in master_groups(wrapper):
         for master in groups:
             if master is not None:
@@ -193,10 +195,13 @@ def expected(wrapper) -> list[tuple[str, torch.Tensor, bool, torch.device]] | No
             future = _future_states(inner, group, param)
             if future is None:
                 return None
+            # This rank's shard of a DTensor parameter (Megatron-FSDP): its states are as large.
+            local = inner_optimizers.dtensor_local(param)
+            shape = (param if local is None else local).shape
             for key, dtype in future:  # sorted by key, as state_tensors visits them
                 kind = MASTER_WEIGHTS if inner_optimizers.is_master_key(key) else OPTIMIZER_STATES
                 found.append(
-                    (kind, torch.empty(param.shape, dtype=dtype, device="meta"), True, param.device)
+                    (kind, torch.empty(shape, dtype=dtype, device="meta"), True, param.device)
                 )
     return found
 

@@ -58,6 +58,9 @@ class OffloadEngine:
             as that piece's copy is done, not when the whole piece's is. None: one storage
             per kind and dtype. Lowered to the device's ``piece_bound()`` (the allocator's
             ``max_split_size_mb``) where that is smaller.
+        in_place: returns the tensors whose own storage is released and regrown, never
+            re-pointed, because other tensors view it (an in-place piece each, see
+            ``pieces.py``): each must be contiguous and cover its whole storage.
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class OffloadEngine:
         fraction: float = 1.0,
         streamed: Callable[[], Iterable[torch.Tensor]] | None = None,
         max_piece_bytes: int | None = DEFAULT_MAX_PIECE_BYTES,
+        in_place: Callable[[], Iterable[torch.Tensor]] | None = None,
     ) -> None:
         self.device = device
         self.name = name
@@ -103,6 +107,7 @@ class OffloadEngine:
             fraction=fraction,
             streamed=streamed,
             max_piece_bytes=max_piece_bytes,
+            in_place=in_place,
         )
         #: Advances whenever the pieces are laid out again.
         self.generation = 0

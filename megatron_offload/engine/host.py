@@ -134,7 +134,7 @@ class HostArena:
         one still holds the bytes to carry. Either way the peak is checked against the budget
         before anything is freed or allocated.
         """
-        need = sum(g.nbytes for g in pieces)
+        need = sum(g.host_nbytes for g in pieces)
         reuse = self.fits(need)
         if reuse:
             # The carried bytes are set aside (copies) for a moment: checked before any.
@@ -155,7 +155,7 @@ class HostArena:
         offset = 0
         for piece in pieces:
             piece.host = arena[offset : offset + piece.nbytes].view(piece.dtype)
-            offset += piece.nbytes
+            offset += piece.host_nbytes
         for piece in carried:
             for tensor, host in piece.host_slices():
                 host.copy_(sources[id(tensor)])

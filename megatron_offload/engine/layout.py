@@ -39,6 +39,7 @@ class Layout:
         fraction: float,
         streamed: Callable[[], Iterable[torch.Tensor]] | None,
         max_piece_bytes: int | None,
+        in_place: Callable[[], Iterable[torch.Tensor]] | None = None,
     ) -> None:
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"offload fraction must be between 0 and 1, got {fraction!r}.")
@@ -62,6 +63,8 @@ class Layout:
         self._fraction = fraction
         #: The state tensors the chunked update streams through its slots (None without one).
         self._streamed: Callable[[], Iterable[torch.Tensor]] | None = streamed
+        #: The tensors released and regrown in their own storage (in-place pieces).
+        self._in_place: Callable[[], Iterable[torch.Tensor]] | None = in_place
         #: ``(kind, tensor)`` as laid out now, in layout order.
         self.tracked: list[tuple[str, torch.Tensor]] = []
         #: ``(kind, tensor, why)`` of tensors ``collect`` returned that stay on the device.
@@ -96,17 +99,25 @@ class Layout:
         return pairs, []
 
     # ----------------------------------------------------------------- planning
-    def plan(self, current) -> list[tuple[str, torch.dtype, bool, int, list[torch.Tensor]]]:
-        """``(kind, dtype, streamed, index, tensors)`` of every piece of ``current``."""
+    def plan(self, current) -> list[tuple[str, torch.dtype, bool, bool, int, list[torch.Tensor]]]:
+        """``(kind, dtype, streamed, in_place, index, tensors)`` of every piece of ``current``."""
         streamed = {id(t) for t in self._streamed()} if self._streamed is not None else set()
-        return self._plan(current, streamed)
+        return self._plan(current, streamed, self._in_place_ids())
 
-    def _plan(self, current, streamed: set[int]):
+    def _in_place_ids(self) -> set[int]:
+        return {id(t) for t in self._in_place()} if self._in_place is not None else set()
+
+    def _plan(self, current, streamed: set[int], in_place: set[int]):
         by_key: dict[tuple[str, torch.dtype, bool], list[torch.Tensor]] = {}
+        alone = []  # in-place tensors: a piece each
         for kind, tensor in current:
-            by_key.setdefault((kind, tensor.dtype, id(tensor) in streamed), []).append(tensor)
-        plan = [
-            (kind, dtype, is_streamed, index, tensors_of_piece)
+            if id(tensor) in in_place:
+                _check_whole_storage(tensor, self.name)
+                alone.append((kind, tensor.dtype, id(tensor) in streamed, True, 0, [tensor]))
+            else:
+                by_key.setdefault((kind, tensor.dtype, id(tensor) in streamed), []).append(tensor)
+        plan = alone + [
+            (kind, dtype, is_streamed, False, index, tensors_of_piece)
             for (kind, dtype, is_streamed), tensors in by_key.items()
             for index, tensors_of_piece in enumerate(
                 split_pieces(tensors, itemsize_of(dtype), self.max_piece_bytes)
@@ -145,8 +156,10 @@ class Layout:
                     streamed.add(id(tensor))
         chosen, _ = self._chosen(pairs)
         return sum(
-            Piece(kind, dtype, tensors).nbytes
-            for kind, dtype, _, _, tensors in self._plan(chosen, streamed)
+            Piece(kind, dtype, tensors, in_place=in_place).host_nbytes
+            for kind, dtype, _, in_place, _, tensors in self._plan(
+                chosen, streamed, self._in_place_ids()
+            )
         )
 
     def arrange(self, plan, old_pieces, on_host: dict) -> list[Piece]:
@@ -156,8 +169,10 @@ class Layout:
         whose tensors all have their only copy on the host (``on_host``) is released."""
         old_flat = {id(t): p for p in old_pieces if p.flat is not None for t in p.tensors}
         pieces = []
-        for kind, dtype, is_streamed, index, tensors in plan:
-            piece = Piece(kind, dtype, tensors, streamed=is_streamed, piece=index)
+        for kind, dtype, is_streamed, in_place, index, tensors in plan:
+            piece = Piece(
+                kind, dtype, tensors, streamed=is_streamed, in_place=in_place, piece=index
+            )
             old = old_flat.get(id(tensors[0]))
             if (
                 old is not None
@@ -218,6 +233,16 @@ def unmovable_reason(tensor: torch.Tensor, device: Device) -> str:
     if not tensor.is_contiguous():
         return "not contiguous"
     return ""
+
+
+def _check_whole_storage(tensor: torch.Tensor, name: str) -> None:
+    """An in-place tensor is released and regrown by its storage: it must be all of it."""
+    nbytes = tensor.untyped_storage().nbytes()
+    if tensor.storage_offset() or nbytes not in (0, tensor.numel() * tensor.element_size()):
+        raise ValueError(
+            f"{name}: a tensor to release in place must cover its whole storage (offset 0, "
+            f"{tensor.numel() * tensor.element_size()} bytes), not a part of {nbytes} bytes."
+        )
 
 
 def check_no_aliasing(pairs: list[tuple[str, torch.Tensor]], name: str) -> None:

@@ -10,6 +10,13 @@ tracked tensor is re-pointed (``Tensor.set_``) at its slice of it. From then on 
 piece is released and regrown as one storage and copied with one operation per direction,
 while the tensor objects, their shapes and every view taken of them stay the same Python
 objects, so the optimizer (and its state-dict keys) never notice.
+
+An *in-place* piece is one tensor that owns a whole storage other tensors view (Megatron-FSDP
+keeps each parameter group's fp32 master weights in one buffer, and its optimizer's
+parameters are views into it, taken once): re-pointing the tensor would leave the views on
+the old memory, so the storage itself is released and regrown (``resize_``) and every view
+follows. It is never consolidated nor split: its flat tensor is the tensor itself, and its
+bytes are the storage's, unpadded (its range of the host arena is padded, see ``host_nbytes``).
 """
 
 from __future__ import annotations
@@ -119,6 +126,7 @@ class Piece:
     streamed: bool = (
         False  # streamed through device slots by the caller's update, not reloaded whole
     )
+    in_place: bool = False  # one tensor whose own storage is released and regrown (above)
     piece: int = 0  # index among the pieces of its (kind, dtype) (see ``split_pieces``)
     offsets: list[int] = field(default_factory=list)  # element offset of each tensor
     numel: int = 0
@@ -141,6 +149,11 @@ class Piece:
         # (TE's, apex's multi-tensor apply) rely on it or fall back to slow paths. The piece
         # is padded to a multiple of 16 bytes too, so pieces stay aligned in the host arena.
         itemsize = self.itemsize = itemsize_of(self.dtype)
+        if self.in_place:
+            (tensor,) = self.tensors
+            self.offsets, self.numel, self.flat = [0], tensor.numel(), tensor
+            self.nbytes = tensor.numel() * itemsize
+            return
         offset = 0
         self.offsets = []
         for tensor in self.tensors:
@@ -148,6 +161,11 @@ class Piece:
             offset += aligned_numel(tensor.numel(), itemsize)
         self.numel = offset
         self.nbytes = offset * itemsize  # the piece's storage, alignment padding included
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes of its range of the host arena: ``nbytes``, padded so the next starts aligned."""
+        return aligned_size(self.nbytes)
 
     @property
     def payload_bytes(self) -> int:

@@ -292,6 +292,11 @@ def validate_args(args) -> None:
                 "forward pass, when they are in host memory. Add --no-offload-master-weights, "
                 "or drop --reuse-grad-buf-for-mxfp8-param-ag."
             )
+    if config.chunked_update_bytes is not None and getattr(args, "use_megatron_fsdp", False):
+        rules.refuse_under_megatron_fsdp(
+            f"the chunked update ({CHUNKED_FLAG})",
+            f"drop {CHUNKED_FLAG} to reload the states whole for each step.",
+        )
     if config.chunked_update_bytes is not None and not config.offload_optimizer_states:
         _refuse(
             f"{CHUNKED_FLAG} streams the optimizer states through the device during the step, "

@@ -16,7 +16,7 @@ import functools
 from dataclasses import dataclass
 
 from .. import rules
-from ..adapters import KINDS, MASTER_WEIGHTS, OPTIMIZER_STATES
+from ..adapters import KINDS, MASTER_WEIGHTS, OPTIMIZER_STATES, megatron_fsdp
 from ..adapters import megatron_wrappers as wrappers
 from ..config import OffloadConfig
 from ..device import device_for
@@ -112,6 +112,11 @@ def members(optimizer, config: OffloadConfig, undo: contextlib.ExitStack) -> lis
     found = megatron_optimizers(optimizer)
     for wrapper in found:
         refuse_unsupported(wrapper)
+    if config.chunked_update_bytes and any(map(megatron_fsdp.is_megatron_fsdp, found)):
+        rules.refuse_under_megatron_fsdp(
+            "the chunked update (chunked_update_bytes)",
+            "drop chunked_update_bytes to reload the states whole for each step.",
+        )
     served = [(index, wrapper) for index, wrapper in enumerate(found) if not is_stub(wrapper)]
     budget = HostBudget(None)  # its limit is set once the node agreed, below
     factory = config.device_factory or functools.partial(
@@ -139,6 +144,9 @@ def members(optimizer, config: OffloadConfig, undo: contextlib.ExitStack) -> lis
                 else None
             ),
             max_piece_bytes=config.max_piece_bytes,
+            # Megatron-FSDP's master buffers: viewed by its optimizer's parameters, so they are
+            # released and regrown in place (an empty list elsewhere).
+            in_place=functools.partial(megatron_fsdp.master_buffers, wrapper),
         )
         undo.callback(engine.close)
         made.append(Member(index, wrapper, engine, config.kinds(index)))

@@ -41,8 +41,9 @@ import weakref
 
 import torch
 
+from .. import rules
 from ..access.host_view import HostView
-from ..adapters import MASTER_WEIGHTS, OPTIMIZER_STATES
+from ..adapters import MASTER_WEIGHTS, OPTIMIZER_STATES, megatron_fsdp
 from ..adapters import model_buffers as buffers
 from ..adapters.megatron_wrappers import device_of
 from ..device import device_for
@@ -112,6 +113,13 @@ class Sleep:
                 f"sleep() inside {offloader.phase.current.value}: call it between steps."
             )
         found = megatron_optimizers(offloader.optimizer)
+        if any(map(megatron_fsdp.is_megatron_fsdp, found)):
+            rules.refuse_under_megatron_fsdp(
+                "sleep()",
+                "its parameters and gradients live in Megatron-FSDP's own buffers. Use "
+                "offloaded() around the rollout to move the optimizer states and master "
+                "weights only.",
+            )
         chunks = (
             buffers.model_chunks(found, model)
             if model is not None or not self._chunks

@@ -192,6 +192,15 @@ def _build_module(spec: HarnessSpec, config: TransformerConfig, vp_stage: int | 
     raise ValueError(f"model must be 'mlp' or 'gpt', got {spec.model!r}")
 
 
+#: A mixture-of-experts GPT: four experts, two per token, expert-parallel over two ranks.
+MOE = dict(
+    num_moe_experts=4,
+    moe_router_topk=2,
+    moe_token_dispatcher_type="allgather",
+    expert_model_parallel_size=2,
+)
+
+
 def build(
     model: str = "mlp",
     dtype: str = "fp32",

@@ -62,12 +62,6 @@ def _cases():
 
 
 CASES = _cases()
-MOE = dict(
-    num_moe_experts=4,
-    moe_router_topk=2,
-    moe_token_dispatcher_type="allgather",
-    expert_model_parallel_size=2,
-)
 
 
 def _build_options(layout, dtype, model, ogr, opg, bucket):
@@ -79,7 +73,9 @@ def _build_options(layout, dtype, model, ogr, opg, bucket):
     if dtype == "fp16":  # the first steps overflow and are skipped by the loss scaler
         options["optimizer_overrides"] = {"initial_loss_scale": 2.0**24, "hysteresis": 1}
     if layout == "moe":
-        options["transformer_overrides"] = dict(MOE)
+        from tests.harness import models
+
+        options["transformer_overrides"] = dict(models.MOE)
     options.update(LAYOUTS.get(layout, (0, {}, {}))[2])
     return options
 

@@ -18,12 +18,6 @@ import torch
 
 from tests.harness.compare import same_run
 
-MOE = dict(
-    num_moe_experts=4,
-    moe_router_topk=2,
-    moe_token_dispatcher_type="allgather",
-    expert_model_parallel_size=2,
-)
 STEPS = 3
 
 
@@ -105,7 +99,7 @@ def sleep_run(
     import megatron_offload
     from tests.harness import models
 
-    options = {"transformer_overrides": dict(MOE)} if moe else {}
+    options = {"transformer_overrides": dict(models.MOE)} if moe else {}
     chunks, optimizer, config = models.build("gpt", "bf16", freeze=freeze, **options)
     offloader = None
     if mode != "reference":

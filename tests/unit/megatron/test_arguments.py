@@ -168,6 +168,11 @@ def test_max_piece_bytes_option_is_validated_before_anything_is_touched():
         # sgd: with --use-distributed-optimizer megatron-core refuses it itself, at build.
         OK_BASE + ["--optimizer", "sgd"],
         [OFFLOAD_FLAG, "--bf16", "--optimizer", "sgd"],
+        # Megatron-FSDP: its default sharding strategy (optim_grads_params) is served.
+        OK_BASE + ["--use-megatron-fsdp"],
+        [OFFLOAD_FLAG, "--bf16", "--use-megatron-fsdp"],  # FSDP switches the dist-opt on
+        OK_BASE
+        + ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"],
     ],
     ids=lambda argv: " ".join(argv) or "no-flags",
 )
@@ -245,18 +250,19 @@ REFUSED = [
         marks=pytest.mark.skipif(not HAVE_EMERGING, reason=EMERGING_REASON),
     ),
     pytest.param(
-        OK_BASE + ["--use-megatron-fsdp"],
-        [
-            OFFLOAD_FLAG,
-            "Megatron-FSDP (use_megatron_fsdp, --use-megatron-fsdp)",
-            "--use-distributed-optimizer",
-        ],
-        id="megatron-fsdp",
+        OK_BASE + ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"],
+        [OFFLOAD_FLAG, "Megatron-FSDP", "optim_grads_params, not 'optim_grads'"],
+        id="megatron-fsdp-other-strategy",
     ),
     pytest.param(
-        [OFFLOAD_FLAG, "--bf16", "--use-megatron-fsdp"],  # FSDP would switch the dist-opt on
-        [OFFLOAD_FLAG, "--use-megatron-fsdp"],
-        id="megatron-fsdp-without-distributed-optimizer",
+        OK_BASE + ["--use-megatron-fsdp", "--num-distributed-optimizer-instances", "2"],
+        [OFFLOAD_FLAG, "hybrid sharding (HSDP", "--num-distributed-optimizer-instances"],
+        id="megatron-fsdp-hsdp",
+    ),
+    pytest.param(
+        OK_BASE + ["--use-megatron-fsdp", CHUNKED_FLAG, "4096"],
+        ["the chunked update (" + CHUNKED_FLAG, "Megatron-FSDP", "drop " + CHUNKED_FLAG],
+        id="megatron-fsdp-chunked-update",
     ),
     pytest.param(
         [OFFLOAD_FLAG, "--bf16", "--use-torch-fsdp2"],
