@@ -21,8 +21,10 @@ main thread, where jobs run), not on threads megatron-core or a test may start.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
+import sys
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -185,24 +187,20 @@ def _cpu_manual_seed(seed):
     torch.default_generator.manual_seed(int(seed))
 
 
-def _cpu_device():
-    return torch.device("cpu")
+#: The module of Megatron-FSDP (megatron-core's vendored copy, or the megatron-fsdp package)
+#: that formats the current device into ``"cuda:{index}"``.
+_FSDP_MODULE = "megatron_fsdp.megatron_fsdp"
 
 
-def _cuda_index():
-    return 0
+def _current_device():
+    """The CPU device; for Megatron-FSDP's module, the index 0, as on a GPU.
 
-
-def answer_an_index(on: bool = True) -> None:
-    """``torch.cuda.current_device()`` answers 0, an index as on a GPU (``on``), or the CPU
-    device again. Megatron-FSDP formats it into ``"cuda:{index}"`` while it builds and steps;
-    the function mode sends a bare index to the CPU, but not inside the autograd engine (a
-    tensor-parallel gather in MoE's backward would reach CUDA), so only runs that need it
-    turn it on, until their end."""
-    if on:
-        torch.cuda.current_device = _cuda_index
-    elif torch.cuda.current_device is _cuda_index:  # only what was turned on is turned off
-        torch.cuda.current_device = _cpu_device
+    Megatron-FSDP formats the answer into ``"cuda:{index}"`` while it builds and steps (the
+    device it is given is the CPU). Every other caller gets the CPU device: the function mode
+    sends a bare index to the CPU, but not inside the autograd engine, where a tensor-parallel
+    gather (MoE's backward) allocates with it."""
+    caller = sys._getframe(1).f_globals.get("__name__", "")
+    return 0 if caller.endswith(_FSDP_MODULE) else torch.device("cpu")
 
 
 def install() -> None:
@@ -227,8 +225,8 @@ def install() -> None:
     # Needed: ParamAndGradBuffer, DistributedOptimizer, tensor_parallel layers and
     # rotary embeddings allocate with `device=torch.cuda.current_device()` (the CPU device:
     # inside the autograd engine, where the function mode is not active, an index would
-    # reach CUDA; Megatron-FSDP needs one all the same: ``answer_an_index``).
-    _patch(cuda, "current_device", _cpu_device)
+    # reach CUDA; Megatron-FSDP's module gets one all the same: ``_current_device``).
+    _patch(cuda, "current_device", _current_device)
     # Needed (0.19): _ParamAndGradBucketGroup.start_grad_sync/finish_grad_sync call
     # torch.cuda.current_stream() on every gradient reduction.
     _patch(cuda, "current_stream", lambda device=None: _HOST_STREAM)
@@ -268,9 +266,28 @@ def install() -> None:
     # region (dropout) and logs a warning each time; that is expected here.
     logging.getLogger(mcore_random.__name__).setLevel(logging.ERROR)
 
+    _give_megatron_fsdp_the_cpu()
     _mode = _CudaOnCpuMode()
     _mode.__enter__()
     _installed = True
+
+
+def _give_megatron_fsdp_the_cpu() -> None:
+    """Megatron-FSDP's model chunk without a ``device`` (megatron.training passes none) gets
+    the CPU: it allocates its gradient buckets inside post-accumulate-grad hooks, where the
+    device-rewriting mode is not active, on the device it was given."""
+    try:
+        from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+    except ImportError:  # a megatron-core without it, or without its requirements (einops)
+        return
+    cls = mcore_fsdp_adapter.FullyShardedDataParallel
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, device=None, **kwargs):
+        original(self, *args, device=device or torch.device("cpu"), **kwargs)
+
+    _patch(cls, "__init__", __init__)
 
 
 def is_installed() -> bool:

@@ -27,9 +27,12 @@ from megatron_offload import find_offloader
 from megatron_offload_testing.records import chain_members, exact
 
 
-def _state_tensors(optimizer):
+def _state_tensors(optimizer, *, whole_buffers: bool = False):
     """(name, tensor) of every per-parameter tensor an offloader may move, in a stable order:
-    the inner optimizer's moments and the fp32 master shards (metadata only: no data read)."""
+    the inner optimizer's moments (a DTensor's local shard under Megatron-FSDP) and the fp32
+    master shards (metadata only: no data read). Under Megatron-FSDP the masters are views into
+    one buffer per parameter group: ``whole_buffers`` gives the buffers (what moves, padding
+    included), else each parameter's view (what the update writes)."""
     import torch
 
     for index, dopt in enumerate(chain_members(optimizer)):
@@ -38,7 +41,22 @@ def _state_tensors(optimizer):
                 # dict's own lookup: the offloader's guarded mapping would bring the states back.
                 for key, value in sorted(dict.get(dopt.optimizer.state, param, {}).items()):
                     if isinstance(value, torch.Tensor) and value.dim() > 0 and key != "step":
-                        yield f"{index}.{g}.{p}.{key}", value
+                        yield f"{index}.{g}.{p}.{key}", getattr(value, "_local_tensor", value)
+        if getattr(getattr(dopt, "ddp_config", None), "use_megatron_fsdp", False):
+            if whole_buffers:
+                groups = [
+                    group
+                    for chunk in dopt.model_chunks
+                    for group in chunk.module.param_and_grad_buffer.parameter_groups
+                ]
+                for g, group in enumerate(groups):
+                    if group.main_weight_buffer is not None:
+                        yield f"{index}.{g}.main_weight_buffer", group.main_weight_buffer.data
+            else:
+                for g, group in enumerate(dopt.optimizer.param_groups):
+                    for p, param in enumerate(group["params"]):
+                        yield f"{index}.{g}.{p}.master", param._local_tensor
+            continue
         masters = getattr(dopt, "shard_fp32_from_float16_groups", None) or []
         for g, group in enumerate(masters):
             for p, master in enumerate(group):
@@ -47,13 +65,18 @@ def _state_tensors(optimizer):
 
 
 def _expected_offload_bytes(optimizer) -> int:
-    return sum(t.numel() * t.element_size() for _, t in _state_tensors(optimizer))
+    tensors = _state_tensors(optimizer, whole_buffers=True)
+    return sum(t.numel() * t.element_size() for _, t in tensors)
 
 
 def _state_storage_bytes(optimizer) -> int:
-    """Bytes the storages of the optimizer's state tensors hold now (0 for a released one);
-    reads no data."""
-    return sum(tensor.untyped_storage().nbytes() for _, tensor in _state_tensors(optimizer))
+    """Bytes the storages of the optimizer's state tensors hold now (0 for a released one),
+    each storage once; reads no data."""
+    storages = {
+        t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+        for _, t in _state_tensors(optimizer, whole_buffers=True)
+    }
+    return sum(storages.values())
 
 
 def _state_digest(optimizer) -> str:

@@ -58,6 +58,9 @@ class Case:
     save_interval: int | None = None
     description: str = ""
     offload_flags: tuple = ()  # added only to the run with offloading
+    # Environment variables the case needs unset (Megatron-FSDP refuses
+    # CUDA_DEVICE_MAX_CONNECTIONS=1, which the others set).
+    unset_env: tuple = ()
 
 
 CASES = {
@@ -202,6 +205,8 @@ def run(
             *extra_flags,
         ]
         env = environment(device, pythonpath_prefix)
+        for name in case.unset_env:
+            env.pop(name, None)
         env["MO_RECORD_DIR"] = record_dir
         start = time.monotonic()
         proc = subprocess.Popen(

@@ -31,8 +31,6 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_offload_testing import cpu_megatron
-
 from .gloo import allow_uneven_all_gather
 
 __all__ = [
@@ -310,11 +308,8 @@ def build(
     if ddp_config.use_megatron_fsdp:
         from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
-        # Megatron-FSDP formats the current device into "cuda:{index}" (until the job's end:
-        # the rank pool's teardown turns it off), and allocates its gradient buckets inside
-        # post-accumulate-grad hooks, where the device-rewriting mode is not active: its
-        # device is given here.
-        cpu_megatron.answer_an_index()
+        # Megatron-FSDP allocates its gradient buckets inside post-accumulate-grad hooks,
+        # where the device-rewriting mode is not active: its device is given here.
         model_chunks = [
             FullyShardedDataParallel(
                 config=config, ddp_config=ddp_config, module=module, device=torch.device("cpu")

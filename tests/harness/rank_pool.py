@@ -248,9 +248,6 @@ def _teardown_job() -> None:
             pass  # already destroyed by the job itself
 
     _JOB_INFO.clear()
-    from megatron_offload_testing import cpu_megatron
-
-    cpu_megatron.answer_an_index(False)  # a Megatron-FSDP job's (models.build)
     # Free the job's models first (DDP and optimizers are full of reference cycles and hold
     # group references), so that `groups` holds the last references.
     gc.collect()

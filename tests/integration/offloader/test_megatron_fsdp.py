@@ -146,3 +146,12 @@ def test_every_copy_ordered_under_the_checked_stream_model(rank_pool):
     for rank in offloaded:
         (calls,) = rank["checked_calls"]
         assert calls["use-after-h2d"] > 0 and calls["d2h-after-writers"] > 0, calls
+
+
+def test_mixture_of_experts_with_expert_parallelism_bitwise(rank_pool):
+    """One optimizer holds the dense and the expert parameters (their own parameter groups
+    and master buffers, sharded over the expert data-parallel group)."""
+    reference = rank_pool.run(fsdp_job, False, steps=3, moe=True, ep=2)
+    offloaded = rank_pool.run(fsdp_job, True, steps=3, moe=True, ep=2)
+    assert_bitwise_equal(reference, offloaded)
+    _assert_offloaded_between_steps(reference, offloaded)
