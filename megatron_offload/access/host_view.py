@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from ..adapters import MASTER_WEIGHTS, inner_optimizers
+from ..adapters import MASTER_WEIGHTS, inner_optimizers, megatron_fsdp
 from ..adapters import megatron_wrappers as wrappers
 from ..adapters.holders import Holder, Repointing, items_of
 from ..engine import Place
@@ -38,8 +38,16 @@ _DEVICE_ONLY_DTYPES = (torch.float16, torch.uint8)
 
 
 def servable(offloader) -> bool:
-    """True if every optimizer of ``offloader`` can have its checkpoints served from the host."""
+    """True if every optimizer of ``offloader`` can have its checkpoints served from the host.
+
+    Not under Megatron-FSDP: its optimizer's parameters (and the model's, in a state dict)
+    are views into the master buffers, which no holder can point at the host, and its
+    checkpoint code re-wraps state slices on the mesh's device (``DTensor.from_local``), where
+    a host tensor would be copied and a load would write the copy. Its states and masters come
+    back for a checkpoint instead (docs/checkpointing.md)."""
     for member in offloader.members:
+        if megatron_fsdp.is_megatron_fsdp(member.optimizer):
+            return False
         inner = member.optimizer.optimizer
         if inner_optimizers.kind_of(inner) == inner_optimizers.TE_FUSED_ADAM:
             dtypes = getattr(inner, "name_to_dtype_map", {}) or {}

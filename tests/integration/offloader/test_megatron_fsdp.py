@@ -155,3 +155,97 @@ def test_mixture_of_experts_with_expert_parallelism_bitwise(rank_pool):
     offloaded = rank_pool.run(fsdp_job, True, steps=3, moe=True, ep=2)
     assert_bitwise_equal(reference, offloaded)
     _assert_offloaded_between_steps(reference, offloaded)
+
+
+def _tensors(state_dict) -> dict:
+    """Copies of the local shards of a module state dict's tensors (extra states left out)."""
+    return {
+        k: _local(v).detach().clone() for k, v in state_dict.items() if isinstance(v, torch.Tensor)
+    }
+
+
+def model_state_job(offload: bool):
+    """Between steps, the FSDP module's state dict (which holds the fp32 master weights) is
+    read and a state dict saved earlier is loaded into it; training goes on after each."""
+    import megatron_offload
+    from tests.harness import models
+
+    chunks, optimizer, config = models.build("gpt", "bf16", ddp_overrides=FSDP)
+    offloader = megatron_offload.attach(optimizer) if offload else None
+    results = [models.train_step(chunks, optimizer, config, step) for step in range(2)]
+    saved = _tensors(chunks[0].state_dict())
+    results.append(models.train_step(chunks, optimizer, config, 2))
+    read = _tensors(chunks[0].state_dict())
+    offloaded_after_read = offloader.is_offloaded if offloader else None
+    # Back to the weights after step 2: written into the masters (and the model weights).
+    current = chunks[0].state_dict()
+    with torch.no_grad():
+        for key, value in saved.items():
+            _local(current[key]).copy_(value)
+    chunks[0].load_state_dict(current)
+    results.append(models.train_step(chunks, optimizer, config, 3))
+    out = {"results": results, "read": read, "offloaded_after_read": offloaded_after_read}
+    if offloader is not None:
+        out["offloaded_at_end"] = offloader.is_offloaded
+        offloader.reload()
+        offloader.wait()
+    out["snapshot"] = _snapshot(chunks, optimizer)
+    return out
+
+
+def test_the_modules_state_dict_reads_and_loads_the_masters_while_offloaded(rank_pool):
+    reference = rank_pool.run(model_state_job, False)
+    offloaded = rank_pool.run(model_state_job, True)
+    assert_bitwise_equal(reference, offloaded)
+    for ref, off in zip(reference, offloaded):
+        assert ref["read"].keys() == off["read"].keys() and ref["read"]
+        assert all(torch.equal(ref["read"][k], off["read"][k]) for k in ref["read"])
+        # The read brought them back; the step after it offloaded them again.
+        assert off["offloaded_after_read"] is False and off["offloaded_at_end"] is True
+
+
+def refusal_job(what: str):
+    """Under Megatron-FSDP, what stays refused is refused before anything is touched: the
+    run goes on bitwise as one that never tried."""
+    import megatron_offload
+    from tests.harness import models
+
+    chunks, optimizer, config = models.build("gpt", "bf16", ddp_overrides=FSDP)
+    results = [models.train_step(chunks, optimizer, config, 0)]
+    refused = None
+    if what == "chunked":
+        try:
+            megatron_offload.attach(optimizer, chunked_update_bytes=1 << 20)
+        except megatron_offload.OffloadArgumentError as error:
+            refused = str(error)
+        attached = megatron_offload.find_offloader(optimizer) is not None
+    elif what == "sleep":
+        offloader = megatron_offload.attach(optimizer)
+        results.append(models.train_step(chunks, optimizer, config, 1))
+        before = _held_bytes(chunks, optimizer)
+        try:
+            offloader.sleep()
+        except megatron_offload.OffloadArgumentError as error:
+            refused = str(error)
+        attached = before == _held_bytes(chunks, optimizer) == 0  # nothing moved
+    results.append(models.train_step(chunks, optimizer, config, len(results)))
+    if what == "sleep":
+        offloader.reload()
+        offloader.wait()
+    return {
+        "results": results,
+        "refused": refused,
+        "attached": attached,
+        "snapshot": _snapshot(chunks, optimizer),
+    }
+
+
+@pytest.mark.parametrize("what", ["chunked", "sleep"])
+def test_what_stays_refused_under_megatron_fsdp_touches_nothing(rank_pool, what):
+    reference = rank_pool.run(fsdp_job, False, steps=3 if what == "sleep" else 2)
+    tried = rank_pool.run(refusal_job, what)
+    for ref, run in zip(reference, tried):
+        assert "Megatron-FSDP" in run["refused"] and "yet" in run["refused"], run["refused"]
+        # chunked: no offloader was left attached; sleep: the offloaded states did not move.
+        assert run["attached"] is (what == "sleep")
+    assert_bitwise_equal(reference, tried)

@@ -1,0 +1,48 @@
+"""Megatron-FSDP's settings as ``rules.refuse`` judges them, on a DDP config's field names
+(what ``attach`` reads from the optimizer's ``ddp_config``; the command line's are the same)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from megatron_offload import OffloadArgumentError, rules
+
+
+def _ddp_config(**fields):
+    base = dict(
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy="optim_grads_params",
+        num_distributed_optimizer_instances=1,
+        megatron_fsdp_cuda_graph_mode=False,
+    )
+    return types.SimpleNamespace(**{**base, **fields})
+
+
+def test_optim_grads_params_is_served():
+    rules.refuse(_ddp_config())
+    rules.refuse(_ddp_config(use_megatron_fsdp=False, data_parallel_sharding_strategy="no_shard"))
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"data_parallel_sharding_strategy": "optim"}, "not 'optim'"),
+        ({"data_parallel_sharding_strategy": "no_shard"}, "not 'no_shard'"),
+        ({"num_distributed_optimizer_instances": 2}, "hybrid sharding (HSDP"),
+        ({"megatron_fsdp_cuda_graph_mode": True}, "CUDA-graph mode"),
+        (
+            {
+                "use_megatron_fsdp": False,
+                "use_custom_fsdp": True,
+                "num_distributed_optimizer_instances": 2,
+            },
+            "HSDP",
+        ),
+    ],
+)
+def test_what_megatron_fsdp_offloading_does_not_serve_is_refused(fields, words):
+    with pytest.raises(OffloadArgumentError, match=r"--offload-optimizer-states") as error:
+        rules.refuse(_ddp_config(**fields))
+    assert words in str(error.value)
