@@ -33,8 +33,9 @@ import functools
 
 import torch
 
-from ..adapters import megatron_fsdp, state_access
+from ..adapters import state_access
 from ..phase import ACCESSORS, GuardedState, Phase
+from . import megatron_fsdp_models
 from .host_view import HostView, servable, serve_reads
 
 # Public methods (on DistributedOptimizer, ChainedOptimizer and their bases, megatron-core
@@ -143,7 +144,7 @@ class StateAccessGuard:
                 self._wrap(target, "offload_to_cpu", _rl_offload(offloader), routed)
                 self._wrap(target, "restore_from_cpu", _rl_restore(offloader), routed)
         self.reinstall()
-        self._guard_fsdp_models(wrappers)
+        self._handles += megatron_fsdp_models.install(offloader, wrappers, self._installed)
         for inner in self._inners:
             if isinstance(inner, torch.optim.Optimizer):
                 where = type(inner).__name__
@@ -181,32 +182,6 @@ class StateAccessGuard:
                     name,
                     self._inner_state_call(name in access.replaces),
                     "touches the states outside step(): they come back first",
-                )
-
-    def _guard_fsdp_models(self, wrappers) -> None:
-        """Megatron-FSDP's module reads and writes the master weights in its state dict (its
-        parameters are swapped for the optimizer's DTensors, views into the master buffers):
-        they come back first (a load may write them: copied out at the next offload)."""
-        offloader = self._offloader
-        for wrapper in wrappers:
-            if not megatron_fsdp.is_megatron_fsdp(wrapper):
-                continue
-            for chunk in getattr(wrapper, "model_chunks", None) or ():
-                module = getattr(chunk, "module", chunk)
-                where = f"{type(module).__name__}"
-                self._hook(
-                    module.register_state_dict_pre_hook(
-                        functools.partial(_fsdp_model_access, offloader, False)
-                    ),
-                    f"{where}.state_dict (pre-hook)",
-                    "its state dict holds the master weights: they come back",
-                )
-                self._hook(
-                    module.register_load_state_dict_pre_hook(
-                        functools.partial(_fsdp_model_access, offloader, True)
-                    ),
-                    f"{where}.load_state_dict (pre-hook)",
-                    "a load writes the master weights: they come back, copied out after",
                 )
 
     def _inner_state_call(self, replaces: bool):
@@ -449,9 +424,3 @@ def unshare_step_tensors(optimizer) -> None:
             state["step"] = step.clone()
         else:
             seen.add(id(step))
-
-
-def _fsdp_model_access(offloader, writes: bool, *args, **kwargs) -> None:
-    """A Megatron-FSDP module's state dict is read (or loaded, ``writes``) between steps."""
-    if offloader.phase.current is Phase.IDLE and offloader.is_offloaded:
-        offloader.make_resident(changes=writes)

@@ -249,3 +249,33 @@ def test_what_stays_refused_under_megatron_fsdp_touches_nothing(rank_pool, what)
         # chunked: no offloader was left attached; sleep: the offloaded states did not move.
         assert run["attached"] is (what == "sleep")
     assert_bitwise_equal(reference, tried)
+
+
+def detach_job():
+    import megatron_offload
+    from tests.harness import models
+
+    chunks, optimizer, config = models.build("gpt", "bf16", ddp_overrides=FSDP)
+    module = chunks[0].module
+    hooks = (len(module._state_dict_pre_hooks), len(module._load_state_dict_pre_hooks))
+    offloader = megatron_offload.attach(optimizer)
+    models.train_step(chunks, optimizer, config, 0)
+    listed = [where for _, where, _ in offloader.interceptions.listing()]
+    offloader.detach()
+    return {
+        "listed": [w for w in listed if w.startswith("MegatronFSDP.")],
+        "after_detach": offloader.interceptions.listing(),
+        "hooks_back": hooks
+        == (len(module._state_dict_pre_hooks), len(module._load_state_dict_pre_hooks)),
+        "held": _held_bytes(chunks, optimizer),
+    }
+
+
+def test_detach_takes_the_module_hooks_away(rank_pool):
+    for rank in rank_pool.run(detach_job):
+        assert rank["listed"] == [
+            "MegatronFSDP.state_dict (pre-hook)",
+            "MegatronFSDP.load_state_dict (pre-hook)",
+        ], rank
+        assert rank["after_detach"] == [] and rank["hooks_back"], rank
+        assert rank["held"] > 0  # detach brought the states and masters back
