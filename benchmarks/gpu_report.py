@@ -401,10 +401,14 @@ def configurations(gpus: int) -> list[int]:
     return [1] + ([gpus] if gpus > 1 else [])
 
 
-def environment(base=None) -> dict:
+def environment(base=None, *, megatron_fsdp: bool = False) -> dict:
+    """The jobs' environment; ``megatron_fsdp``: without CUDA_DEVICE_MAX_CONNECTIONS=1, which
+    Megatron-FSDP refuses."""
     env = dict(os.environ if base is None else base)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     env.update(OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1")
+    if megatron_fsdp:
+        del env["CUDA_DEVICE_MAX_CONNECTIONS"]
     return env
 
 
@@ -414,7 +418,7 @@ def run_job(cmd: list[str], timeout: float) -> tuple[int, str]:
         proc = subprocess.run(
             cmd,
             cwd=REPO,
-            env=environment(),
+            env=environment(megatron_fsdp="--use-megatron-fsdp" in cmd),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -68,6 +68,9 @@ run() {
   echo "== benchmarks.gpu_report"
   timeout 240 python3 -m benchmarks.gpu_report --iters 10 --timeout 110 --json "$work/gpu_report.json" \
     --save-logs "$out/logs" || status=1
+  echo "== benchmarks.gpu_report under Megatron-FSDP (optim_grads_params)"
+  timeout 240 python3 -m benchmarks.gpu_report --iters 10 --timeout 110 --json "$out/gpu_report_fsdp.json" \
+    --megatron-args="--use-megatron-fsdp --ckpt-format fsdp_dtensor" --save-logs "$out/logs-fsdp" || status=1
   echo "== benchmarks.gpu_kit"
   timeout 200 python3 -m benchmarks.gpu_kit measure --json "$work/kit.json" || status=1
   python3 -m benchmarks.gpu_kit table "$work" "$out" || status=1

@@ -347,6 +347,9 @@ def test_commands_one_gpu_plain_several_with_torchrun():
     assert several[5:8] == ["-m", "benchmarks.gpu_report_job", "launch"]
     assert gr.configurations(1) == [1] and gr.configurations(8) == [1, 8]
     assert gr.environment({"PYTHONPATH": "/x"})["PYTHONPATH"] == os.pathsep.join([str(REPO), "/x"])
+    # Megatron-FSDP refuses CUDA_DEVICE_MAX_CONNECTIONS=1: its runs go without it.
+    assert gr.environment({})["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in gr.environment({}, megatron_fsdp=True)
 
 
 def test_without_a_gpu_the_report_exits_2_and_says_so():
