@@ -24,25 +24,23 @@ def install(offloader, wrappers, installed) -> list:
             continue
         for chunk in getattr(wrapper, "model_chunks", None) or ():
             module = getattr(chunk, "module", chunk)
-            where = type(module).__name__
-            made.append(
-                installed.hook(
-                    module.register_state_dict_pre_hook(
-                        functools.partial(_access, offloader, False)
-                    ),
-                    where=f"{where}.state_dict (pre-hook)",
-                    why="its state dict holds the master weights: they come back",
-                )
+            hooks = (
+                ("state_dict", module.register_state_dict_pre_hook, False, "they come back"),
+                (
+                    "load_state_dict",
+                    module.register_load_state_dict_pre_hook,
+                    True,
+                    "they come back, and what the load writes is copied out at the next offload",
+                ),
             )
-            made.append(
-                installed.hook(
-                    module.register_load_state_dict_pre_hook(
-                        functools.partial(_access, offloader, True)
-                    ),
-                    where=f"{where}.load_state_dict (pre-hook)",
-                    why="a load writes the master weights: they come back, copied out after",
+            for method, register, writes, why in hooks:
+                made.append(
+                    installed.hook(
+                        register(functools.partial(_access, offloader, writes)),
+                        where=f"{type(module).__name__}.{method} (pre-hook)",
+                        why=f"its state dict holds the master weights: {why}",
+                    )
                 )
-            )
     return made
 
 
