@@ -82,22 +82,22 @@ def refuse_megatron_fsdp(source) -> None:
     strategy = getattr(source, "data_parallel_sharding_strategy", None)
     if strategy is not None and strategy not in FSDP_STRATEGIES:
         raise OffloadArgumentError(
-            f"optimizer-state offloading ({SWITCH}) under Megatron-FSDP serves "
-            f"--data-parallel-sharding-strategy {' or '.join(FSDP_STRATEGIES)}, not {strategy!r}. "
-            f"Use {FSDP_STRATEGIES[0]}, or drop {SWITCH}."
+            f"optimizer-state offloading ({SWITCH}) under Megatron-FSDP (--use-megatron-fsdp) "
+            f"serves --data-parallel-sharding-strategy {' or '.join(FSDP_STRATEGIES)}, not "
+            f"{strategy!r}. Use {FSDP_STRATEGIES[0]}, or drop {SWITCH}."
         )
     if (getattr(source, "num_distributed_optimizer_instances", 1) or 1) > 1:
         raise OffloadArgumentError(
-            f"optimizer-state offloading ({SWITCH}) does not serve Megatron-FSDP's hybrid "
-            "sharding (HSDP: --num-distributed-optimizer-instances above 1) yet. Use one "
-            f"distributed optimizer instance, or drop {SWITCH}."
+            f"optimizer-state offloading ({SWITCH}) does not serve the hybrid sharding of "
+            "Megatron-FSDP (--use-megatron-fsdp) yet (HSDP: --num-distributed-optimizer-instances "
+            f"above 1). Use one distributed optimizer instance, or drop {SWITCH}."
         )
     if getattr(source, "megatron_fsdp_cuda_graph_mode", False):
         raise OffloadArgumentError(
-            f"optimizer-state offloading ({SWITCH}) cannot run with Megatron-FSDP's CUDA-graph "
-            "mode (megatron_fsdp_cuda_graph_mode): a captured step replays fixed device "
-            "addresses, while offloading frees the state memory after every step. Turn it off, "
-            f"or drop {SWITCH}."
+            f"optimizer-state offloading ({SWITCH}) cannot run with the CUDA-graph mode of "
+            "Megatron-FSDP (--use-megatron-fsdp, megatron_fsdp_cuda_graph_mode): a captured step "
+            "replays fixed device addresses, while offloading frees the state memory after every "
+            f"step. Turn it off, or drop {SWITCH}."
         )
 
 

@@ -256,7 +256,7 @@ REFUSED = [
     ),
     pytest.param(
         OK_BASE + ["--use-megatron-fsdp", "--num-distributed-optimizer-instances", "2"],
-        [OFFLOAD_FLAG, "hybrid sharding (HSDP", "--num-distributed-optimizer-instances"],
+        [OFFLOAD_FLAG, "hybrid sharding of", "--num-distributed-optimizer-instances"],
         id="megatron-fsdp-hsdp",
     ),
     pytest.param(
