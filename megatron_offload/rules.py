@@ -78,7 +78,8 @@ FSDP_STRATEGIES = ("optim_grads_params",)
 
 def refuse_megatron_fsdp(source) -> None:
     """Raise ``OffloadArgumentError`` for the Megatron-FSDP settings offloading does not serve
-    (yet): other sharding strategies, hybrid sharding (HSDP) and its CUDA-graph mode."""
+    (yet): other sharding strategies, hybrid sharding (HSDP), NCCL user buffers and its
+    CUDA-graph mode."""
     strategy = getattr(source, "data_parallel_sharding_strategy", None)
     if strategy is not None and strategy not in FSDP_STRATEGIES:
         raise OffloadArgumentError(
@@ -91,6 +92,13 @@ def refuse_megatron_fsdp(source) -> None:
             f"optimizer-state offloading ({SWITCH}) does not serve the hybrid sharding of "
             "Megatron-FSDP (--use-megatron-fsdp) yet (HSDP: --num-distributed-optimizer-instances "
             f"above 1). Use one distributed optimizer instance, or drop {SWITCH}."
+        )
+    if getattr(source, "nccl_ub", False):
+        raise OffloadArgumentError(
+            f"optimizer-state offloading ({SWITCH}) does not serve Megatron-FSDP "
+            "(--use-megatron-fsdp) with NCCL user buffers (--use-nccl-ub) yet: its buffers are "
+            "allocated from a pool registered with NCCL, and a storage offloading frees and "
+            f"regrows would leave it. Drop --use-nccl-ub, or drop {SWITCH}."
         )
     if getattr(source, "megatron_fsdp_cuda_graph_mode", False):
         raise OffloadArgumentError(

@@ -32,6 +32,7 @@ def test_optim_grads_params_is_served():
         ({"data_parallel_sharding_strategy": "no_shard"}, "not 'no_shard'"),
         ({"num_distributed_optimizer_instances": 2}, "(HSDP"),
         ({"megatron_fsdp_cuda_graph_mode": True}, "CUDA-graph mode of"),
+        ({"nccl_ub": True}, "--use-nccl-ub"),
         (
             {
                 "use_megatron_fsdp": False,
