@@ -279,3 +279,126 @@ def test_detach_takes_the_module_hooks_away(rank_pool):
         ], rank
         assert rank["after_detach"] == [] and rank["hooks_back"], rank
         assert rank["held"] > 0  # detach brought the states and masters back
+
+
+# ------------------------------------------------------------------ fsdp_dtensor checkpoints
+SAVE_AFTER, CHECKPOINT_STEPS = 2, 4
+SWIGLU = {"gated_linear_unit": True, "activation_func": torch.nn.functional.silu}
+
+
+def _adam_states_for_every_parameter(optimizer) -> None:
+    """torch's Adam gives no state to a parameter whose shard on this rank is empty (it never
+    gets a gradient), so ranks would hold different state keys and the fsdp_dtensor save's
+    metadata gather would wait forever; Transformer Engine's FusedAdam makes every state at its
+    first step. The fresh state Adam would make, before the first step: training is unchanged."""
+    inner = _inner(optimizer)
+    for group in inner.param_groups:
+        for param in group["params"]:
+            inner.state[param] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+            }
+
+
+def _fsdp_dtensor_state(chunks, optimizer, glu: bool, is_loading: bool = False):
+    """The state dict megatron.training saves in the fsdp_dtensor format, as it builds it."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+        preprocess_state_dict_for_uneven_dtensor,
+    )
+    from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_swiglu_in_state_dict
+
+    raw = {"model": chunks[0].state_dict()}
+    raw["optimizer"] = optimizer.sharded_state_dict(
+        raw, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fsdp_dtensor"}
+    )
+    state = dict(raw)
+    if glu:
+        state["model"], state["optimizer"] = handle_swiglu_in_state_dict(
+            chunks[0], state["model"], state["optimizer"]
+        )
+    preprocess_state_dict_for_uneven_dtensor(state)
+    return raw, state
+
+
+def _build(offload: bool, glu: bool):
+    import megatron_offload
+    from tests.harness import models
+
+    chunks, optimizer, config = models.build(
+        "gpt", "bf16", ddp_overrides=FSDP, transformer_overrides=SWIGLU if glu else None
+    )
+    _adam_states_for_every_parameter(optimizer)
+    offloader = megatron_offload.attach(optimizer) if offload else None
+    return chunks, optimizer, config, offloader
+
+
+def _final(chunks, optimizer, offloader) -> dict:
+    offloaded = offloader.is_offloaded if offloader is not None else None
+    if offloader is not None:
+        offloader.reload()
+        offloader.wait()
+    return {"snapshot": _snapshot(chunks, optimizer), "offloaded": offloaded}
+
+
+def fsdp_checkpoint_job(offload: bool, directory: str, glu: bool):
+    """Save (fsdp_dtensor, torch DCP) after SAVE_AFTER steps, while offloaded, and train on;
+    then a fresh model and optimizer (offloaded before the load, as a restarted job) load it
+    and train the rest. Each phase is compared with the same phase without offloading."""
+    from torch.distributed import checkpoint as dcp
+
+    from tests.harness import models
+    from tests.harness.checkpoints import shared_directory
+
+    where = shared_directory(directory)
+    chunks, optimizer, config, offloader = _build(offload, glu)
+    first = [models.train_step(chunks, optimizer, config, s) for s in range(SAVE_AFTER)]
+    held_at_save = _held_bytes(chunks, optimizer)
+    _, state = _fsdp_dtensor_state(chunks, optimizer, glu)
+    dcp.save(state, checkpoint_id=where)
+    del state
+    rest = [
+        models.train_step(chunks, optimizer, config, s) for s in range(SAVE_AFTER, CHECKPOINT_STEPS)
+    ]
+    uninterrupted = {"results": first + rest, **_final(chunks, optimizer, offloader)}
+
+    chunks, optimizer, config, offloader = _build(offload, glu)
+    if offloader is not None:
+        offloader.offload()
+    raw, state = _fsdp_dtensor_state(chunks, optimizer, glu, is_loading=True)
+    dcp.load(state, checkpoint_id=where)
+    chunks[0].load_state_dict(raw["model"], strict=False)
+    optimizer.load_state_dict(raw["optimizer"])
+    del raw, state
+    resumed = [
+        models.train_step(chunks, optimizer, config, s) for s in range(SAVE_AFTER, CHECKPOINT_STEPS)
+    ]
+    return {
+        "uninterrupted": uninterrupted,
+        "resumed": {"results": first + resumed, **_final(chunks, optimizer, offloader)},
+        "held_at_save": held_at_save,
+    }
+
+
+# Gated linear units (SwiGLU) are not run here: megatron-core's handle_swiglu_in_state_dict
+# looks the parameters up under the model nesting megatron.training builds, and the harness
+# model has a Float16Module between (AttributeError: Float16Module has no attribute `decoder`).
+def test_fsdp_dtensor_save_and_load_while_offloaded_are_bitwise_those_without(tmp_path):
+    glu = False
+    from tests.harness.rank_pool import RankPool
+
+    runs = []
+    for offload in (False, True):
+        # A pool of its own per run: the save's mesh lookups fail on a rank process where an
+        # earlier job's process groups were destroyed ("Could not resolve the process group").
+        with RankPool(2) as pool:
+            runs.append(pool.run(fsdp_checkpoint_job, offload, str(tmp_path / str(offload)), glu))
+    reference, offloaded = runs
+    for phase in ("uninterrupted", "resumed"):
+        assert_bitwise_equal([r[phase] for r in reference], [r[phase] for r in offloaded])
+    # Not asserted: that the resumed run continues as the uninterrupted one. With this load
+    # sequence it does not, offloading or not (the losses after the load differ in the third
+    # digit); megatron.training's load_checkpoint is what a resume test must follow.
+    for ref, off in zip(reference, offloaded):
+        assert off["held_at_save"] == 0 and ref["held_at_save"] > 0
+        assert off["uninterrupted"]["offloaded"] and off["resumed"]["offloaded"]
