@@ -33,9 +33,9 @@ pass-through unless the run has ``--offload-optimizer-states`` and an attached o
 patching is harmless for runs without the flag. ``patch_megatron()`` is idempotent;
 ``unpatch_megatron()`` restores the originals.
 
-The helpers below (``attach_for_training``, ``install_prefetch``, ``checkpoint_residency``,
-``log_for_megatron``, ...) are also what the source patches in ``patches/`` call, so both
-routes share one implementation.
+The helpers below (``attach_for_training``, ``install_prefetch``, ``checkpoint_residency``
+(from ``residency.py``), ``log_for_megatron``, ...) are also what the source patches in
+``patches/`` call, so both routes share one implementation.
 """
 
 from __future__ import annotations
@@ -45,14 +45,13 @@ import functools
 import inspect
 import weakref
 
-from ..access.host_view import servable
 from ..adapters.megatron_wrappers import MASTER_WEIGHTS, master_weights
 from ..errors import print_refusals_once, restore_excepthook
 from ..interceptions import PROCESS
 from ..offloader import allocator_warnings
 from ..offloader.cycle import WRAPPER_MARK as _MARK
 from ..offloader.cycle import attach, prefetch_at_gradient_reduction, prefetching_finalize
-from ..offloader.members import chain_walk
+from ..offloader.members import find_offloader
 from ..report import (  # noqa: F401  (re-exported: the patches and users call them here)
     format_offload_stats,
     log_offload_stats,
@@ -60,6 +59,7 @@ from ..report import (  # noqa: F401  (re-exported: the patches and users call t
 )
 from . import coexistence
 from .arguments import add_arguments, config_from_args, offload_enabled, validate_args
+from .residency import checkpoint_residency, save_is_staged_on_return
 
 __all__ = [
     "attach_for_training",
@@ -86,15 +86,6 @@ _ATTACHED: list = []
 
 
 # ---------------------------------------------------------------------------------- helpers
-def find_offloader(optimizer):
-    """The offloader attached to ``optimizer`` (or to one of its chained optimizers), or None."""
-    for candidate in chain_walk(optimizer):
-        offloader = getattr(candidate, "_state_offloader", None)
-        if offloader is not None:
-            return offloader
-    return None
-
-
 def _active_offloaders() -> list:
     alive = []
     for ref in list(_ATTACHED):
@@ -185,48 +176,6 @@ def log_for_megatron(iteration: int) -> None:
     )
 
 
-def save_is_staged_on_return(args) -> bool:
-    """Whether ``save_checkpoint`` has copied out every tensor it writes when it returns.
-
-    True for synchronous saves and for megatron-core's own asynchronous saves (``mcore``
-    strategy: the D2H staging finishes inside ``save_checkpoint``, before the background
-    write). Other asynchronous writers may still hold references to the device tensors.
-    """
-    if not getattr(args, "async_save", False):
-        return True
-    return getattr(args, "async_strategy", "mcore") == "mcore"
-
-
-@contextlib.contextmanager
-def checkpoint_residency(optimizer, *, read_only: bool, args=None):
-    """A checkpoint save (``read_only=True``) or load of ``optimizer``'s states.
-
-    Where the offloader can serve checkpoints from the host copy (``host_view.servable``:
-    every optimizer but Transformer Engine's with fp16 or FP8 moments), nothing is done here:
-    the optimizer's checkpoint methods read and write the host copy, and nothing comes back
-    to the device. Otherwise the states are on the device for the block and offloaded again
-    right after it (so the next iteration's forward and backward do not run with them).
-
-    For a save the host copy stays valid. A save whose writer may keep references after it
-    returns (an asynchronous save other than megatron-core's own) is left to the offloader's
-    state-access guard, which brings the states back when the save reads them and keeps
-    them on the device until the next step's offload.
-    """
-    offloader = find_offloader(optimizer)
-    if offloader is not None and servable(offloader):
-        # The optimizer's checkpoint methods read and write the host copy themselves
-        # (guard.py, host_view.py): nothing comes back to the device.
-        yield offloader
-        return
-    if args is None:
-        args = _megatron_args_or_none()
-    if offloader is None or (read_only and args is not None and not save_is_staged_on_return(args)):
-        yield offloader
-        return
-    with offloader.resident(read_only=read_only):
-        yield offloader
-
-
 @contextlib.contextmanager
 def master_weights_residency():
     """Only what ``calc_params_l2_norm`` reads (``main_param``: the fp32 masters kept beside the
@@ -255,14 +204,6 @@ def _get_args():
     from megatron.training.global_vars import get_args
 
     return get_args()
-
-
-def _megatron_args_or_none():
-    try:
-        from megatron.training.global_vars import _GLOBAL_ARGS
-    except ImportError:
-        return None
-    return _GLOBAL_ARGS
 
 
 @functools.lru_cache(maxsize=None)

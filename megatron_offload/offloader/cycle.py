@@ -189,10 +189,14 @@ class AutomaticCycle:
                 self._chunked.append(chunked)
                 self._handles.append(chunked)
                 chunked.install(offloader.interceptions)
-            if any(any(True for _ in wrappers.in_state(m.optimizer)) for m in members):
-                # States made before attach (the precision-aware path creates them with the
-                # optimizer) go to the host now, so that the first update streams them too.
-                offloader.offload()
+        if any(any(True for _ in wrappers.in_state(m.optimizer)) for m in members):
+            # States made before attach go to the host now: attach is between steps. A resumed
+            # run loads its checkpoint before attaching (megatron.training's setup does), and
+            # its first forward and backward would otherwise run with every state on the
+            # device, the peak of a run without offloading; Transformer Engine's
+            # precision-aware path creates them with the optimizer. The first update brings
+            # them back (the chunked one streams them).
+            offloader.offload()
         installed = offloader.interceptions
         if prefetch_trigger is not None:
             self._handles.append(_backward_prefetch_hook(offloader, prefetch_trigger))

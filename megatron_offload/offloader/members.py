@@ -55,6 +55,15 @@ def chain_walk(optimizer):
         yield from chain_walk(member)
 
 
+def find_offloader(optimizer):
+    """The offloader attached to ``optimizer`` (or to one of its chained optimizers), or None."""
+    for candidate in chain_walk(optimizer):
+        offloader = getattr(candidate, "_state_offloader", None)
+        if offloader is not None:
+            return offloader
+    return None
+
+
 def megatron_optimizers(optimizer) -> list:
     """The Megatron optimizers inside ``optimizer`` that hold a torch optimizer, in chain
     order (nested ChainedOptimizers flattened), or a TypeError saying what to do.

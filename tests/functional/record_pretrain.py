@@ -113,8 +113,11 @@ class Recorder:
     def wrap_train_step(self, original):
         @functools.wraps(original)
         def train_step(*args, **kwargs):
-            result = original(*args, **kwargs)
             optimizer = kwargs["optimizer"] if "optimizer" in kwargs else args[3]
+            # What the states and masters hold on the device as the iteration starts (after
+            # whatever ran between steps: a save, a parameter norm).
+            held_at_start = _state_storage_bytes(optimizer)
+            result = original(*args, **kwargs)
             loss_dict, skipped_iter, grad_norm = result[0], result[1], result[5]
             offloader = find_offloader(optimizer)
             entry = {
@@ -122,6 +125,7 @@ class Recorder:
                 "grad_norm": exact(grad_norm),
                 "skipped": int(skipped_iter),
                 "expected_offload_bytes": _expected_offload_bytes(optimizer),
+                "held_at_start": held_at_start,
                 "offloader": None,
                 # Megatron's own offloader (Megatron-LM dev's chunked one), where the line has it.
                 "megatron_own_offloader": any(

@@ -16,7 +16,8 @@ iteration:
 * every checkpoint of every run holds bit for bit the tensors the plain script writes at the
   same iteration;
 * runs resumed (with offloading, the constant structure on) from two of those checkpoints, of
-  two of the runs, train on bit for bit as the runs that never stopped.
+  two of the runs, train on bit for bit as the runs that never stopped, the states and masters
+  offloaded from the load on (not resident through the first iteration).
 """
 
 from __future__ import annotations
@@ -158,3 +159,6 @@ def test_a_resume_from_a_saved_iteration_trains_on_bitwise(saved, variant, itera
     )
     for rank in range(REFERENCE.world_size):
         assert _values(resumed, rank) == _values(run, rank, iteration), rank
+        # The load (before the first step) is offloaded right after it: the first iteration's
+        # forward and backward run without the states and masters on the device.
+        assert resumed.ranks[rank]["iterations"][0]["held_at_start"] == 0, rank

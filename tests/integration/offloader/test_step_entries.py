@@ -123,11 +123,11 @@ def host_view_step_job():
 
     chunks, optimizer, config = models.build("gpt", "bf16")
     models.train_step(chunks, optimizer, config, 0)
-    offloader = megatron_offload.attach(optimizer)
-    wrapper = models.megatron_optimizers(optimizer)[0]
     before = {
         key: value.clone() for key, value in models.snapshot(chunks, optimizer)["params"].items()
     }
+    offloader = megatron_offload.attach(optimizer)  # the states exist: offloaded at once
+    wrapper = models.megatron_optimizers(optimizer)[0]
     with offloader.host_view():
         try:
             wrapper.optimizer.step()

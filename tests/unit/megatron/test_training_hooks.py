@@ -15,6 +15,7 @@ import inspect
 import pytest
 
 from megatron_offload.interceptions import PROCESS, Interceptions
+from megatron_offload.megatron import residency
 from megatron_offload.megatron import training as hooks
 from megatron_offload.megatron.arguments import OffloadArgumentError
 from tests.harness.training_args import offload_args
@@ -41,6 +42,10 @@ class FakeOffloader:
     def prefetch(self):  # as the offloader's: nothing to do when nothing is offloaded
         if self._offloaded:
             self.reload()
+
+    def offload(self):
+        self.events.append("offload")
+        self._offloaded = True
 
     @contextlib.contextmanager
     def resident(self, *, read_only=False):
@@ -311,7 +316,7 @@ def test_checkpoints_are_served_from_the_host_copy(megatron_args, monkeypatch):
     """Where the offloader can serve checkpoints from its host copy, the checkpoint wrappers
     bring nothing back: the optimizer's own checkpoint methods read the host copy."""
     events = []
-    monkeypatch.setattr(hooks, "servable", lambda offloader: True)
+    monkeypatch.setattr(residency, "servable", lambda offloader: True)
     optimizer = FakeOptimizer(FakeOffloader(events))
     save = hooks._wrap_checkpoint(
         lambda iteration, model, optimizer: events.append("save"), read_only=True
@@ -326,7 +331,7 @@ def test_checkpoints_run_with_resident_states(megatron_args, monkeypatch):
     """Where it cannot (Transformer Engine's fp16 or FP8 moments), the states are resident
     for the checkpoint and offloaded again right after it."""
     events = []
-    monkeypatch.setattr(hooks, "servable", lambda offloader: False)
+    monkeypatch.setattr(residency, "servable", lambda offloader: False)
     optimizer = FakeOptimizer(FakeOffloader(events))
 
     def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, *rest, **kwargs):
@@ -356,9 +361,27 @@ def test_checkpoints_run_with_resident_states(megatron_args, monkeypatch):
     ]
 
 
+@pytest.mark.parametrize("served", [True, False])
+def test_a_load_before_the_first_offload_is_offloaded_right_after(
+    megatron_args, monkeypatch, served
+):
+    """A resumed run loads before its first step, with nothing offloaded yet: what the load
+    made is offloaded after it, not carried through the first forward and backward."""
+    events = []
+    monkeypatch.setattr(residency, "servable", lambda offloader: served)
+    optimizer = FakeOptimizer(FakeOffloader(events, offloaded=False))
+    load = hooks._wrap_checkpoint(lambda model, optimizer: events.append("load"), read_only=False)
+    load([], optimizer)
+    save = hooks._wrap_checkpoint(lambda i, model, optimizer: events.append("save"), read_only=True)
+    save(1, [], optimizer)  # offloaded now: a save adds nothing after itself
+    inside = ["load"] if served else [("resident", False), "load", ("offloaded again", False)]
+    after_save = ["save"] if served else [("resident", True), "save", ("offloaded again", True)]
+    assert events == inside + ["offload"] + after_save
+
+
 def test_asynchronous_saves_that_keep_references_are_left_to_the_guard(megatron_args, monkeypatch):
     events = []
-    monkeypatch.setattr(hooks, "servable", lambda offloader: False)  # as above
+    monkeypatch.setattr(residency, "servable", lambda offloader: False)  # as above
     optimizer = FakeOptimizer(FakeOffloader(events))
     save = hooks._wrap_checkpoint(
         lambda iteration, model, optimizer: events.append("save"), read_only=True
@@ -631,7 +654,9 @@ def test_without_megatron_training_messages_go_to_stdout(monkeypatch, capsys):
     hooks._print_rank_0("first")
     report._print_rank_last("last")
     assert capsys.readouterr().out == "first\nlast\n"
-    assert hooks._megatron_args_or_none() is None
+    from megatron_offload.megatron.residency import _megatron_args_or_none
+
+    assert _megatron_args_or_none() is None
 
 
 def test_prefetch_is_not_installed_inside_a_full_iteration_graph(megatron_args):
