@@ -267,6 +267,9 @@ def install() -> None:
     logging.getLogger(mcore_random.__name__).setLevel(logging.ERROR)
 
     _give_megatron_fsdp_the_cpu()
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    register_optimizer_step_pre_hook(_step_every_megatron_fsdp_parameter)
     _mode = _CudaOnCpuMode()
     _mode.__enter__()
     _installed = True
@@ -288,6 +291,26 @@ def _give_megatron_fsdp_the_cpu() -> None:
         original(self, *args, device=device or torch.device("cpu"), **kwargs)
 
     _patch(cls, "__init__", __init__)
+
+
+def _step_every_megatron_fsdp_parameter(optimizer, args, kwargs) -> None:
+    """Before every torch optimizer step, a Megatron-FSDP parameter whose shard on this rank is
+    empty gets an empty zero gradient, so torch's Adam makes and advances its state as on the
+    ranks holding the parameter's shards.
+
+    Without it, torch's Adam (megatron-core's fallback without Transformer Engine and apex, so
+    the CPU's) skips such a parameter: ranks hold different state keys, and megatron-core's
+    fsdp_dtensor save waits forever in its metadata gather
+    (``preprocess_state_dict_for_uneven_dtensor``); and its ``step`` stays 0 while it advances
+    on the other ranks, where the checkpoint keeps ONE ``step`` per parameter (a plain tensor,
+    deduplicated over ranks), so a resume hands some rank another rank's count. Transformer
+    Engine's FusedAdam, which GPU runs use, keeps one step per group and makes every state.
+    Training is unchanged: the gradients are empty."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            shard = getattr(param, "_local_tensor", None)
+            if shard is not None and shard.numel() == 0 and param.grad is None:
+                param.grad = torch.zeros_like(param)
 
 
 def is_installed() -> bool:

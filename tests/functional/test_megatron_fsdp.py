@@ -6,15 +6,26 @@ Per iteration, on every rank, lm loss and grad norm are bitwise those of the pla
 ``--log-params-norm`` megatron.training reads the fp32 master weights after every step (the
 masters are offloaded then), and the norm it logs is the plain run's too. After every step the
 offloader holds every state and master buffer on the host and nothing on the device.
+
+On 2 ranks both runs also save fsdp_dtensor checkpoints (after iterations 2 and 4): the
+offloaded run's hold bit for bit the plain run's tensors, and a run resumed with offloading from
+the offloaded run's first one trains on bitwise as the run that never stopped.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import re
+import shutil
 
 import pytest
+import torch
 
 from tests.functional import runner
+from tests.harness.checkpoints import torch_dist_tensors
+
+SAVE_INTERVAL = 2
 
 
 def _case(world_size: int) -> runner.Case:
@@ -27,10 +38,14 @@ def _case(world_size: int) -> runner.Case:
             "--ckpt-format",
             "fsdp_dtensor",
             "--log-params-norm",
+            # Gated linear units on 2 ranks: their fc1 states and masters are re-wrapped in
+            # halves for the checkpoints (megatron-core's handle_swiglu_in_state_dict).
+            *(("--swiglu",) if world_size == 2 else ()),
         ),
         train_iters=4,
         description=f"Megatron-FSDP over {world_size} data-parallel ranks, bf16",
         unset_env=("CUDA_DEVICE_MAX_CONNECTIONS",),
+        save_interval=SAVE_INTERVAL if world_size == 2 else None,
     )
 
 
@@ -42,11 +57,25 @@ def _params_norms(run) -> list[str]:
     return re.findall(r"params norm: ([0-9.eE+-]+)", run.log)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_the_stock_script_under_megatron_fsdp_is_bitwise_offloaded(world_size):
+def _runs(world_size: int, root=None):
+    """(offloaded run, plain run), each saving under ``root`` when given."""
     case = _case(world_size)
-    on = runner.run(case, offload=True)
-    off = runner.run(case, offload=False)
+    on = runner.run(case, offload=True, save_dir=root and os.path.join(root, "on"))
+    off = runner.run(case, offload=False, save_dir=root and os.path.join(root, "off"))
+    return on, off
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The two runs on 2 ranks and the directory under which they saved."""
+    root = str(tmp_path_factory.mktemp("megatron_fsdp"))
+    return (*_runs(2, root), root)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_stock_script_under_megatron_fsdp_is_bitwise_offloaded(world_size, saved):
+    case = _case(world_size)
+    on, off = saved[:2] if world_size == 2 else _runs(world_size)
     for rank in range(world_size):
         assert len(on.ranks[rank]["iterations"]) == case.train_iters
         assert _values(on, rank) == _values(off, rank), f"rank {rank}"
@@ -58,3 +87,38 @@ def test_the_stock_script_under_megatron_fsdp_is_bitwise_offloaded(world_size):
             assert stats["resident_bytes"] == 0 and stats["host_bytes"] >= stats["offloaded_bytes"]
     norms = _params_norms(off)
     assert len(norms) >= 2 and _params_norms(on) == norms  # every log interval
+
+
+def test_its_fsdp_dtensor_checkpoints_hold_the_plain_runs_tensors(saved):
+    on, off, root = saved
+    for rank in range(2):
+        assert [s["iteration"] for s in on.ranks[rank]["saves"]] == [2, 4]
+    for iteration in (SAVE_INTERVAL, 2 * SAVE_INTERVAL):
+        name = f"iter_{iteration:07d}"
+        written, expected = (
+            torch_dist_tensors(os.path.join(root, side, name), os.path.join(root, f"{side}.pt"))
+            for side in ("on", "off")
+        )
+        assert written.keys() == expected.keys()
+        assert any("exp_avg_sq" in key for key in written), list(written)
+        for key, value in expected.items():
+            assert torch.equal(value, written[key]), (iteration, key)
+
+
+def test_a_resume_from_its_checkpoint_trains_on_bitwise(saved, tmp_path):
+    on, _, root = saved
+    resume_dir = str(tmp_path / "from")
+    shutil.copytree(os.path.join(root, "on"), resume_dir)
+    shutil.rmtree(os.path.join(resume_dir, f"iter_{2 * SAVE_INTERVAL:07d}"))
+    with open(os.path.join(resume_dir, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(SAVE_INTERVAL))
+    case = dataclasses.replace(_case(2), name="megatron-fsdp-dp2-resume", save_interval=None)
+    resumed = runner.run(case, offload=True, extra_flags=("--load", resume_dir))
+    for rank in range(2):
+        assert len(resumed.ranks[rank]["iterations"]) == case.train_iters - SAVE_INTERVAL
+        assert _values(resumed, rank) == _values(on, rank)[SAVE_INTERVAL:], rank
+        assert all(e["offloader"]["is_offloaded"] for e in resumed.ranks[rank]["iterations"])
+    print(
+        [e["held_at_start"] for e in on.ranks[0]["iterations"]],
+        [e["held_at_start"] for e in resumed.ranks[0]["iterations"]],
+    )
