@@ -148,3 +148,15 @@ def shared_mapping_bytes() -> int:
                 start, end = (int(x, 16) for x in fields[0].split("-"))
                 total += end - start
     return total
+
+
+def fake_host_limits(available, memlock=None):
+    """The host's limits as ``available`` bytes of memory (and ``ulimit -l`` ``memlock``) for
+    what the package reads of the OS (``host_limits.read``); returns the function that puts
+    the real reader back."""
+    from megatron_offload.engine import host_limits
+
+    fake = host_limits.HostLimits(available, None, None, memlock)
+    original = host_limits.read
+    host_limits.read = lambda root="/": fake
+    return lambda: setattr(host_limits, "read", original)

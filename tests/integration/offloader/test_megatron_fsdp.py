@@ -210,6 +210,55 @@ def test_the_modules_state_dict_reads_and_loads_the_masters_while_offloaded(rank
         assert off["offloaded_after_read"] is False and off["offloaded_at_end"] is True
 
 
+def node_check_job():
+    """The node-wide host-memory check at attach under Megatron-FSDP: each rank's need is
+    its own shards' (uneven), an over-commit is refused before anything moves, and
+    ``stats()`` tracks exactly the bytes the master buffers and state shards hold."""
+    import megatron_offload
+    from tests.harness import models
+    from tests.harness.faults import fake_host_limits
+
+    chunks, optimizer, config = models.build("gpt", "bf16", ddp_overrides=FSDP)
+    models.train_step(chunks, optimizer, config, 0)  # the states exist: the need is theirs too
+    held = held_bytes(chunks, optimizer)
+    offloader = megatron_offload.attach(optimizer)
+    stats = offloader.stats()
+    out = {"held": held, "tracked": stats["tracked_bytes"], "need": stats["host_bytes"]}
+    offloader.detach()
+    needs = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(needs, out["need"])
+    out["needs"] = needs
+    restore = fake_host_limits(sum(needs) - 1)  # one byte short for the node
+    try:
+        megatron_offload.attach(optimizer)
+    except megatron_offload.HostMemoryBudgetError as error:
+        out["refused"] = type(error).__name__
+    finally:
+        restore()
+    out["untouched"] = held_bytes(chunks, optimizer) == held
+    out["attached"] = megatron_offload.find_offloader(optimizer) is not None
+    restore = fake_host_limits(sum(needs))
+    try:
+        offloader = megatron_offload.attach(optimizer)
+        models.train_step(chunks, optimizer, config, 1)
+        out["held_after"] = held_bytes(chunks, optimizer)
+        out["offloaded"] = offloader.stats()["offloaded_bytes"]
+        offloader.detach()
+    finally:
+        restore()
+    return out
+
+
+def test_the_node_check_and_stats_count_the_shards(rank_pool):
+    ranks = rank_pool.run(node_check_job)
+    assert ranks[0]["need"] != ranks[1]["need"]  # uneven shards: uneven needs
+    for rank in ranks:
+        assert rank["tracked"] == rank["held"] > 0 and rank["need"] >= rank["tracked"], rank
+        assert rank["refused"] == "NodeMemoryError", rank
+        assert rank["untouched"] and not rank["attached"], rank
+        assert rank["held_after"] == 0 and rank["offloaded"] == rank["tracked"], rank
+
+
 def refusal_job(what: str):
     """Under Megatron-FSDP, what stays refused is refused before anything is touched: the
     run goes on bitwise as one that never tried."""

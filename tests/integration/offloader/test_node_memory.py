@@ -4,14 +4,7 @@ that has room attaches, ``host_memory_budget="auto"`` takes each rank's part, an
 would pin more than its ``ulimit -l`` falls back to pageable memory with one warning (refused
 with ``require_pinned_memory``)."""
 
-
-def _with_limits(available, memlock=None):
-    from megatron_offload.engine import host_limits
-
-    fake = host_limits.HostLimits(available, None, None, memlock)
-    original = host_limits.read
-    host_limits.read = lambda root="/": fake
-    return lambda: setattr(host_limits, "read", original)
+from tests.harness.faults import fake_host_limits as _with_limits
 
 
 def node_job():
