@@ -48,7 +48,8 @@ def attach(optimizer, config: OffloadConfig | None = None, **options) -> Optimiz
 
     ``optimizer`` is what ``get_megatron_optimizer`` returned (a ChainedOptimizer or a
     DistributedOptimizer): the object whose ``step()`` the training loop calls. Options are
-    the fields of ``OffloadConfig``.
+    the fields of ``OffloadConfig``. Call it between steps: states that exist already (a
+    checkpoint loaded before attaching) go to the host at once.
 
     All or nothing: every refusal comes before anything is touched, and if any later step
     fails (host memory, pinning, a chunked plan) the optimizer is left exactly as it was,

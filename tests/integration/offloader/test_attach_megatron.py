@@ -35,6 +35,7 @@ def train_job(
     offload_before_first_step=False,
     options=None,
     checked=False,
+    attach_at=0,
     **build_kw,
 ):
     import megatron_offload
@@ -46,14 +47,18 @@ def train_job(
     devices = []
     if checked:  # the stream-model device: every ordering mistake raises
         options, devices = checked_device_options(options)
+    results = [models.train_step(chunks, optimizer, config, s) for s in range(attach_at)]
     offloader = megatron_offload.attach(optimizer, **(options or {})) if offload else None
     figures = []
+    if offloader and attach_at:
+        figures.append(
+            {"at_attach": True, **_figures(offloader, _tracked_storage_bytes(offloader))}
+        )
     if offloader and offload_before_first_step:
         offloader.offload()
         sizes = _tracked_storage_bytes(offloader)
         figures.append({"before_first_step": True, **_figures(offloader, sizes)})
-    results = []
-    for step in range(steps):
+    for step in range(attach_at, steps):
         results.append(models.train_step(chunks, optimizer, config, step, micro_batches))
         if offloader:
             figures.append(_figures(offloader, _tracked_storage_bytes(offloader)))
@@ -161,6 +166,25 @@ def test_masters_offloaded_before_the_first_step(rank_pool):
         # Only the masters exist before the first step, and they all went.
         assert first["offloaded_bytes"] == first["tracked_bytes"] > 0 and first["max_storage"] == 0
         assert rank["figures"][1]["tracked_bytes"] == 3 * first["tracked_bytes"]  # + 2 moments
+
+
+def test_attached_mid_run_the_existing_states_go_to_the_host_at_once(rank_pool):
+    """Attach after two steps (a run that loaded a checkpoint before attaching is the same):
+    the states and masters that exist go to the host at attach, not at the next step's end,
+    so the next forward and backward run without them."""
+    kw = dict(overlap_grad_reduce=False, overlap_param_gather=False, bucket_size=None)
+    reference = rank_pool.run(train_job, "mlp", "bf16", 4, False, **kw)
+    offloaded = rank_pool.run(train_job, "mlp", "bf16", 4, True, attach_at=2, **kw)
+    assert_bitwise_equal(reference, offloaded)
+    for rank in offloaded:
+        first = rank["figures"][0]
+        assert first["at_attach"] and first["max_storage"] == 0
+        assert (
+            first["offloaded_bytes"]
+            == first["tracked_bytes"]
+            == rank["figures"][1]["tracked_bytes"]
+            > 0
+        )
 
 
 def _bitwise_last_figures(rank_pool, options, **build) -> list:
