@@ -34,7 +34,11 @@ BOOKKEEPING_S = 1e-3
 # do with it. 128 MiB is the smallest such size (a 96 MiB state would put the masters right
 # at the threshold) and takes ~50 ms per cycle on an idle 2-core machine, so 7 interleaved
 # pairs take about a second; under heavy load (other processes on both cores) a sample is
-# several times slower and noisier, so up to 3 rounds of 7 pairs are pooled before judging.
+# several times slower and noisier, so up to 3 rounds of 7 pairs are pooled before judging,
+# and the judged ratio is the fastest cycle's over the fastest floor's: load only ever adds
+# time, and it hits the cycle's page faults of two groups harder than the floor's one copy
+# (the medians went to 1.34-1.52 at load average 4.7-8 while the suite's stages ran beside).
+# On an idle machine the two ratios agree; the message gives both.
 FLOOR_MIB = 128
 FLOOR_PAIRS = 7
 FLOOR_ROUNDS = 3
@@ -78,7 +82,7 @@ def _floor_body(mib: int, n_params: int, pairs: int, rounds: int) -> dict:
             samples = interleaved({"cycle": bench.timed_cycle, "floor": floor}, pairs)
             cycles += samples["cycle"]
             floors += samples["floor"]
-            ratios.append(statistics.median(cycles) / statistics.median(floors))
+            ratios.append(min(cycles) / min(floors))
             if ratios[-1] <= FLOOR_RATIO:
                 break
         copies = bench.records[-1].copies
@@ -162,7 +166,8 @@ def test_cycle_takes_at_most_1_25x_the_physical_floor(isolated):
     result = isolated.run(_floor_body, FLOOR_MIB, 2000, FLOOR_PAIRS, FLOOR_ROUNDS)
     ratio = result["ratios"][-1]
     assert ratio <= FLOOR_RATIO, (
-        f"{FLOOR_MIB} MiB cycle / floor = {ratio:.3f} (per round {[round(r, 3) for r in result['ratios']]}); "
+        f"{FLOOR_MIB} MiB fastest cycle / fastest floor = {ratio:.3f} (per round "
+        f"{[round(r, 3) for r in result['ratios']]}); "
         f"cycle median {statistics.median(result['cycles']) * 1e3:.1f} ms, floor median "
         f"{statistics.median(result['floors']) * 1e3:.1f} ms over {len(result['cycles'])} pairs; {_load()}"
     )
