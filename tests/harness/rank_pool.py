@@ -54,6 +54,7 @@ __all__ = [
     "RankPoolBroken",
     "RankPoolError",
     "current_job",
+    "seed_everything",
 ]
 
 DEFAULT_TIMEOUT = 300.0
@@ -173,8 +174,9 @@ def _dumps(obj) -> bytes:
     return buffer.getvalue()
 
 
-def _seed_everything(seed: int) -> None:
-    """Megatron's training `_set_random_seed`: seed + 100 * pp_rank, then the RNG tracker."""
+def seed_everything(seed: int = DEFAULT_SEED) -> None:
+    """Megatron's training `_set_random_seed`: seed + 100 * pp_rank, then the RNG tracker.
+    Done before every job; a job running several runs calls it before each."""
     import random
 
     import numpy as np
@@ -200,7 +202,7 @@ def _setup_job(options: dict) -> None:
         expert_model_parallel_size=options["ep"],
         **(options.get("mp_kwargs") or {}),
     )
-    _seed_everything(options["seed"])
+    seed_everything(options["seed"])
 
 
 def _release_groups(groups: list) -> None:

@@ -133,18 +133,47 @@ def fsdp_checkpoint_job(offload: bool, directory: str, glu: bool, copy_every_loc
     return out
 
 
-@pytest.mark.parametrize("glu", [False, True], ids=["gelu", "swiglu"])
-def test_fsdp_dtensor_resume_while_offloaded_is_bitwise_the_uninterrupted_run(tmp_path, glu):
+#: (offload, gated linear units, copy every local tensor): the runs, and the control.
+RUNS = {
+    "gelu": (False, False, False),
+    "gelu-offloaded": (True, False, False),
+    "swiglu": (False, True, False),
+    "swiglu-offloaded": (True, True, False),
+    "control": (False, True, True),
+}
+
+
+def fsdp_checkpoint_runs(directory: str) -> dict:
+    """Every run, each from the same seeds, in ONE job: a save on a rank process whose earlier
+    job's process groups were destroyed fails to resolve its mesh ("Could not resolve the
+    process group registered under the name 3"), so these runs share a pool of their own."""
+    import os
+
+    from tests.harness.rank_pool import seed_everything
+
+    out = {}
+    for name, (offload, glu, copy_every_local) in RUNS.items():
+        seed_everything()
+        out[name] = fsdp_checkpoint_job(
+            offload, os.path.join(directory, name), glu, copy_every_local
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{run name: one result per rank}."""
     from tests.harness.rank_pool import RankPool
 
-    runs = []
-    for offload in (False, True):
-        # A pool of its own per run: the save's mesh lookups fail on a rank process where an
-        # earlier job's process groups were destroyed ("Could not resolve the process group").
-        with RankPool(2) as pool:
-            runs.append(pool.run(fsdp_checkpoint_job, offload, str(tmp_path / str(offload)), glu))
-    reference, offloaded = runs
-    for run in runs:
+    with RankPool(2) as pool:
+        ranks = pool.run(fsdp_checkpoint_runs, str(tmp_path_factory.mktemp("fsdp_dtensor")))
+    return {name: [rank[name] for rank in ranks] for name in RUNS}
+
+
+@pytest.mark.parametrize("glu", ["gelu", "swiglu"])
+def test_fsdp_dtensor_resume_while_offloaded_is_bitwise_the_uninterrupted_run(runs, glu):
+    reference, offloaded = runs[glu], runs[f"{glu}-offloaded"]
+    for run in (reference, offloaded):
         assert_bitwise_equal([r["uninterrupted"] for r in run], [r["resumed"] for r in run])
     for phase in ("uninterrupted", "resumed"):
         assert_bitwise_equal([r[phase] for r in reference], [r[phase] for r in offloaded])
@@ -155,14 +184,11 @@ def test_fsdp_dtensor_resume_while_offloaded_is_bitwise_the_uninterrupted_run(tm
         assert off["host_buffers"] > 0 and off["host_tensors_copied"] == []
 
 
-def test_the_resume_comparison_sees_a_load_written_into_copies(tmp_path):
+def test_the_resume_comparison_sees_a_load_written_into_copies(runs):
     """The control: loaded through copies (every local tensor treated as a host tensor), the
     SwiGLU halves never reach the states and masters, and the resume differs."""
     from tests.harness.compare import differences
-    from tests.harness.rank_pool import RankPool
 
-    with RankPool(2) as pool:
-        run = pool.run(fsdp_checkpoint_job, False, str(tmp_path), True, copy_every_local=True)
-    for rank in run:
+    for rank in runs["control"]:
         assert rank["host_tensors_copied"]
         assert differences(rank["uninterrupted"], rank["resumed"])
