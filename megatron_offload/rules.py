@@ -72,20 +72,22 @@ def refuse(*settings) -> None:
             refuse_megatron_fsdp(source)
 
 
-#: The Megatron-FSDP sharding strategies offloading serves (each shown bitwise on CPU ranks).
-FSDP_STRATEGIES = ("optim_grads_params",)
+#: The Megatron-FSDP sharding strategies offloading serves, every one megatron-core 0.19 has
+#: (each shown bitwise on CPU ranks, training and fsdp_dtensor resume); a later one is refused
+#: until shown.
+FSDP_STRATEGIES = ("optim_grads_params", "optim_grads", "optim", "no_shard")
 
 
 def refuse_megatron_fsdp(source) -> None:
     """Raise ``OffloadArgumentError`` for the Megatron-FSDP settings offloading does not serve
-    (yet): other sharding strategies, hybrid sharding (HSDP), NCCL user buffers and its
-    CUDA-graph mode."""
+    (yet): sharding strategies it does not know, hybrid sharding (HSDP), NCCL user buffers and
+    its CUDA-graph mode."""
     strategy = getattr(source, "data_parallel_sharding_strategy", None)
     if strategy is not None and strategy not in FSDP_STRATEGIES:
         raise OffloadArgumentError(
             f"optimizer-state offloading ({SWITCH}) under Megatron-FSDP (--use-megatron-fsdp) "
-            f"serves --data-parallel-sharding-strategy {' or '.join(FSDP_STRATEGIES)}, not "
-            f"{strategy!r}. Use {FSDP_STRATEGIES[0]}, or drop {SWITCH}."
+            f"serves --data-parallel-sharding-strategy {', '.join(FSDP_STRATEGIES)}, not "
+            f"{strategy!r} (not shown yet). Use one of those, or drop {SWITCH}."
         )
     if (getattr(source, "num_distributed_optimizer_instances", 1) or 1) > 1:
         raise OffloadArgumentError(

@@ -23,7 +23,9 @@ from tests.harness.megatron_fsdp import FSDP, held_bytes, inner, local, snapshot
 STEPS = 4
 
 
-def fsdp_job(offload: bool, *, steps=STEPS, options=None, moe=False, checked=False, te=None):
+def fsdp_job(
+    offload: bool, *, steps=STEPS, options=None, moe=False, checked=False, te=None, strategy=None
+):
     """``te``: None (torch's AdamW), or Transformer Engine's FusedAdam (its CPU double):
     "te" keeping no masters (Megatron-FSDP's buffers hold them), or "te-precision-aware"
     (``--use-precision-aware-optimizer`` with bf16 moments)."""
@@ -32,10 +34,10 @@ def fsdp_job(offload: bool, *, steps=STEPS, options=None, moe=False, checked=Fal
     from tests.harness import optimizer_jobs
 
     with optimizer_jobs.injected("te") if te else contextlib.nullcontext():
-        return _fsdp_run(offload, steps, options, moe, checked, te)
+        return _fsdp_run(offload, steps, options, moe, checked, te, strategy)
 
 
-def _fsdp_run(offload, steps, options, moe, checked, te):
+def _fsdp_run(offload, steps, options, moe, checked, te, strategy):
     import megatron_offload
     from tests.harness import models, optimizer_jobs
     from tests.harness.checked import check_devices, checked_device_options
@@ -46,7 +48,11 @@ def _fsdp_run(offload, steps, options, moe, checked, te):
         "gpt",
         "bf16",
         # megatron.training sets megatron_fsdp_use_decoupled_grad from the precision-aware flag.
-        ddp_overrides={**FSDP, "megatron_fsdp_use_decoupled_grad": precision_aware},
+        ddp_overrides={
+            **FSDP,
+            "megatron_fsdp_use_decoupled_grad": precision_aware,
+            **({"data_parallel_sharding_strategy": strategy} if strategy else {}),
+        },
         transformer_overrides=overrides,
         optimizer_overrides=optimizer_jobs.precision_aware(exp_avg="bf16")
         if precision_aware
@@ -106,6 +112,17 @@ def test_offloaded_under_megatron_fsdp_trains_bitwise_with_nothing_held(rank_poo
     shards = [rank["shards"] for rank in reference]
     assert shards[0] != shards[1]
     assert any(0 in shape for rank in shards for shape in rank), shards
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim", "no_shard"])
+def test_the_other_sharding_strategies_bitwise_with_nothing_held(rank_pool, strategy):
+    """optim_grads (parameters whole), optim (parameters and gradients whole), no_shard
+    (nothing sharded: every rank holds whole masters and states): the masters are one buffer
+    per parameter group all the same, released and regrown in place."""
+    reference = rank_pool.run(fsdp_job, False, steps=3, strategy=strategy)
+    offloaded = rank_pool.run(fsdp_job, True, steps=3, strategy=strategy)
+    assert_bitwise_equal(reference, offloaded)
+    _assert_offloaded_between_steps(reference, offloaded)
 
 
 def test_one_rank_bitwise_with_nothing_held():

@@ -4,8 +4,8 @@ Each run trains SAVE_AFTER steps, saves (torch DCP, the state dict built as mega
 builds it), trains on to CHECKPOINT_STEPS (the uninterrupted run); then a fresh model and
 optimizer, offloaded before anything (a restarted job), load the checkpoint as
 megatron.training's ``load_checkpoint`` does and train the same steps (the resumed run).
-Shown, with and without gated linear units (SwiGLU, whose linear_fc1 states and masters
-megatron-core re-wraps in halves for the checkpoint):
+Shown for every sharding strategy, with and without gated linear units (SwiGLU, whose
+linear_fc1 states and masters megatron-core re-wraps in halves for the checkpoint):
 - the resumed run is bitwise the uninterrupted one (results and every rank's shards);
 - both are bitwise the same runs without offloading;
 - the save found the states and masters offloaded (0 bytes held), and they were offloaded
@@ -22,6 +22,8 @@ import torch
 
 from tests.harness.compare import assert_bitwise_equal
 from tests.harness.megatron_fsdp import FSDP, held_bytes, snapshot
+
+DEFAULT_STRATEGY = FSDP["data_parallel_sharding_strategy"]
 
 SAVE_AFTER, CHECKPOINT_STEPS = 2, 4
 SWIGLU = {"gated_linear_unit": True, "activation_func": torch.nn.functional.silu}
@@ -50,12 +52,15 @@ def _fsdp_dtensor_state(module, optimizer, glu: bool, is_loading: bool = False):
     return raw, state
 
 
-def _build(offload: bool, glu: bool, host):
+def _build(offload: bool, glu: bool, host, strategy: str):
     import megatron_offload
     from tests.harness import models
 
     chunks, optimizer, config = models.build(
-        "gpt", "bf16", ddp_overrides=FSDP, transformer_overrides=SWIGLU if glu else None
+        "gpt",
+        "bf16",
+        ddp_overrides={**FSDP, "data_parallel_sharding_strategy": strategy},
+        transformer_overrides=SWIGLU if glu else None,
     )
     offloader = megatron_offload.attach(optimizer, device_factory=host) if offload else None
     return chunks, optimizer, config, offloader
@@ -82,7 +87,9 @@ def _set_rng_states(states) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(states[1])
 
 
-def fsdp_checkpoint_job(offload: bool, directory: str, glu: bool, copy_every_local=False):
+def fsdp_checkpoint_job(
+    offload: bool, directory: str, glu: bool, copy_every_local=False, strategy=DEFAULT_STRATEGY
+):
     """``copy_every_local``: the control, ``DTensor.from_local`` copies every tensor as if
     all were host tensors, so the SwiGLU halves are loaded into copies."""
     from torch.distributed import checkpoint as dcp
@@ -96,7 +103,7 @@ def fsdp_checkpoint_job(offload: bool, directory: str, glu: bool, copy_every_loc
     out = {}
     is_host = (lambda tensor: True) if copy_every_local else host.holds
     with host_copies_are_copied(is_host) as copied:
-        chunks, optimizer, config, offloader = _build(offload, glu, host)
+        chunks, optimizer, config, offloader = _build(offload, glu, host, strategy)
         first = [models.train_step(chunks, optimizer, config, s) for s in range(SAVE_AFTER)]
         out["held_at_save"] = held_bytes(chunks, optimizer)
         _, state = _fsdp_dtensor_state(chunks[0].module, optimizer, glu)
@@ -115,7 +122,7 @@ def fsdp_checkpoint_job(offload: bool, directory: str, glu: bool, copy_every_loc
         out["uninterrupted"] = {"results": first + rest, **_final(chunks, optimizer, offloader)}
 
         torch.manual_seed(99)  # another initialization: everything must come from the checkpoint
-        chunks, optimizer, config, offloader = _build(offload, glu, host)
+        chunks, optimizer, config, offloader = _build(offload, glu, host, strategy)
         if offloader is not None:
             offloader.offload()
         raw, state = _fsdp_dtensor_state(chunks[0].module, optimizer, glu, is_loading=True)
@@ -133,13 +140,24 @@ def fsdp_checkpoint_job(offload: bool, directory: str, glu: bool, copy_every_loc
     return out
 
 
-#: (offload, gated linear units, copy every local tensor): the runs, and the control.
+#: The compared pairs (each run without and with offloading): (sharding strategy, gated linear
+#: units). megatron-core itself cannot save SwiGLU under no_shard (its parameters carry no
+#: ``megatron_fsdp_slice``), offloading or not: no_shard is shown without.
+PAIRS = {
+    "gelu": (DEFAULT_STRATEGY, False),
+    "swiglu": (DEFAULT_STRATEGY, True),
+    "optim_grads-swiglu": ("optim_grads", True),
+    "optim-swiglu": ("optim", True),
+    "no_shard-gelu": ("no_shard", False),
+}
+#: name: (offload, gated linear units, copy every local tensor, strategy); the control last.
 RUNS = {
-    "gelu": (False, False, False),
-    "gelu-offloaded": (True, False, False),
-    "swiglu": (False, True, False),
-    "swiglu-offloaded": (True, True, False),
-    "control": (False, True, True),
+    **{
+        f"{pair}{suffix}": (offload, glu, False, strategy)
+        for pair, (strategy, glu) in PAIRS.items()
+        for offload, suffix in ((False, ""), (True, "-offloaded"))
+    },
+    "control": (False, True, True, DEFAULT_STRATEGY),
 }
 
 
@@ -152,10 +170,10 @@ def fsdp_checkpoint_runs(directory: str) -> dict:
     from tests.harness.rank_pool import seed_everything
 
     out = {}
-    for name, (offload, glu, copy_every_local) in RUNS.items():
+    for name, (offload, glu, copy_every_local, strategy) in RUNS.items():
         seed_everything()
         out[name] = fsdp_checkpoint_job(
-            offload, os.path.join(directory, name), glu, copy_every_local
+            offload, os.path.join(directory, name), glu, copy_every_local, strategy
         )
     return out
 
@@ -170,9 +188,9 @@ def runs(tmp_path_factory):
     return {name: [rank[name] for rank in ranks] for name in RUNS}
 
 
-@pytest.mark.parametrize("glu", ["gelu", "swiglu"])
-def test_fsdp_dtensor_resume_while_offloaded_is_bitwise_the_uninterrupted_run(runs, glu):
-    reference, offloaded = runs[glu], runs[f"{glu}-offloaded"]
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_fsdp_dtensor_resume_while_offloaded_is_bitwise_the_uninterrupted_run(runs, pair):
+    reference, offloaded = runs[pair], runs[f"{pair}-offloaded"]
     for run in (reference, offloaded):
         assert_bitwise_equal([r["uninterrupted"] for r in run], [r["resumed"] for r in run])
     for phase in ("uninterrupted", "resumed"):

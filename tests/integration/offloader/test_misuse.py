@@ -97,13 +97,21 @@ def more_misuse_job():
         torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1),
     ]
     found["chained_with_other"] = _error(lambda: megatron_offload.attach(mixed))
-    for flag, obj in (
-        ("optimizer_cuda_graph", distrib.config),
-        ("use_megatron_fsdp", distrib.ddp_config),
+    # Refused settings (Megatron-FSDP: hybrid sharding), before anything is touched.
+    for flag, obj, fields in (
+        ("optimizer_cuda_graph", distrib.config, {"optimizer_cuda_graph": True}),
+        (
+            "use_megatron_fsdp",
+            distrib.ddp_config,
+            {"use_megatron_fsdp": True, "num_distributed_optimizer_instances": 2},
+        ),
     ):
-        setattr(obj, flag, True)
+        saved = {name: getattr(obj, name) for name in fields}
+        for name, value in fields.items():
+            setattr(obj, name, value)
         found[flag] = _error(lambda: megatron_offload.attach(optimizer))
-        setattr(obj, flag, False)
+        for name, value in saved.items():
+            setattr(obj, name, value)
 
     # Another wrapper already on step / state_dict: attach chains it, detach restores it.
     outer_step = functools.partial(type(optimizer).step, optimizer)

@@ -168,11 +168,13 @@ def test_max_piece_bytes_option_is_validated_before_anything_is_touched():
         # sgd: with --use-distributed-optimizer megatron-core refuses it itself, at build.
         OK_BASE + ["--optimizer", "sgd"],
         [OFFLOAD_FLAG, "--bf16", "--optimizer", "sgd"],
-        # Megatron-FSDP: its default sharding strategy (optim_grads_params) is served.
+        # Megatron-FSDP: every sharding strategy is served.
         OK_BASE + ["--use-megatron-fsdp"],
         [OFFLOAD_FLAG, "--bf16", "--use-megatron-fsdp"],  # FSDP switches the dist-opt on
-        OK_BASE
-        + ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"],
+        *(
+            OK_BASE + ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy]
+            for strategy in ("optim_grads_params", "optim_grads", "optim", "no_shard")
+        ),
     ],
     ids=lambda argv: " ".join(argv) or "no-flags",
 )
@@ -248,11 +250,6 @@ REFUSED = [
         ],
         id="adaptive-muon",
         marks=pytest.mark.skipif(not HAVE_EMERGING, reason=EMERGING_REASON),
-    ),
-    pytest.param(
-        OK_BASE + ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"],
-        [OFFLOAD_FLAG, "Megatron-FSDP", "optim_grads_params, not 'optim_grads'"],
-        id="megatron-fsdp-other-strategy",
     ),
     pytest.param(
         OK_BASE + ["--use-megatron-fsdp", "--num-distributed-optimizer-instances", "2"],
