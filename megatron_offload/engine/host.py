@@ -101,6 +101,10 @@ class HostArena:
         self.budget = budget if budget is not None else HostBudget(None)
         self.buffer: torch.Tensor | None = None
         self.retired: torch.Tensor | None = None  # the previous buffer, while its bytes move
+        # Bytes ``reserve`` allocated for a layout still to come, until a layout that large is
+        # laid out: the smaller layouts before it (the masters alone, offloaded at attach
+        # before the first step makes the states) reuse the buffer instead of replacing it.
+        self.reserved_for = 0
         # Side streams run in order, so the newest event of each covers every earlier copy.
         self.last_d2h = None
         self.last_h2d = None
@@ -112,7 +116,9 @@ class HostArena:
     def fits(self, nbytes: int) -> bool:
         """True if a layout of ``nbytes`` should reuse the current buffer: it is large
         enough, and not so much larger that keeping it would hold memory for nothing."""
-        return self.buffer is not None and nbytes <= self.nbytes <= nbytes + nbytes // REUSE_SLACK
+        if self.buffer is None or nbytes > self.nbytes:
+            return False
+        return nbytes <= self.reserved_for or self.nbytes <= nbytes + nbytes // REUSE_SLACK
 
     def reserve(self, nbytes: int, name: str) -> bool:
         """Allocate a buffer of ``nbytes`` now, for a layout to come (only when the arena has
@@ -122,6 +128,7 @@ class HostArena:
         if self.buffer is not None or nbytes <= 0:
             return False
         self.replace(nbytes, name)
+        self.reserved_for = nbytes
         return True
 
     def lay_out(self, pieces, carried, sources: dict, *, name: str) -> None:
@@ -136,6 +143,8 @@ class HostArena:
         """
         need = sum(g.host_nbytes for g in pieces)
         reuse = self.fits(need)
+        if need >= self.reserved_for:
+            self.reserved_for = 0  # the layout the reservation was for has come
         if reuse:
             # The carried bytes are set aside (copies) for a moment: checked before any.
             self.budget.check(0, name, moving=sum(g.nbytes for g in carried))
@@ -186,6 +195,7 @@ class HostArena:
 
     def free(self) -> None:
         self.free_retired()
+        self.reserved_for = 0
         if self.buffer is None:
             return
         self._synchronize()

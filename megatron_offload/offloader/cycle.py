@@ -29,6 +29,7 @@ import warnings
 
 import torch
 
+from ..adapters import MASTER_WEIGHTS
 from ..adapters import megatron_wrappers as wrappers
 from ..adapters.model_buffers import graph_capture
 from ..chunked.update import ChunkedUpdate
@@ -190,13 +191,16 @@ class AutomaticCycle:
                 self._chunked.append(chunked)
                 self._handles.append(chunked)
                 chunked.install(offloader.interceptions)
-        if any(any(True for _ in wrappers.in_state(m.optimizer)) for m in members):
-            # States made before attach go to the host now: attach is between steps. A resumed
-            # run loads its checkpoint before attaching (megatron.training's setup does), and
-            # its first forward and backward would otherwise run with every state on the
-            # device, the peak of a run without offloading; Transformer Engine's
-            # precision-aware path creates them with the optimizer. The first update brings
-            # them back (the chunked one streams them).
+        if any(_holds_something(m) for m in members):
+            # What exists at attach goes to the host now: attach is between steps. The masters
+            # exist from the optimizer's construction (the DistributedOptimizer's fp32 shards,
+            # Megatron-FSDP's main weight buffers), so without this a fresh run's first forward
+            # and backward would hold them on the device, the only iteration that does. A
+            # resumed run loads its checkpoint before attaching (megatron.training's setup
+            # does), and its first iteration would otherwise hold every state too, the peak of
+            # a run without offloading; Transformer Engine's precision-aware path creates the
+            # states with the optimizer. The first update brings them back (the chunked one
+            # streams the states).
             offloader.offload()
         installed = offloader.interceptions
         if prefetch_trigger is not None:
@@ -283,6 +287,15 @@ class AutomaticCycle:
         for handle in reversed(self._handles):
             handle.remove()
         self._handles = []
+
+
+def _holds_something(member) -> bool:
+    """Whether ``member``'s optimizer holds, now, tensors its offloader moves: states, or the
+    master weights where they are selected."""
+    optimizer = member.optimizer
+    if any(True for _ in wrappers.in_state(optimizer)):
+        return True
+    return MASTER_WEIGHTS in member.kinds and any(True for _ in wrappers.master_weights(optimizer))
 
 
 def _refuse_backward_prefetch_under_cuda_graphs(optimizer, config: OffloadConfig) -> None:

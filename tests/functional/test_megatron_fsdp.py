@@ -85,6 +85,11 @@ def test_the_stock_script_under_megatron_fsdp_is_bitwise_offloaded(world_size, s
             # The states' shards and the whole master buffers: all on the host, none resident.
             assert stats["offloaded_bytes"] == entry["expected_offload_bytes"] > 0, where
             assert stats["resident_bytes"] == 0 and stats["host_bytes"] >= stats["offloaded_bytes"]
+            # Nor as any iteration starts, the first included: the main weight buffers exist
+            # from the model's construction and went out at attach.
+            assert entry["held_at_start"] == 0, where
+        # The measure sees the buffers where they are never offloaded.
+        assert all(e["held_at_start"] > 0 for e in off.ranks[rank]["iterations"])
     norms = _params_norms(off)
     assert len(norms) >= 2 and _params_norms(on) == norms  # every log interval
 

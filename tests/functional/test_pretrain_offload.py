@@ -106,6 +106,7 @@ def test_memory_figures(case_name, device):
     case, on, off = _runs(case_name, device)
     expected_bytes = []
     for rank in range(case.world_size):
+        stepped = False  # a step has made the states (fp16 overflows skip the first ones)
         for index, entry in enumerate(on.ranks[rank]["iterations"]):
             stats = entry["offloader"]
             where = f"rank {rank}, iteration {index + 1}"
@@ -114,13 +115,23 @@ def test_memory_figures(case_name, device):
             # Everything the optimizer holds per parameter is off the device, and the host
             # holds exactly that many bytes.
             assert stats["offloaded_bytes"] == entry["expected_offload_bytes"] > 0, where
-            assert stats["host_bytes"] == stats["offloaded_bytes"], where
+            # Once the states exist; before, the arena reserved for them at attach holds the
+            # masters (attach sent them out).
+            stepped = stepped or not entry["skipped"]
+            if stepped:
+                assert stats["host_bytes"] == stats["offloaded_bytes"], where
+            assert stats["host_bytes"] >= stats["offloaded_bytes"], where
             assert stats["resident_bytes"] == 0, where
             assert stats["cycles"] == index + 1, where
-            if index > 0:
-                assert stats["h2d_copies"] > 0, f"{where}: nothing was copied back"
+            # Nothing on the device as any iteration starts, the first included: the masters
+            # exist from the optimizer's construction and went out at attach. Every step
+            # brought something back (at the first, those masters).
+            assert entry["held_at_start"] == 0, where
+            assert stats["h2d_copies"] > 0, f"{where}: nothing was copied back"
         for entry in off.ranks[rank]["iterations"]:
             assert entry["offloader"] is None
+        # The measure sees the masters and states where they are never offloaded.
+        assert all(e["held_at_start"] > 0 for e in off.ranks[rank]["iterations"])
         expected_bytes.append([e["expected_offload_bytes"] for e in on.ranks[rank]["iterations"]])
 
     # One log line per log interval (and after the first iteration) with the max over ranks.
@@ -134,8 +145,11 @@ def test_memory_figures(case_name, device):
         most = max(per_rank[line["iteration"] - 1] for per_rank in expected_bytes)
         # Sizes are printed with 4 significant digits in the unit that fits (KiB, MiB, GiB).
         assert line["offloaded_gib"] == pytest.approx(most / GIB, rel=1e-3)
-        assert line["host_gib"] == pytest.approx(most / GIB, rel=1e-3)
+        # The host holds what is offloaded, or (before a step made the states) the arena
+        # reserved for them.
+        assert line["host_gib"] >= line["offloaded_gib"]
         assert line["d2h_ms"] >= 0 and line["h2d_ms"] >= 0
+    assert lines[-1]["host_gib"] == pytest.approx(lines[-1]["offloaded_gib"], rel=1e-3)
     assert lines[-1]["d2h_ms"] > 0 and lines[-1]["h2d_ms"] > 0
     # On a CPU the copies are timed on the host and run in the caller's thread: all exposed.
     assert lines[-1]["d2h_gbps"] > 0 and lines[-1]["h2d_gbps"] > 0

@@ -204,9 +204,11 @@ def _assert_bounded(reference, chunked, dtype, *, min_chunks=2):
             )  # no optimizer state reloaded whole
             if dtype == "fp32":
                 assert figures["whole_bytes"] == 0  # fp32 models have no separate masters
-            assert (
-                figures["offloaded_bytes"] == figures["tracked_bytes"] == figures["host_bytes"] > 0
-            )
+            assert figures["offloaded_bytes"] == figures["tracked_bytes"] > 0
+            # The host holds what is offloaded; until every state exists (an fp16 overflow
+            # skips the first step, apex makes a state at its first gradient), the arena
+            # reserved for all of them at attach.
+            assert figures["host_bytes"] >= figures["offloaded_bytes"], (step, figures)
             if not updated[step]:
                 assert figures["update_chunks"] == figures["update_copies"] == 0  # nothing streamed
             if updated[step] and step > 0 and updated[step - 1]:
@@ -214,6 +216,8 @@ def _assert_bounded(reference, chunked, dtype, *, min_chunks=2):
                 # direction each (a copy count that does not grow with the parameters).
                 assert figures["update_chunks"] >= min_chunks, (step, figures)
                 assert figures["update_copies"] <= 2 * figures["update_chunks"] * 4, figures
+        last = off["figures"][-1]
+        assert last["host_bytes"] == last["offloaded_bytes"], last
         # Without the chunked update, the whole state sat on the device during the step.
         assert max(ref["peaks"]) >= ref["whole"] > budget, (ref["whole"], budget)
 

@@ -96,8 +96,8 @@ def test_hooks_on_a_real_distributed_optimizer(rank_pool):
     offloaded = rank_pool.run(hooks_job, True)
     for ref, off in zip(reference, offloaded):
         assert ref["results"] == off["results"]  # bitwise: loss and grad norm per step
-        # The first step has nothing to reload; every later one reloads inside finalize.
-        assert off["trace"] == ["in finalize", "in finalize"]
+        # Every step reloads inside finalize, the first included (the masters attach sent out).
+        assert off["trace"] == ["in finalize", "in finalize", "in finalize"]
         assert off["served_inside"] and off["offloaded_after"] and off["masters_inside"]
         assert off["moments_released_inside"]
         assert off["copies_for_save"] == 0  # read from the host copy: nothing copied either way

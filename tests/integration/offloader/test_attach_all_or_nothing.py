@@ -299,7 +299,6 @@ def test_attaching_to_a_chain_member_is_refused_and_an_empty_selection_warns(ran
     stats = found["stats"]
     assert found["summary"].startswith(f"offloaded {human_bytes(stats['offloaded_bytes'])} | host ")
     assert "last D2H" in found["summary"] and found["summary"].endswith("| 1 cycle")
-    assert "last D2H" not in found["summary_before"] and found["summary_before"].endswith(
-        "| 0 cycles"
-    )
+    # The masters exist from the optimizer's construction: attach sent them out already.
+    assert "last D2H" in found["summary_before"] and found["summary_before"].endswith("| 0 cycles")
     assert found["str"] == "OptimizerStateOffloader (1 optimizer(s)): " + found["summary"]

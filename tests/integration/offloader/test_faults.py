@@ -656,18 +656,22 @@ def test_an_offload_after_the_step_meeting_an_out_of_memory_warns_and_goes_on(ra
 
 def _float16_state_bytes(optimizer) -> int:
     """Device bytes of the masters and states of Megatron's non-distributed optimizer (the
-    raw storages)."""
+    raw storages, each once: tensors the offloader consolidated share one)."""
     from tests.harness import models
 
-    total = 0
+    storages = {}
     for wrapper in models.megatron_optimizers(optimizer):
-        for group in wrapper.fp32_from_float16_groups:
-            total += sum(master.untyped_storage().nbytes() for master in group)
+        tensors = [master for group in wrapper.fp32_from_float16_groups for master in group]
         for state in dict.values(wrapper.optimizer.state):
-            for value in dict.values(state):
-                if isinstance(value, torch.Tensor) and value.numel() > 1:
-                    total += value.untyped_storage().nbytes()
-    return total
+            tensors += [
+                value
+                for value in dict.values(state)
+                if isinstance(value, torch.Tensor) and value.numel() > 1
+            ]
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            storages[storage._cdata] = storage.nbytes()
+    return sum(storages.values())
 
 
 def reference_sgd_job():

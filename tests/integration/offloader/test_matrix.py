@@ -236,7 +236,12 @@ def test_matrix_offloading_is_bitwise_invisible(rank_pool, request, case):
             assert skipped[0]  # the loss scaler's overflow skips
         for step, figures in enumerate(off["figures"]):
             assert figures["held"] == 0 and figures["offloaded"] == figures["tracked"] > 0
-            assert figures["host"] == figures["tracked"]
+            # The host holds what is tracked; until a step made the states (fp16 overflows
+            # skip the first ones), the arena reserved for them at attach holds the masters.
+            if all(skipped[: step + 1]):
+                assert figures["host"] > figures["tracked"]
+            else:
+                assert figures["host"] == figures["tracked"]
             # Every group is split, and a piece exceeds the bound only as a single tensor.
             for kind, groups in figures["groups"].items():
                 assert figures["pieces"][kind] > groups, (kind, figures)

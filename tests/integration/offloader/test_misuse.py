@@ -39,7 +39,10 @@ def misuse_job():
     found["reachable_as_state_offloader"] = distrib._state_offloader is offloader
     found["second_attach"] = _error(lambda: megatron_offload.attach(optimizer))
     found["second_attach_inner"] = _error(lambda: megatron_offload.OptimizerStateOffloader(distrib))
-    # RL frameworks call their "to the device" phase before anything was offloaded.
+    # RL frameworks call their "to the device" phase unconditionally: once the masters attach
+    # sent out are back, a reload with nothing offloaded does nothing.
+    offloader.reload()
+    offloader.wait()
     copies = offloader.stats()["h2d_copies"]
     found["reload_before_offload"] = (
         _error(offloader.reload),
@@ -218,7 +221,7 @@ def test_misuse_is_refused_with_clear_messages(rank_pool):
             and "already has a state offloader" in message
             and "detach()" in message
         )
-    # reload() with nothing offloaded does nothing: no error, nothing copied.
+    # reload() with nothing offloaded (again) does nothing: no error, nothing copied.
     assert found["reload_before_offload"] == (None, None, False, 0)
     assert found["found_by_framework"]
     assert found["offloaded_after_step"]

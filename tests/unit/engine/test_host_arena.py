@@ -66,7 +66,12 @@ def _layout(engine):
 
 
 def run_cycles(
-    reserve: bool, fraction=1.0, max_piece_bytes=None, streamed=False, amsgrad=False
+    reserve: bool,
+    fraction=1.0,
+    max_piece_bytes=None,
+    streamed=False,
+    amsgrad=False,
+    masters_first=False,
 ) -> dict:
     masters, distrib = _model(amsgrad=amsgrad)
     device = CountingDevice()
@@ -80,6 +85,10 @@ def run_cycles(
     reserved = engine.reserve_host(adapter.expected(distrib)) if reserve else 0
     first_layout = None
     host_bytes = []
+    if masters_first:  # attach sends out the masters that exist before the first step
+        device.phase = "attach"
+        engine.offload(release=True)
+        host_bytes.append((_host_bytes(engine), _tracked_bytes(engine)))
     for step in range(3):
         if engine.is_released():
             engine.reload()
@@ -132,6 +141,19 @@ def test_the_first_offload_uses_the_arena_reserved_at_attach(isolated, options):
     assert with_reserve["host_bytes"] == without["host_bytes"]
     assert all(torch.equal(a, b) for a, b in zip(with_reserve["values"], without["values"]))
     assert len(with_reserve["values"]) == len(without["values"])
+
+
+def test_masters_offloaded_before_the_first_step_lay_out_into_the_reservation(isolated):
+    """attach sends the masters out before the first step makes the states: that smaller
+    layout reuses the arena reserved for the whole one, and so does the whole one after the
+    step: one host allocation (one pinning) in all, as when the first offload follows a step."""
+    run = isolated.run(run_cycles, True, masters_first=True)
+    plain = isolated.run(run_cycles, True)
+    assert run["buffers"] == [("setup", run["reserved"])] == plain["buffers"]
+    at_attach, after_step = run["host_bytes"][0], run["host_bytes"][1]
+    assert at_attach[1] < after_step[1] == at_attach[0] == run["reserved"]  # masters alone
+    assert all(torch.equal(a, b) for a, b in zip(run["values"], plain["values"]))
+    assert len(run["values"]) == len(plain["values"])
 
 
 def test_a_reservation_the_budget_cannot_hold_is_refused_before_anything_is_allocated():
