@@ -267,6 +267,7 @@ def install() -> None:
     logging.getLogger(mcore_random.__name__).setLevel(logging.ERROR)
 
     _give_megatron_fsdp_the_cpu()
+    _serve_the_deepseek_recipe()
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     register_optimizer_step_pre_hook(_step_every_megatron_fsdp_parameter)
@@ -291,6 +292,63 @@ def _give_megatron_fsdp_the_cpu() -> None:
         original(self, *args, device=device or torch.device("cpu"), **kwargs)
 
     _patch(cls, "__init__", __init__)
+
+
+def _serve_the_deepseek_recipe() -> None:
+    """What NVIDIA's DeepSeek-V3 recipe (multi-latent attention, MoE with the alltoall
+    dispatcher, ``--recompute-modules layernorm``) needs of megatron-core 0.19 to run on a CPU
+    with the local transformer implementation; each line names the error it fixes. None
+    changes a value: the same model on a GPU computes the same thing."""
+    from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer import dot_product_attention
+
+    # MLASelfAttention builds its core attention with ``k_channels`` and ``v_channels``, which
+    # the local DotProductAttention does not take ("__init__() got an unexpected keyword
+    # argument 'k_channels'"). It reads the head sizes from the tensors it is given, except
+    # the output's, which is ``kv_channels``: exact when ``v_channels`` equals it (refused
+    # otherwise).
+    attention = dot_product_attention.DotProductAttention
+    build_attention = attention.__init__
+
+    @functools.wraps(build_attention)
+    def __init__(self, config, *args, k_channels=None, v_channels=None, **kwargs):
+        if v_channels is not None and v_channels != config.kv_channels:
+            raise ValueError(
+                f"the local DotProductAttention computes multi-latent attention only with "
+                f"--v-head-dim equal to --kv-channels (got {v_channels} and {config.kv_channels})"
+            )
+        build_attention(self, config, *args, **kwargs)
+
+    _patch(attention, "__init__", __init__)
+
+    # CheckpointWithoutOutput (``--recompute-modules layernorm``, ``mla_up_proj``, ``moe_act``)
+    # sets ``self.fp8 = fp8 is not None``, true for its default ``fp8=False``, and then takes
+    # the FP8 path of the recompute, which reaches CUDA ("Found no NVIDIA driver on your
+    # system").
+    checkpoint = mcore_random.CheckpointWithoutOutput
+    build_checkpoint = checkpoint.__init__
+
+    @functools.wraps(build_checkpoint)
+    def checkpoint_init(self, fp8=False):
+        build_checkpoint(self, fp8=None if fp8 is False else fp8)
+
+    _patch(checkpoint, "__init__", checkpoint_init)
+
+    # The alltoall dispatcher moves its split sizes to the host as numpy arrays with
+    # ``maybe_move_tensor_to_cpu(as_numpy=True)``, which converts CUDA tensors only: on a CPU
+    # they reach ``all_to_all_single`` as tensors ("all_to_all_single(): incompatible function
+    # arguments"). As on a GPU, a copy on the host.
+    from megatron.core.transformer.moe import token_dispatcher
+
+    move = token_dispatcher.maybe_move_tensor_to_cpu
+
+    @functools.wraps(move)
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.detach().clone().numpy()
+        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    _patch(token_dispatcher, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
 
 
 def _step_every_megatron_fsdp_parameter(optimizer, args, kwargs) -> None:

@@ -61,6 +61,8 @@ class Case:
     # Environment variables the case needs unset (Megatron-FSDP refuses
     # CUDA_DEVICE_MAX_CONNECTIONS=1, which the others set).
     unset_env: tuple = ()
+    # (name, value) pairs set in the ranks' environment (a preloaded allocator).
+    env: tuple = ()
 
 
 CASES = {
@@ -207,6 +209,7 @@ def run(
         env = environment(device, pythonpath_prefix)
         for name in case.unset_env:
             env.pop(name, None)
+        env.update(case.env)
         env["MO_RECORD_DIR"] = record_dir
         start = time.monotonic()
         proc = subprocess.Popen(

@@ -1,0 +1,166 @@
+"""NVIDIA's DeepSeek-V3 Megatron-FSDP recipe, scaled down, through the stock-style pretrain script.
+
+Megatron-LM core_r0.19.0's ``examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh`` on 2 gloo
+ranks: a 4-layer model with multi-latent attention, MoE (sigmoid router with expert bias, fp32
+router, group top-k, seq_aux_loss, forced load balancing, shared experts, the alltoall
+dispatcher on expert parallel 2), multi-token prediction, SwiGLU, RMSNorm, qk-layernorm,
+selective recompute (mlp, moe, mla_up_proj, layernorm), ``--manual-gc``, ``--log-params-norm``
+and ``--log-num-zeros-in-grad``, saves every 2 iterations. Both ways the recipe trains:
+
+* **Megatron-FSDP** (its FSDP block: ``optim_grads_params``, ``fsdp_dtensor`` checkpoints,
+  ``--fsdp-double-buffer``, bf16 gradient communication and main gradients,
+  ``--calculate-per-token-loss``, overlapped gather and reduce);
+* **the DistributedOptimizer** (the same flags without the FSDP block, ``torch_dist``).
+
+What the CPU cannot run is left out, each for its reason: Transformer Engine, flash attention,
+the flex dispatcher, grouped GEMM and the fused permutation are GPU kernels (the local
+implementation and the alltoall dispatcher compute the same model); ``--use-nccl-ub`` needs
+NCCL; ``--init-model-with-meta-device`` makes even two plain CPU runs differ, so nothing could
+be compared bitwise. What megatron-core 0.19.2 itself needs to run the rest on a CPU is in the
+CPU harness (``megatron_offload_testing/cpu_megatron.py``, ``_serve_the_deepseek_recipe``).
+
+Shown, on every rank: each iteration's loss, gradient norm and parameter norm bitwise those of
+the plain script; nothing the offloader manages on the device as any iteration starts, the first
+included (the plain run holds it all); a run resumed with offloading from the offloaded run's
+first checkpoint bitwise the plain script resumed from its own (not the run that never stopped:
+megatron-core does not checkpoint the MoE router's state, so a resume differs from it, with or
+without offloading).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import pytest
+
+from tests.functional import runner
+
+SAVE_INTERVAL = 2
+ITERATIONS = 4
+
+MODEL = (
+    # The recipe's model, scaled down.
+    *("--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "128"),
+    *("--num-attention-heads", "4", "--kv-channels", "16"),
+    *("--position-embedding-type", "rope", "--rotary-base", "10000", "--no-rope-fusion"),
+    *("--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu"),
+    *("--untie-embeddings-and-output-weights", "--disable-bias-linear", "--qk-layernorm"),
+    *("--attention-dropout", "0.0", "--hidden-dropout", "0.0"),
+    *("--adam-beta1", "0.9", "--adam-beta2", "0.95"),
+    # Multi-latent attention (the local core attention needs --v-head-dim == --kv-channels).
+    *("--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16"),
+    *("--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16"),
+    *("--rotary-scaling-factor", "40", "--mscale", "1.0", "--mscale-all-dim", "1.0"),
+    # MoE: the first layer dense, as the recipe's first three.
+    *("--num-experts", "4", "--moe-layer-freq", "[0]*1+[1]*3", "--moe-ffn-hidden-size", "32"),
+    *("--moe-shared-expert-intermediate-size", "32", "--moe-router-topk", "2"),
+    *("--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-4"),
+    *("--moe-router-pre-softmax", "--moe-router-group-topk", "1", "--moe-router-num-groups", "2"),
+    *("--moe-router-topk-scaling-factor", "2.5", "--moe-router-score-function", "sigmoid"),
+    *("--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-3"),
+    *("--moe-router-dtype", "fp32", "--moe-router-force-load-balancing"),
+    *("--moe-token-dispatcher-type", "alltoall", "--expert-model-parallel-size", "2"),
+    *("--expert-tensor-parallel-size", "1"),
+    *("--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.1"),
+    # How the recipe trains it.
+    *("--recompute-granularity", "selective"),
+    *("--recompute-modules", "mlp", "moe", "mla_up_proj", "layernorm"),
+    *("--manual-gc", "--manual-gc-interval", "10", "--no-check-for-nan-in-loss-and-grad"),
+    *("--overlap-grad-reduce", "--overlap-param-gather", "--bf16"),
+    *("--log-params-norm", "--log-num-zeros-in-grad", "--log-interval", "1"),
+)
+FSDP = (
+    *("--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"),
+    *("--calculate-per-token-loss", "--ckpt-format", "fsdp_dtensor", "--fsdp-double-buffer"),
+    *("--megatron-fsdp-grad-comm-dtype", "bf16", "--megatron-fsdp-main-grads-dtype", "bf16"),
+)
+WAYS = {"megatron-fsdp": FSDP, "distributed-optimizer": ()}
+
+
+def _case(way: str, *, resumed: bool = False) -> runner.Case:
+    return runner.Case(
+        f"deepseek-v3-{way}" + ("-resumed" if resumed else ""),
+        2,
+        MODEL + WAYS[way],
+        train_iters=ITERATIONS,
+        save_interval=None if resumed else SAVE_INTERVAL,
+        description=f"the scaled DeepSeek-V3 recipe, {way}",
+        # Megatron-FSDP refuses CUDA_DEVICE_MAX_CONNECTIONS=1 (the recipe unsets it too).
+        unset_env=("CUDA_DEVICE_MAX_CONNECTIONS",),
+    )
+
+
+def _values(run, rank):
+    return [(e["lm_loss"], e["grad_norm"], e["skipped"]) for e in run.ranks[rank]["iterations"]]
+
+
+def _params_norms(run) -> list[str]:
+    return re.findall(r"params norm: ([0-9.eE+-]+)", run.log)
+
+
+@pytest.fixture(scope="module", params=list(WAYS))
+def runs(request, tmp_path_factory):
+    """(way, offloaded run, plain run, the directory under which each saved)."""
+    way = request.param
+    root = str(tmp_path_factory.mktemp(way))
+    case = _case(way)
+    on = runner.run(case, offload=True, save_dir=os.path.join(root, "on"))
+    off = runner.run(case, offload=False, save_dir=os.path.join(root, "off"))
+    return way, on, off, root
+
+
+def test_the_recipe_trains_bitwise_offloaded_with_nothing_held_between_steps(runs):
+    way, on, off, _ = runs
+    for rank in range(2):
+        assert len(on.ranks[rank]["iterations"]) == ITERATIONS
+        assert _values(on, rank) == _values(off, rank), (way, rank)
+        for index, entry in enumerate(on.ranks[rank]["iterations"]):
+            where = f"{way}, rank {rank}, iteration {index + 1}"
+            stats = entry["offloader"]
+            assert stats["is_offloaded"] and stats["resident_bytes"] == 0, where
+            assert stats["offloaded_bytes"] == entry["expected_offload_bytes"] > 0, where
+            # As every iteration starts, the first included (attach sent the masters out).
+            assert entry["held_at_start"] == 0, where
+        assert all(e["held_at_start"] > 0 for e in off.ranks[rank]["iterations"]), (way, rank)
+        saves = on.ranks[rank]["save_storage_bytes"]
+        assert [s["iteration"] for s in saves] == [2, 4], (way, rank)
+        if way == "distributed-optimizer":
+            # Served from the host copy: nothing comes to the device for a save.
+            assert all(s["before"] == s["after"] == 0 for s in saves), (way, rank, saves)
+        else:
+            # Under Megatron-FSDP the states and masters still come back for the save
+            # (docs/megatron-fsdp.md) and leave right after it (held_at_start above).
+            assert all(s["before"] > 0 for s in saves), (way, rank, saves)
+    norms = _params_norms(off)
+    assert len(norms) == ITERATIONS and _params_norms(on) == norms, way
+
+
+def _resume_from(root: str, side: str, into: str) -> str:
+    """A copy of ``side``'s checkpoints under ``into`` that resumes after the first save."""
+    shutil.copytree(os.path.join(root, side), into)
+    shutil.rmtree(os.path.join(into, f"iter_{2 * SAVE_INTERVAL:07d}"))
+    with open(os.path.join(into, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(SAVE_INTERVAL))
+    return into
+
+
+def test_a_resume_trains_on_bitwise_as_the_plain_scripts_resume(runs, tmp_path):
+    way, _, _, root = runs
+    case = _case(way, resumed=True)
+    on = runner.run(
+        case,
+        offload=True,
+        extra_flags=("--load", _resume_from(root, "on", str(tmp_path / "on"))),
+    )
+    off = runner.run(
+        case,
+        offload=False,
+        extra_flags=("--load", _resume_from(root, "off", str(tmp_path / "off"))),
+    )
+    for rank in range(2):
+        assert len(on.ranks[rank]["iterations"]) == ITERATIONS - SAVE_INTERVAL
+        assert _values(on, rank) == _values(off, rank), (way, rank)
+        assert all(e["held_at_start"] == 0 for e in on.ranks[rank]["iterations"]), (way, rank)
+    assert _params_norms(on) == _params_norms(off), way
