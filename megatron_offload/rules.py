@@ -95,13 +95,6 @@ def refuse_megatron_fsdp(source) -> None:
             "Megatron-FSDP (--use-megatron-fsdp) yet (HSDP: --num-distributed-optimizer-instances "
             f"above 1). Use one distributed optimizer instance, or drop {SWITCH}."
         )
-    if getattr(source, "nccl_ub", False):
-        raise OffloadArgumentError(
-            f"optimizer-state offloading ({SWITCH}) does not serve Megatron-FSDP "
-            "(--use-megatron-fsdp) with NCCL user buffers (--use-nccl-ub) yet: its buffers are "
-            "allocated from a pool registered with NCCL, and a storage offloading frees and "
-            f"regrows would leave it. Drop --use-nccl-ub, or drop {SWITCH}."
-        )
     if getattr(source, "megatron_fsdp_cuda_graph_mode", False):
         raise OffloadArgumentError(
             f"optimizer-state offloading ({SWITCH}) cannot run with the CUDA-graph mode of "

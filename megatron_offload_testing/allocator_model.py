@@ -53,6 +53,7 @@ class Segment:
     size: int
     stream: ModelStream
     small: bool
+    pool: str | None = None  # a torch.cuda.MemPool's name; None: the default pool
 
 
 @dataclass(eq=False)
@@ -118,6 +119,9 @@ class AllocatorModel:
     One rule a line (PyTorch's behaviour, except those marked "model"):
 
     - Pools: a cached block serves only its allocation stream, and the small (<= 1 MiB) or large pool.
+    - MemPools (``pool=``, ``torch.cuda.MemPool``, e.g. Megatron-FSDP's NCCL-registered one): a
+      block freed in one serves only allocations in the same pool, and its segments are never
+      given back by a stall or ``empty_cache`` (model: the pool lives as long as the run).
     - Stream-ordered reuse: freed without ``record_stream``, a block is reusable at once by its stream.
     - Other streams: never get a cached block; only a stall or ``empty_cache`` returns its segment.
     - ``record_stream``: the free records an event on each recorded stream; reusable when all completed.
@@ -263,8 +267,11 @@ class AllocatorModel:
         return self.now if stream is self.compute_stream else max(stream.tail, self.now)
 
     # ----------------------------------------------------------------- memory
-    def malloc(self, nbytes: int, stream: ModelStream | None = None) -> Block:
-        """Allocate ``nbytes`` for ``stream`` (None: the compute stream)."""
+    def malloc(
+        self, nbytes: int, stream: ModelStream | None = None, *, pool: str | None = None
+    ) -> Block:
+        """Allocate ``nbytes`` for ``stream`` (None: the compute stream), inside the MemPool
+        ``pool`` (None: the default pool)."""
         stream = stream or self.compute_stream
         if nbytes < 0:
             raise ValueError(f"cannot allocate {nbytes} bytes")
@@ -274,10 +281,12 @@ class AllocatorModel:
         self._process_events(self.now)
         size = round_size(nbytes)
         small = size <= SMALL_REQUEST
-        block = self._best_fit(stream, small, size) or self._new_segment(stream, small, size)
+        block = self._best_fit(stream, small, size, pool) or self._new_segment(
+            stream, small, size, pool
+        )
         if block is None:
             self._stall(nbytes)
-            block = self._new_segment(stream, small, size)
+            block = self._new_segment(stream, small, size, pool)
             if block is None:
                 self.oom_count += 1
                 raise ModelledOutOfMemory(
@@ -337,8 +346,11 @@ class AllocatorModel:
         """Like ``torch.cuda.memory_stats()['num_alloc_retries']``."""
         return len(self.stalls)
 
-    def reusable_bytes(self, stream: ModelStream | None = None, at: float | None = None) -> int:
-        """Bytes of the cached blocks of ``stream`` (None: compute) reusable at time ``at``.
+    def reusable_bytes(
+        self, stream: ModelStream | None = None, at: float | None = None, *, pool: str | None = None
+    ) -> int:
+        """Bytes of the cached blocks of ``stream`` (None: compute) reusable at time ``at`` by
+        an allocation in ``pool`` (None: the default pool, where the forward pass allocates).
 
         ``at`` defaults to ``now`` and may not be earlier: a later time answers what an
         allocation then would find if nothing else happened before.
@@ -348,7 +360,7 @@ class AllocatorModel:
         if at < self.now:
             raise ValueError(f"at={at!r} is before now={self.now!r}")
         cached = self._free + [b for b in self._deferred if b.ready <= at]
-        return sum(b.size for b in cached if b.stream is stream)
+        return sum(b.size for b in cached if b.stream is stream and b.segment.pool == pool)
 
     def reuse_timeline(self) -> list[tuple[float, int]]:
         """``(time, nbytes)`` for every freed block, when it became reusable (up to ``now``)."""
@@ -364,11 +376,12 @@ class AllocatorModel:
             self._deferred.remove(block)
             self._make_free(block)
 
-    def _best_fit(self, stream: ModelStream, small: bool, size: int) -> Block | None:
+    def _best_fit(self, stream: ModelStream, small: bool, size: int, pool=None) -> Block | None:
         fits = [
             b
             for b in self._free
             if b.stream is stream
+            and b.segment.pool == pool
             and b.segment.small == small
             and b.size >= size
             and self._may_take(b, size)
@@ -384,12 +397,12 @@ class AllocatorModel:
             return block.size < bound
         return block.size < size + LARGE_BUFFER
 
-    def _new_segment(self, stream: ModelStream, small: bool, size: int) -> Block | None:
+    def _new_segment(self, stream: ModelStream, small: bool, size: int, pool=None) -> Block | None:
         """``cudaMalloc`` a segment for ``size``; None if it does not fit the capacity."""
         nbytes = segment_size(size)
         if self.reserved_bytes + nbytes > self.capacity:
             return None
-        segment = Segment(self._next_address, nbytes, stream, small)
+        segment = Segment(self._next_address, nbytes, stream, small, pool)
         self._next_address += nbytes
         self._segments.append(segment)
         self.reserved_bytes += nbytes
@@ -455,7 +468,9 @@ class AllocatorModel:
             )
             self.now = max(self.now, until)
             self._process_events(self.now)
-        whole = [b for b in self._free if b.prev is None and b.next is None]
+        whole = [
+            b for b in self._free if b.prev is None and b.next is None and b.segment.pool is None
+        ]
         for block in whole:
             self._free.remove(block)
             self._segments.remove(block.segment)

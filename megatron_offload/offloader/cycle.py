@@ -29,7 +29,7 @@ import warnings
 
 import torch
 
-from ..adapters import MASTER_WEIGHTS
+from ..adapters import MASTER_WEIGHTS, megatron_fsdp
 from ..adapters import megatron_wrappers as wrappers
 from ..adapters.model_buffers import graph_capture
 from ..chunked.update import ChunkedUpdate
@@ -71,7 +71,27 @@ def attach(optimizer, config: OffloadConfig | None = None, **options) -> Optimiz
         offloader.detach()  # leave the optimizer as it was: a later attach must work
         raise
     _warn_if_nothing_selected(offloader)
+    _say_pooled_masters_stay(offloader)
     return offloader
+
+
+def _say_pooled_masters_stay(offloader: OptimizerStateOffloader) -> None:
+    """Under ``--use-nccl-ub`` the masters stay on the device: said once, with the bytes."""
+    kept = sum(
+        megatron_fsdp.pooled_master_bytes(m.optimizer)
+        for m in offloader.members
+        if MASTER_WEIGHTS in m.kinds
+    )
+    if kept:
+        warnings.warn(
+            f"megatron_offload.attach: the master weights ({kept:,} bytes on this rank) stay on "
+            "the device under --use-nccl-ub: Megatron-FSDP's main weight buffers come from the "
+            "memory pool registered with NCCL, to which freeing them would return the memory "
+            "(not to the forward pass), and a regrown buffer would leave NCCL's registration. "
+            "The optimizer states are offloaded.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _refuse_chain_member(optimizer) -> None:

@@ -15,8 +15,9 @@ and ``--log-num-zeros-in-grad``, saves every 2 iterations. Both ways the recipe 
 What the CPU cannot run is left out, each for its reason: Transformer Engine, flash attention,
 the flex dispatcher, grouped GEMM and the fused permutation are GPU kernels (the local
 implementation and the alltoall dispatcher compute the same model); ``--use-nccl-ub`` needs
-NCCL; ``--init-model-with-meta-device`` makes even two plain CPU runs differ, so nothing could
-be compared bitwise. What megatron-core 0.19.2 itself needs to run the rest on a CPU is in the
+NCCL (served all the same: ``tests/integration/offloader/test_megatron_fsdp.py``);
+``--init-model-with-meta-device`` makes even two plain CPU runs differ, so nothing could be
+compared bitwise. What megatron-core 0.19.2 itself needs to run the rest on a CPU is in the
 CPU harness (``megatron_offload_testing/cpu_megatron.py``, ``_serve_the_deepseek_recipe``).
 
 Shown, on every rank: each iteration's loss, gradient norm and parameter norm bitwise those of

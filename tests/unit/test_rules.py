@@ -25,6 +25,11 @@ def test_every_sharding_strategy_is_served(strategy):
     rules.refuse(_ddp_config(data_parallel_sharding_strategy=strategy))
 
 
+def test_nccl_user_buffers_are_served():
+    # The states move, the masters in NCCL's pool stay (adapters/megatron_fsdp.py).
+    rules.refuse(_ddp_config(nccl_ub=True))
+
+
 def test_without_megatron_fsdp_its_fields_are_not_judged():
     rules.refuse(_ddp_config(use_megatron_fsdp=False, data_parallel_sharding_strategy="no_shard"))
 
@@ -35,7 +40,6 @@ def test_without_megatron_fsdp_its_fields_are_not_judged():
         ({"data_parallel_sharding_strategy": "a_later_one"}, "not 'a_later_one' (not shown"),
         ({"num_distributed_optimizer_instances": 2}, "(HSDP"),
         ({"megatron_fsdp_cuda_graph_mode": True}, "CUDA-graph mode of"),
-        ({"nccl_ub": True}, "--use-nccl-ub"),
         (
             {
                 "use_megatron_fsdp": False,

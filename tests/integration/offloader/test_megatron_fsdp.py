@@ -276,6 +276,57 @@ def test_the_node_check_and_stats_count_the_shards(rank_pool):
         assert rank["held_after"] == 0 and rank["offloaded"] == rank["tracked"], rank
 
 
+def nccl_pool_job(offload: bool):
+    """Megatron-FSDP with NCCL user buffers (``--use-nccl-ub``): its buffers, the masters
+    included, come from a pool registered with NCCL, which a CPU cannot make; the flag is set
+    on the model's DDP config as megatron.training sets it (what ``attach`` reads). The states
+    move; the masters stay, said once with their bytes."""
+    import warnings
+
+    import megatron_offload
+    from tests.harness import models
+    from tests.harness.megatron_fsdp import groups
+
+    chunks, optimizer, config = models.build("gpt", "bf16", ddp_overrides=FSDP)
+    for wrapper in models.megatron_optimizers(optimizer):
+        wrapper.ddp_config.nccl_ub = True
+    buffers = [g.main_weight_buffer.data for g in groups(chunks) if g.main_weight_buffer]
+    offloader = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if offload:
+            offloader = megatron_offload.attach(optimizer)
+    said = [str(w.message) for w in caught if "--use-nccl-ub" in str(w.message)]
+    results, masters, states = [], [], []
+    for step in range(3):
+        results.append(models.train_step(chunks, optimizer, config, step))
+        masters.append(sum(b.untyped_storage().nbytes() for b in buffers))
+        states.append(held_bytes(chunks, optimizer) - masters[-1])
+    if offloader is not None:
+        offloader.reload()
+        offloader.wait()
+    return {
+        "results": results,
+        "said": said,
+        "buffer_bytes": sum(b.numel() * b.element_size() for b in buffers),
+        "masters": masters,
+        "states": states,
+        "snapshot": snapshot(chunks, optimizer),
+    }
+
+
+def test_with_nccl_user_buffers_the_states_move_and_the_pooled_masters_stay(rank_pool):
+    reference = rank_pool.run(nccl_pool_job, False)
+    offloaded = rank_pool.run(nccl_pool_job, True)
+    assert_bitwise_equal(reference, offloaded)
+    for ref, off in zip(reference, offloaded):
+        assert all(nbytes > 0 for nbytes in ref["states"]), ref["states"]  # the measure sees them
+        assert off["states"] == [0, 0, 0], off["states"]
+        assert off["masters"] == [off["buffer_bytes"]] * 3 and off["buffer_bytes"] > 0
+        (said,) = off["said"]
+        assert f"({off['buffer_bytes']:,} bytes on this rank)" in said and "NCCL" in said
+
+
 def refusal_job(what: str):
     """Under Megatron-FSDP, what stays refused is refused before anything is touched: the
     run goes on bitwise as one that never tried."""

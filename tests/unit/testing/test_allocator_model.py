@@ -373,3 +373,53 @@ def test_a_copy_does_not_start_before_it_is_issued_and_waits_move_the_clock():
         m.reusable_bytes(at=1.0)  # before now
     with pytest.raises(ValueError):
         m.copy(m.new_stream(), 10)  # no direction anywhere
+
+
+# ------------------------------------------------------------ MemPools (--use-nccl-ub)
+NCCL = "nccl-registered"
+
+
+def test_a_mempools_freed_blocks_serve_only_that_pool():
+    """What ``--use-nccl-ub`` frees. Megatron-FSDP's buffers, its fp32 master weights included,
+    come from a MemPool registered with NCCL; the optimizer's states from the default pool,
+    where the forward pass allocates. Offloading the states frees memory the forward can use;
+    releasing the masters gives it back to the pool only: the forward's allocation still needs
+    memory of its own (here, more than the capacity leaves), while after the states' release
+    it takes theirs."""
+    states_bytes, masters_bytes, activations = 64 * MiB, 32 * MiB, 60 * MiB
+
+    def run(free_states: bool, free_masters: bool):
+        m = model(capacity=128 * MiB)
+        states = m.malloc(states_bytes)
+        masters = m.malloc(masters_bytes, pool=NCCL)
+        if free_states:
+            m.free(states)
+        if free_masters:
+            m.free(masters)
+        found = m.reusable_bytes(), m.reusable_bytes(pool=NCCL)
+        try:
+            m.malloc(activations)  # the forward pass, in the default pool
+            fits = True
+        except ModelledOutOfMemory:
+            fits = False
+        return found, fits, m.num_alloc_retries
+
+    (default, pooled), fits, _ = run(free_states=True, free_masters=False)
+    assert default >= states_bytes and pooled == 0 and fits
+    (default, pooled), fits, stalls = run(free_states=False, free_masters=True)
+    assert default == 0 and pooled >= masters_bytes  # back in the pool, not for the forward
+    assert not fits and stalls == 1  # even a stall does not give the pool's segment back
+    # Control: the same masters in the default pool would have made room.
+    m = model(capacity=128 * MiB)
+    m.malloc(states_bytes)
+    m.free(m.malloc(masters_bytes))
+    assert m.reusable_bytes() >= masters_bytes
+
+
+def test_a_block_freed_in_the_default_pool_does_not_serve_a_mempool():
+    m = model()
+    m.free(m.malloc(4 * MiB))
+    assert m.reusable_bytes() > 0 and m.reusable_bytes(pool=NCCL) == 0
+    reserved = m.reserved_bytes
+    m.malloc(4 * MiB, pool=NCCL)  # a segment of its own
+    assert m.reserved_bytes > reserved
