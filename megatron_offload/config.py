@@ -249,7 +249,10 @@ class OffloadConfig:
     @classmethod
     def from_options(cls, config: "OffloadConfig | None" = None, **options) -> "OffloadConfig":
         """A config from an optional base config and keyword overrides, refusing unknown names
-        (``offload_primary_weights`` is ``offload_master_weights``)."""
+        (``offload_primary_weights`` is ``offload_master_weights``); ``config`` itself when
+        nothing overrides it (``attach`` builds the config once and hands it on)."""
+        if config is not None and not options:
+            return config
         for alias, name in ALIASES.items():
             if alias in options:
                 if name in options and options[name] != options[alias]:

@@ -14,7 +14,7 @@ An offloader changes megatron-core's and torch's objects in two ways only, both 
 Each returns an ``Interception``: a removable handle, as torch's hooks return, which also says
 what it changed, where, and why. The component that installed one removes it when its job is
 done (sleep's hooks at wake); ``remove_all`` (``detach``) removes whatever is left, newest
-first; ``listing()`` (``offloader.interceptions()``) is what is installed now.
+first; ``listing()`` (``offloader.interceptions.listing()``) is what is installed now.
 
 What is installed for the whole process rather than for one offloader (``patch_megatron``'s
 wraps of ``megatron.training``, the frameworks' ``install``) is in ``PROCESS``, and

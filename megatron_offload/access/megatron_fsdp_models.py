@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 from ..adapters import megatron_fsdp
+from ..adapters.model_buffers import chunks_of
 from ..phase import Phase
 
 
@@ -22,7 +23,7 @@ def install(offloader, wrappers, installed) -> list:
     for wrapper in wrappers:
         if not megatron_fsdp.is_megatron_fsdp(wrapper):
             continue
-        for chunk in getattr(wrapper, "model_chunks", None) or ():
+        for chunk in chunks_of([wrapper]):
             module = getattr(chunk, "module", chunk)
             hooks = (
                 ("state_dict", module.register_state_dict_pre_hook, False, "they come back"),

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from .model_buffers import chunks_of
+
 
 def is_megatron_fsdp(wrapper) -> bool:
     """Whether ``wrapper`` (a Megatron optimizer) was built for Megatron-FSDP."""
@@ -69,7 +71,7 @@ def _viewed_master_buffers(wrapper) -> list[torch.Tensor]:
         for param in group["params"]
     }
     buffers = []
-    for chunk in getattr(wrapper, "model_chunks", None) or ():
+    for chunk in chunks_of([wrapper]):
         module = getattr(chunk, "module", chunk)
         groups = getattr(getattr(module, "param_and_grad_buffer", None), "parameter_groups", ())
         for group in groups:

@@ -42,14 +42,22 @@ class ModelStorage:
     rebuilder: object | None = None
 
 
+def chunks_of(wrappers) -> list:
+    """The model chunks the Megatron optimizers ``wrappers`` were built for (their
+    ``model_chunks``; none for an optimizer without them), each once, in order: the one walk
+    of them."""
+    chunks = [c for w in wrappers for c in (getattr(w, "model_chunks", None) or ())]
+    return list({id(chunk): chunk for chunk in chunks}.values())
+
+
 def model_chunks(optimizers, model=None) -> list:
     """The DDP model chunks: ``model`` (a chunk or a list of them) when given, else those the
     distributed optimizers among ``optimizers`` were built for."""
     if model is not None:
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        unique = list({id(chunk): chunk for chunk in chunks}.values())
     else:
-        chunks = [c for w in optimizers for c in (getattr(w, "model_chunks", None) or ())]
-    unique = list({id(chunk): chunk for chunk in chunks}.values())
+        unique = chunks_of(optimizers)
     for chunk in unique:
         if not hasattr(chunk, "buffers") or not hasattr(chunk, "expert_parallel_buffers"):
             raise TypeError(

@@ -240,9 +240,9 @@ def validate_args(args) -> None:
                 f"drop {' and '.join(used)}."
             )
         return
-    # A Megatron with an offloader of its own, and the settings refused for any optimizer.
+    # A Megatron with an offloader of its own, and the settings refused for any optimizer
+    # (``rules.refuse``, which refuse_conflicts runs).
     refuse_conflicts(args)
-    rules.refuse(args)
     if getattr(args, "use_torch_fsdp2", False):
         _refuse(
             f"{SWITCH} does not support torch FSDP2 (--use-torch-fsdp2), which does not "

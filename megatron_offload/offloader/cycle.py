@@ -31,7 +31,7 @@ import torch
 
 from ..adapters import MASTER_WEIGHTS, megatron_fsdp
 from ..adapters import megatron_wrappers as wrappers
-from ..adapters.model_buffers import graph_capture
+from ..adapters.model_buffers import chunks_of, graph_capture
 from ..chunked.update import ChunkedUpdate
 from ..config import OffloadConfig
 from ..errors import OffloadArgumentError
@@ -324,10 +324,7 @@ def _refuse_backward_prefetch_under_cuda_graphs(optimizer, config: OffloadConfig
     silently move to the step. Refused before anything is touched."""
     if config.prefetch in ("step", "gradients"):
         return
-    chunks = [
-        c for w in megatron_optimizers(optimizer) for c in getattr(w, "model_chunks", None) or ()
-    ]
-    graphs = graph_capture(chunks)
+    graphs = graph_capture(chunks_of(megatron_optimizers(optimizer)))
     if graphs is not None:
         raise OffloadArgumentError(
             f"prefetch={config.prefetch!r} starts the reload from a hook on the backward pass, "
@@ -344,12 +341,7 @@ def _prefetch_trigger(served, fraction: float):
     registered (the last layer first), so the trigger is the parameter at which the bytes
     counted from the end reach ``fraction``.
     """
-    chunks = []
-    for wrapper in served:
-        for chunk in getattr(wrapper, "model_chunks", None) or ():
-            if all(chunk is not c for c in chunks):
-                chunks.append(chunk)
-    params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
+    params = [p for chunk in chunks_of(served) for p in chunk.parameters() if p.requires_grad]
     if not params:
         raise OffloadArgumentError(
             "prefetch as a fraction of the backward pass needs the model: this optimizer has no "
@@ -388,16 +380,15 @@ def model_configs(members) -> list:
     """The model configs (``TransformerConfig``) of the served optimizers' model chunks, each
     once: what the training loop's schedule reads ``finalize_model_grads_func`` from."""
     found = []
-    for member in members:
-        for chunk in getattr(member.optimizer, "model_chunks", None) or ():
-            module = chunk
-            while module is not None:  # DDP and other wrappers keep the model as .module
-                config = getattr(module, "config", None)
-                if config is not None:
-                    if all(config is not c for c in found):
-                        found.append(config)
-                    break
-                module = getattr(module, "module", None)
+    for chunk in chunks_of(member.optimizer for member in members):
+        module = chunk
+        while module is not None:  # DDP and other wrappers keep the model as .module
+            config = getattr(module, "config", None)
+            if config is not None:
+                if all(config is not c for c in found):
+                    found.append(config)
+                break
+            module = getattr(module, "module", None)
     return found
 
 

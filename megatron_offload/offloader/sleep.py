@@ -93,8 +93,7 @@ class Sleep:
         """Make the offloader findable from its optimizer's model chunks (``owner_of``)."""
         chunks = [
             chunk
-            for wrapper in megatron_optimizers(self._offloader.optimizer)
-            for chunk in getattr(wrapper, "model_chunks", None) or ()
+            for chunk in buffers.chunks_of(megatron_optimizers(self._offloader.optimizer))
             if hasattr(chunk, "buffers")  # a DDP chunk
         ]
         # All or nothing; a weak reference: the model must not keep a dropped offloader alive
