@@ -20,6 +20,11 @@ import sys
 
 import torch
 
+from .interceptions import PROCESS
+
+#: ``print_refusals_once``'s change of ``sys.excepthook`` while installed.
+_EXCEPTHOOK = None
+
 
 class OffloadError(Exception):
     """Base class of the exceptions megatron-offload raises."""
@@ -158,22 +163,30 @@ def _excepthook(kind, error, traceback, *, previous=None) -> None:
 def print_refusals_once() -> None:
     """Print an uncaught ``OffloadError`` as one message instead of a traceback per rank:
     a refusal every rank raises by rank 0 only, any other with its rank. Idempotent;
-    ``restore_excepthook`` undoes it."""
-    if getattr(sys.excepthook, "__offload_previous__", None) is not None:
+    ``restore_excepthook`` undoes it. A process-wide change: listed in ``PROCESS``."""
+    global _EXCEPTHOOK
+    if _EXCEPTHOOK is not None:
         return
     previous = sys.excepthook
 
     def excepthook(kind, error, traceback):
         _excepthook(kind, error, traceback, previous=previous)
 
-    excepthook.__offload_previous__ = previous
-    sys.excepthook = excepthook
+    _EXCEPTHOOK = PROCESS.replace(
+        sys,
+        "excepthook",
+        excepthook,
+        why="an uncaught refusal is printed once, by rank 0, as its message",
+        only_if_ours=True,
+    )
 
 
 def restore_excepthook() -> None:
-    previous = getattr(sys.excepthook, "__offload_previous__", None)
-    if previous is not None:
-        sys.excepthook = previous
+    """Undo ``print_refusals_once`` (a hook installed since over ours stays)."""
+    global _EXCEPTHOOK
+    if _EXCEPTHOOK is not None:
+        _EXCEPTHOOK.remove()
+        _EXCEPTHOOK = None
 
 
 # Methods of Megatron-LM's unreleased offloader that the offloader does not offer, and why.

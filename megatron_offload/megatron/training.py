@@ -284,14 +284,21 @@ def _wrap_train(original, module):
             return original(*args, **kwargs)
         # megatron.training 0.17 and 0.18 assign the module's finalize_model_grads to the config
         # in train() unconditionally (the only use of that name): wrap the name for the call.
+        named = None
         if default is not None:
-            module.finalize_model_grads = prefetching_finalize(default, offloader)
+            named = PROCESS.replace(
+                module,
+                "finalize_model_grads",
+                prefetching_finalize(default, offloader),
+                why="train() of megatron.training 0.17/0.18 hands this name to the model config: "
+                "the reload starts when the loop reduces the gradients",
+            )
         try:
             return original(*args, **kwargs)
         finally:
             handle.remove()
-            if default is not None:
-                module.finalize_model_grads = default
+            if named is not None:
+                named.remove()
 
     return train
 

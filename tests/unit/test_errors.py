@@ -69,12 +69,17 @@ def test_a_refusal_is_printed_once_by_rank_0_as_its_message(capsys, monkeypatch)
 
 def test_the_hook_is_installed_once_and_restored(monkeypatch):
     monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    from megatron_offload.interceptions import PROCESS
+
     errors.print_refusals_once()
     installed = sys.excepthook
     errors.print_refusals_once()
     assert sys.excepthook is installed and installed is not sys.__excepthook__
+    # A process-wide change, listed where every other one is.
+    assert [where for _, where, _ in PROCESS.listing()].count("sys.excepthook") == 1
     errors.restore_excepthook()
     assert sys.excepthook is sys.__excepthook__
+    assert "sys.excepthook" not in [where for _, where, _ in PROCESS.listing()]
 
 
 def test_the_installed_hook_prints_a_refusal_and_passes_anything_else_on(capsys, monkeypatch):

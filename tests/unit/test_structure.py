@@ -289,18 +289,96 @@ def test_the_arming_scan_finds_a_planted_store():
     assert arming(planted) == ["megatron_offload/access/x.py:1: state.armed"]
 
 
+# Plain attribute assignments to objects the package does not own that are not interceptions,
+# and why each is none: (module, attribute) -> the reason.
+ASSIGNED_BY_DESIGN = {
+    ("megatron_offload/access/guard.py", "state"): "the guarded state mapping, listed with "
+    "Interceptions.record and an undo of its own (the optimizer writes into the mapping: the "
+    "undo refills the original with what it holds now)",
+    ("megatron_offload/chunked/update.py", "param_groups"): "the chunked update points the "
+    "inner optimizer at one chunk's groups for the length of its update call, on the step's "
+    "path (a handle per chunk would cost there), and puts them back in a finally",
+    ("megatron_offload/launch.py", "argv"): "the launcher hands the script it runs its own "
+    "command line, as python -m does",
+    ("megatron_offload/megatron/coexistence.py", "help"): "the help text of a flag this "
+    "Megatron defines too, in the parser being built",
+}
+
+
+def _owned_attributes(trees: dict[str, ast.Module]) -> set[str]:
+    """Attribute names a class of the package assigns through ``self`` or declares."""
+    owned = set()
+    for tree in trees.values():
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            owned.update(
+                target.id
+                for node in cls.body
+                if isinstance(node, ast.Assign)
+                for target in node.targets
+                if isinstance(target, ast.Name)
+            )
+            for node in ast.walk(cls):
+                if (
+                    isinstance(node, ast.Attribute)
+                    and isinstance(node.ctx, ast.Store)
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id == "self"
+                ):
+                    owned.add(node.attr)
+                elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                    owned.add(node.target.id)
+    return owned
+
+
+def _foreign_assignments(path: str, tree: ast.Module, owned: set[str]) -> list[str]:
+    """``x.name = ...`` where ``x`` is not ``self`` nor an object made right there, ``name`` is
+    no attribute of a class of ours nor a dunder, and ``x`` is not a function of the module:
+    a change to an object the package does not own (``module.f = w``, ``inner.state = {}``,
+    ``sys.excepthook = w``), which belongs in ``Interceptions`` (or ``ASSIGNED_BY_DESIGN``)."""
+    functions = {
+        node.name
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            continue
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        for target in (sub for t in targets for sub in ast.walk(t)):
+            if not (isinstance(target, ast.Attribute) and isinstance(target.ctx, ast.Store)):
+                continue
+            base, name = target.value, target.attr
+            if (
+                (
+                    isinstance(base, ast.Name)
+                    and (base.id in ("self", "cls") or base.id in functions)
+                )
+                or isinstance(base, ast.Call)
+                or name in owned
+                or (name.startswith("__") and name.endswith("__"))
+                or (path, name) in ASSIGNED_BY_DESIGN
+            ):
+                continue
+            found.append(f"{path}:{node.lineno}: {ast.unparse(target)} =")
+    return found
+
+
 def changes_by_hand(trees: dict[str, ast.Module]) -> list[str]:
     """Changes made to objects outside ``interceptions.py``: an instance's or a module's
     dictionary written (``vars(x)[...] =``, ``x.__dict__[...] =``, ``vars(x).pop``), a
     function replaced by ``setattr`` (but a mark on a function of ours, or a class of the same
-    module being built), or a torch
+    module being built), an attribute of an object the package does not own assigned
+    (``_foreign_assignments``), or a torch
     hook registered whose handle is not handed to ``Interceptions.hook`` at once. The
     process-wide installs (``patch_megatron``, the frameworks') are scanned too."""
     found = []
+    owned = _owned_attributes(_modules())
     for path, tree in trees.items():
         # The re-pointing component sets tensors, not functions (its own rule is below).
         if path.endswith(("interceptions.py", "adapters/holders.py")):
             continue
+        found += _foreign_assignments(path, tree, owned)
         classes = {node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
         handed = {
             id(node.args[0])
@@ -355,6 +433,18 @@ def test_the_interception_scan_finds_planted_changes():
             "    setattr(wrapper, _MARK, True)\n"
             "    vars(module)['train'] = wrapper\n"
         ),
+        # Plain assignments: to a module's function, an optimizer's mapping, the process's
+        # hook; and what stays allowed (our own object, a dunder, an object made right there).
+        "megatron_offload/megatron/z.py": ast.parse(
+            "import sys\n"
+            "def k(module, inner, w, piece):\n"
+            "    module.finalize_model_grads = w\n"
+            "    inner.state = {}\n"
+            "    sys.excepthook = w\n"
+            "    piece.place = None\n"
+            "    w.__wrapped__ = k\n"
+            "    make().atexit = False\n"
+        ),
     }
     found = [":".join(line.split(":")[:2]) for line in changes_by_hand(planted)]
     assert found == [
@@ -364,6 +454,9 @@ def test_the_interception_scan_finds_planted_changes():
         "megatron_offload/chunked/x.py:5",
         "megatron_offload/frameworks/y.py:2",
         "megatron_offload/frameworks/y.py:4",
+        "megatron_offload/megatron/z.py:3",
+        "megatron_offload/megatron/z.py:4",
+        "megatron_offload/megatron/z.py:5",
     ], found
 
 
