@@ -22,20 +22,26 @@ CPU harness (``megatron_offload_testing/cpu_megatron.py``, ``_serve_the_deepseek
 
 Shown, on every rank: each iteration's loss, gradient norm and parameter norm bitwise those of
 the plain script; nothing the offloader manages on the device as any iteration starts, the first
-included (the plain run holds it all); a run resumed with offloading from the offloaded run's
-first checkpoint bitwise the plain script resumed from its own (not the run that never stopped:
-megatron-core does not checkpoint the MoE router's state, so a resume differs from it, with or
-without offloading).
+included (the plain run holds it all). Under Megatron-FSDP also: a run resumed with offloading
+from the offloaded run's first checkpoint bitwise the plain script resumed from its own (not the
+run that never stopped: megatron-core does not checkpoint the MoE router's state, so a resume
+differs from it, with or without offloading; the DistributedOptimizer's resumes are
+``test_async_save_resume.py``'s); and no late access to freed memory: the offloaded run again
+with every tensor storage behind guard pages (``megatron_offload_testing/guard_pages``: a freed
+storage inaccessible and never reused, so a reader or writer that comes late faults at once
+instead of corrupting memory handed out again), bitwise the plain run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
 
 import pytest
 
+from megatron_offload_testing import guard_pages
 from tests.functional import runner
 
 SAVE_INTERVAL = 2
@@ -147,6 +153,7 @@ def _resume_from(root: str, side: str, into: str) -> str:
     return into
 
 
+@pytest.mark.parametrize("runs", ["megatron-fsdp"], indirect=True)
 def test_a_resume_trains_on_bitwise_as_the_plain_scripts_resume(runs, tmp_path):
     way, _, _, root = runs
     case = _case(way, resumed=True)
@@ -165,3 +172,20 @@ def test_a_resume_trains_on_bitwise_as_the_plain_scripts_resume(runs, tmp_path):
         assert _values(on, rank) == _values(off, rank), (way, rank)
         assert all(e["held_at_start"] == 0 for e in on.ranks[rank]["iterations"]), (way, rank)
     assert _params_norms(on) == _params_norms(off), way
+
+
+@pytest.mark.parametrize("runs", ["megatron-fsdp"], indirect=True)
+def test_the_offloaded_run_touches_no_freed_storage(runs, tmp_path):
+    """``tests/functional/test_heap.py`` shows the guard catches a late write."""
+    way, _, off, _ = runs
+    library = guard_pages.build(tmp_path)
+    environment = guard_pages.environment(library, {})
+    case = dataclasses.replace(
+        _case(way),
+        name=f"deepseek-v3-{way}-guard-pages",
+        env=tuple((k, environment[k]) for k in ("LD_PRELOAD", "PYTHONFAULTHANDLER")),
+    )
+    # Saving as the plain run did (the writers are among the late readers looked for).
+    on = runner.run(case, offload=True, save_dir=str(tmp_path / "checkpoints"))
+    for rank in range(2):  # a fault on any rank fails the run above
+        assert _values(on, rank) == _values(off, rank), rank

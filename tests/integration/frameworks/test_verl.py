@@ -4,8 +4,8 @@ and ``load_megatron_optimizer``, and its model moves ``offload_megatron_model_to
 through the adapter: every tracked byte offloaded at every phase, the model asleep (0 bytes
 of parameters and gradients, the parameters rebuilt from the masters) after each model
 offload, training bitwise equal to verl's phases without offloading; without the adapter,
-verl's offload at engine init leaves the offloader's states on the device and its model moves
-copy the parameters (negative control). On CPU ranks verl's pinned host copy is a plain one
+verl's model moves copy the parameters and nothing sleeps (negative control; its offload at
+engine init leaves the masters attach sent out where they are). On CPU ranks verl's pinned host copy is a plain one
 (``megatron_offload_testing.cpu_megatron.plain_pinning``).
 
 verl's ``MegatronEngine`` itself is not built here: it needs a Hugging Face model
@@ -45,5 +45,7 @@ def test_verl_own_moves_delegate_and_train_bitwise(rank_pool, shared_dir):
     unadapted = rank_pool.run(verl_job, "unadapted", f"{shared_dir}/unadapted", True)
     for rank in unadapted:
         assert all(f["sleeps"] == 0 for _, f in rank["phases"]), rank["phases"]
+        # verl's own moves at engine init leave ours where they are: before the first step,
+        # the masters attach sent out.
         name, init = rank["phases"][0]
-        assert name == "engine init (offload)" and init["offloaded"] == 0, rank["phases"]
+        assert name == "engine init (offload)" and init["offloaded"] == init["tracked"] > 0
