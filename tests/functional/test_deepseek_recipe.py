@@ -5,7 +5,7 @@ ranks: a 4-layer model with multi-latent attention, MoE (sigmoid router with exp
 router, group top-k, seq_aux_loss, forced load balancing, shared experts, the alltoall
 dispatcher on expert parallel 2), multi-token prediction, SwiGLU, RMSNorm, qk-layernorm,
 selective recompute (mlp, moe, mla_up_proj, layernorm), ``--manual-gc``, ``--log-params-norm``
-and ``--log-num-zeros-in-grad``, saves every 2 iterations. Both ways the recipe trains:
+and ``--log-num-zeros-in-grad``, saves every 2 iterations (under Megatron-FSDP). Both ways the recipe trains:
 
 * **Megatron-FSDP** (its FSDP block: ``optim_grads_params``, ``fsdp_dtensor`` checkpoints,
   ``--fsdp-double-buffer``, bf16 gradient communication and main gradients,
@@ -26,10 +26,10 @@ included (the plain run holds it all). Under Megatron-FSDP also: a run resumed w
 from the offloaded run's first checkpoint bitwise the plain script resumed from its own (not the
 run that never stopped: megatron-core does not checkpoint the MoE router's state, so a resume
 differs from it, with or without offloading; the DistributedOptimizer's resumes are
-``test_async_save_resume.py``'s); and no late access to freed memory: the offloaded run again
-with every tensor storage behind guard pages (``megatron_offload_testing/guard_pages``: a freed
+``test_async_save_resume.py``'s); and no late access to freed memory: the offloaded run has
+every tensor storage behind guard pages (``megatron_offload_testing/guard_pages``: a freed
 storage inaccessible and never reused, so a reader or writer that comes late faults at once
-instead of corrupting memory handed out again), bitwise the plain run.
+instead of corrupting memory handed out again).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from megatron_offload_testing import guard_pages
 from tests.functional import runner
 
 SAVE_INTERVAL = 2
-ITERATIONS = 4
+ITERATIONS = 3  # saves after iterations 2 and 3 (the interval, and megatron.training's last)
 
 MODEL = (
     # The recipe's model, scaled down.
@@ -92,7 +92,9 @@ def _case(way: str, *, resumed: bool = False) -> runner.Case:
         2,
         MODEL + WAYS[way],
         train_iters=ITERATIONS,
-        save_interval=None if resumed else SAVE_INTERVAL,
+        # The DistributedOptimizer's saves (0 device bytes, served from the host copy) and
+        # resumes are test_pretrain_offload.py's and test_async_save_resume.py's.
+        save_interval=None if resumed or way != "megatron-fsdp" else SAVE_INTERVAL,
         description=f"the scaled DeepSeek-V3 recipe, {way}",
         # Megatron-FSDP refuses CUDA_DEVICE_MAX_CONNECTIONS=1 (the recipe unsets it too).
         unset_env=("CUDA_DEVICE_MAX_CONNECTIONS",),
@@ -109,12 +111,18 @@ def _params_norms(run) -> list[str]:
 
 @pytest.fixture(scope="module", params=list(WAYS))
 def runs(request, tmp_path_factory):
-    """(way, offloaded run, plain run, the directory under which each saved)."""
+    """(way, offloaded run, plain run, the directory under which each saved). Under
+    Megatron-FSDP the offloaded run has every tensor storage behind guard pages."""
     way = request.param
     root = str(tmp_path_factory.mktemp(way))
     case = _case(way)
+    if way == "megatron-fsdp":
+        environment = guard_pages.environment(guard_pages.build(root), {})
+        case = dataclasses.replace(
+            case, env=tuple((k, environment[k]) for k in ("LD_PRELOAD", "PYTHONFAULTHANDLER"))
+        )
     on = runner.run(case, offload=True, save_dir=os.path.join(root, "on"))
-    off = runner.run(case, offload=False, save_dir=os.path.join(root, "off"))
+    off = runner.run(_case(way), offload=False, save_dir=os.path.join(root, "off"))
     return way, on, off, root
 
 
@@ -131,14 +139,11 @@ def test_the_recipe_trains_bitwise_offloaded_with_nothing_held_between_steps(run
             # As every iteration starts, the first included (attach sent the masters out).
             assert entry["held_at_start"] == 0, where
         assert all(e["held_at_start"] > 0 for e in off.ranks[rank]["iterations"]), (way, rank)
-        saves = on.ranks[rank]["save_storage_bytes"]
-        assert [s["iteration"] for s in saves] == [2, 4], (way, rank)
-        if way == "distributed-optimizer":
-            # Served from the host copy: nothing comes to the device for a save.
-            assert all(s["before"] == s["after"] == 0 for s in saves), (way, rank, saves)
-        else:
-            # Under Megatron-FSDP the states and masters still come back for the save
-            # (docs/megatron-fsdp.md) and leave right after it (held_at_start above).
+        if way == "megatron-fsdp":
+            # The states and masters still come back for a save (docs/megatron-fsdp.md) and
+            # leave right after it (held_at_start above).
+            saves = on.ranks[rank]["save_storage_bytes"]
+            assert [s["iteration"] for s in saves] == [2, 3], (way, rank)
             assert all(s["before"] > 0 for s in saves), (way, rank, saves)
     norms = _params_norms(off)
     assert len(norms) == ITERATIONS and _params_norms(on) == norms, way
@@ -147,7 +152,8 @@ def test_the_recipe_trains_bitwise_offloaded_with_nothing_held_between_steps(run
 def _resume_from(root: str, side: str, into: str) -> str:
     """A copy of ``side``'s checkpoints under ``into`` that resumes after the first save."""
     shutil.copytree(os.path.join(root, side), into)
-    shutil.rmtree(os.path.join(into, f"iter_{2 * SAVE_INTERVAL:07d}"))
+    for later in range(SAVE_INTERVAL + 1, ITERATIONS + 1):
+        shutil.rmtree(os.path.join(into, f"iter_{later:07d}"), ignore_errors=True)
     with open(os.path.join(into, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write(str(SAVE_INTERVAL))
     return into
@@ -175,17 +181,12 @@ def test_a_resume_trains_on_bitwise_as_the_plain_scripts_resume(runs, tmp_path):
 
 
 @pytest.mark.parametrize("runs", ["megatron-fsdp"], indirect=True)
-def test_the_offloaded_run_touches_no_freed_storage(runs, tmp_path):
-    """``tests/functional/test_heap.py`` shows the guard catches a late write."""
-    way, _, off, _ = runs
-    library = guard_pages.build(tmp_path)
-    environment = guard_pages.environment(library, {})
-    case = dataclasses.replace(
-        _case(way),
-        name=f"deepseek-v3-{way}-guard-pages",
-        env=tuple((k, environment[k]) for k in ("LD_PRELOAD", "PYTHONFAULTHANDLER")),
-    )
-    # Saving as the plain run did (the writers are among the late readers looked for).
-    on = runner.run(case, offload=True, save_dir=str(tmp_path / "checkpoints"))
-    for rank in range(2):  # a fault on any rank fails the run above
+def test_the_offloaded_run_touched_no_freed_storage(runs):
+    """The offloaded run had every tensor storage behind guard pages (a late reader or writer
+    would have faulted it: ``tests/functional/test_heap.py`` shows the guard catches one) and
+    trained bitwise as the plain run."""
+    _, on, off, _ = runs
+    preloaded = dict(on.case.env).get("LD_PRELOAD", "")
+    assert preloaded.endswith("guard_pages.so"), on.case.env
+    for rank in range(2):
         assert _values(on, rank) == _values(off, rank), rank
