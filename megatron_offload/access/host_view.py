@@ -1,4 +1,4 @@
-"""Offloaded state seen as its host copy: ``HostView`` (checkpoints, reads between steps).
+"""Offloaded state seen as its host copy: ``HostView`` (checkpoints, ``host_view()``).
 
 While the states are offloaded their only valid copy is in the host arena; a checkpoint save
 reads them, a load writes them, and neither needs them on the device. For the duration of a
@@ -10,11 +10,11 @@ host copy and leaves it valid; a load writes it. Loads that put new tensors in p
 served ones (torch's ``Optimizer.load_state_dict`` casts each value to its parameter's
 device) are folded back into the host copy (``before_load`` / ``after_load`` and the end of
 the view); states a load made on the host for a served parameter are adopted by the engine
-as offloaded. Resident tensors are read where they are. Transformer Engine's fp16 and FP8
-moments cannot be read on the host (``servable``). Why each of these, and the formats it
-serves: docs/checkpointing.md.
+as offloaded. Resident tensors are read where they are. Which optimizers are served this way
+is their policy (``state.py``). Why each of these, and the formats it serves:
+docs/checkpointing.md.
 
-Rule 5 of the copy protocol: entering waits for every pending copy out before the host reads
+Rule 5 of the copy protocol: opening waits for every pending copy out before the host reads
 the arena (a host block, at a checkpoint only).
 """
 
@@ -25,54 +25,11 @@ import time
 
 import torch
 
-from ..adapters import MASTER_WEIGHTS, inner_optimizers, megatron_fsdp
+from ..adapters import inner_optimizers
 from ..adapters import megatron_wrappers as wrappers
 from ..adapters.holders import Holder, Repointing, items_of
 from ..engine import Place
 from ..engine.pieces import is_plain
-from ..phase import Phase
-
-# TE FusedAdam state dtypes whose values need the device to be read (scales on the device,
-# FP8 dequantization kernels).
-_DEVICE_ONLY_DTYPES = (torch.float16, torch.uint8)
-
-
-def servable(offloader) -> bool:
-    """True if every optimizer of ``offloader`` can have its checkpoints served from the host.
-
-    Not under Megatron-FSDP: its optimizer's parameters (and the model's, in a state dict)
-    are views into the master buffers, which no holder can point at the host, and its
-    checkpoint code re-wraps state slices on the mesh's device (``DTensor.from_local``), where
-    a host tensor would be copied and a load would write the copy. Its states and masters come
-    back for a checkpoint instead (docs/checkpointing.md)."""
-    for member in offloader.members:
-        if megatron_fsdp.is_megatron_fsdp(member.optimizer):
-            return False
-        inner = member.optimizer.optimizer
-        if inner_optimizers.kind_of(inner) == inner_optimizers.TE_FUSED_ADAM:
-            dtypes = getattr(inner, "name_to_dtype_map", {}) or {}
-            if any(
-                dtypes.get(k) in _DEVICE_ONLY_DTYPES
-                for k in ("exp_avg", "exp_avg_sq", "master_param")
-            ):
-                return False
-    return True
-
-
-def serve_reads(offloader, *, masters: bool) -> None:
-    """A read of a guarded state mapping between steps (guard.py): its values are served from
-    the host copy until the next phase transition (``PhaseTracker``), with no copy to the
-    device. ``masters``: the access hands out the mapping's keys, which are the master
-    weights of a bf16/fp16 model; those come back to the device (the optimizer states stay)."""
-    if masters:
-        kinds = (MASTER_WEIGHTS,)
-        for engine in offloader.engines:
-            if engine.is_released(kinds):
-                engine.reload(kinds)
-            engine.wait(kinds)
-            engine.mark_dirty(kinds)  # handed out: the caller may write them
-    if offloader.phase.view is None:
-        HostView(offloader, writes=True, keys=False, reading=True).__enter__()
 
 
 class HostViewFigures:
@@ -96,72 +53,41 @@ class HostViewFigures:
 
 
 class HostView:
-    """Context manager: the offloader's released tensors seen as their host copies.
+    """The released tensors of ``members`` seen as their host copies, from ``open()`` to
+    ``close()`` (``StateAccess.host_view`` opens one around a block, in the ``SERVING`` phase).
 
-    Re-entrant (a save calls ``state_dict`` inside ``sharded_state_dict``): only the outermost
-    one swaps, in the ``SERVING`` phase. ``writes``: the block may write the states (a load):
-    resident tensors' host copies become stale, and values the block put in place of served
-    tensors are folded back. ``keys=False``: only the state values are served; parameters
-    (and so the state's keys) stay the optimizer's own objects, so ``state[p]`` with a
-    parameter taken from ``param_groups`` before the block still finds its entry.
-    ``reading``: reads between steps (``serve_reads``): the view stays open in the
-    ``READING`` phase until the next transition closes it (``close``).
+    ``writes``: the block may write the states (a load): resident tensors' host copies become
+    stale, and values the block put in place of served tensors are folded back. ``figures``:
+    where what it served is counted.
     """
 
-    def __init__(
-        self, offloader, *, writes: bool, keys: bool = True, reading: bool = False
-    ) -> None:
-        self._offloader = offloader
+    def __init__(self, members, writes: bool, figures: HostViewFigures) -> None:
+        self._members = tuple(members)
         self._writes = writes
-        self._keys = keys
-        self._reading = reading
-        #: What ``phase.leave`` takes when the block ends; None until it is entered.
-        self._token: int | None = None
-        self.outer = False
+        self._figures = figures
         self._served: list[_Served] = []
 
     def note_writes(self) -> None:
-        """A view nested in this one may write the states."""
+        """A block nested in this one may write the states."""
         self._writes = True
 
-    def __enter__(self) -> "HostView":
-        offloader = self._offloader
-        phase = offloader.phase
-        enclosing = phase.view if phase.serving else None
-        self.outer = enclosing is None
-        if not self.outer:
-            if self._writes:
-                enclosing.note_writes()
-            return self
-        if not self._reading:
-            # The mapping is served, not guarded, in the block (and reads are closed).
-            self._token = phase.enter(Phase.SERVING, self)
-        figures = offloader.host_view_figures
+    def open(self) -> None:
+        """Swap the host views in (all or nothing)."""
+        figures = self._figures
         figures.calls += 1
         # State the block finds on the device (partial offload, a prefetch): read there.
         figures.device_bytes = max(
-            figures.device_bytes, sum(e.stats()["resident_bytes"] for e in offloader.engines)
+            figures.device_bytes,
+            sum(m.engine.stats()["resident_bytes"] for m in self._members),
         )
         start = time.perf_counter()
         try:
-            for member in offloader.members:
-                self._served.append(_Served(member.engine, member.optimizer, self._keys))
-            figures.wait_ms += (time.perf_counter() - start) * 1e3
+            for member in self._members:
+                self._served.append(_Served(member.engine, member.optimizer))
         except BaseException:
-            self.__exit__()
-            raise
-        if self._reading:
-            phase.read(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if not self.outer:
-            return
-        try:
             self.close()
-        finally:
-            if self._token is not None:
-                self._offloader.phase.leave(self._token)
+            raise
+        figures.wait_ms += (time.perf_counter() - start) * 1e3
 
     def close(self) -> None:
         """Put the optimizer's own tensors back (what the block wrote is in the host copy)."""
@@ -236,7 +162,7 @@ class HostView:
         return None
 
     def _restore(self, writes: bool) -> None:
-        figures = self._offloader.host_view_figures
+        figures = self._figures
         for served in self._served:
             if writes:
                 figures.load_bytes += served.served_bytes
@@ -257,10 +183,9 @@ class HostView:
 class _Served:
     """The swap for one Megatron optimizer (one engine)."""
 
-    def __init__(self, engine, wrapper, keys: bool = True) -> None:
+    def __init__(self, engine, wrapper) -> None:
         self.engine = engine
         self.owner = wrapper
-        self.keys = keys
         # Rules 3 and 4: what is on the device (a prefetch may have started its copy back) is
         # read and written in place by the block, after that copy (no host block).
         engine.wait()
@@ -293,10 +218,9 @@ class _Served:
         if not self.views:
             return
         inner = wrapper.optimizer
-        if keys:
-            lists = [group["params"] for group in inner.param_groups]
-            lists += list(wrappers.master_groups(wrapper))
-            self.pointed.point_items(items_of(lists), self.views)
+        lists = [group["params"] for group in inner.param_groups]
+        lists += list(wrappers.master_groups(wrapper))
+        self.pointed.point_items(items_of(lists), self.views)
         state = inner.state
         # Every tensor the state holds now (held, so that no id is reused in the block): on
         # exit, a tensor found in the state that is none of these was made in the block.
@@ -314,8 +238,7 @@ class _Served:
                     if view is not None:
                         self.places[(id(key), name)] = value
                         self.pointed.point(Holder(entries, name), view)
-        if keys:
-            self.pointed.rekey(state, self.views)
+        self.pointed.rekey(state, self.views)
 
     def restore(self, writes: bool) -> None:
         engine = self.engine
@@ -358,8 +281,7 @@ class _Served:
                 elif original is not None or _has_state_place(key, name, value):
                     changed = True
                     if (
-                        self.keys
-                        and id(key) in self.views
+                        id(key) in self.views
                         and value.device.type == "cpu"
                         and is_plain(value)
                         and value.numel()

@@ -130,7 +130,7 @@ def in_state(wrapper) -> Iterator[torch.Tensor]:
 
 def _entries(state, param):
     """``state.get(param)`` by dict's own lookup: while states are offloaded the mapping is
-    the offloader's guarded one (``access/guard.py``), whose accessors bring them back,
+    the offloader's guarded one (``access/state.py``), whose accessors bring them back,
     and finding the tensors touches none of them."""
     return dict.get(state, param) if isinstance(state, dict) else state.get(param)
 

@@ -55,10 +55,6 @@ from .plan import SMALL_STATE_ROOM, Budget
 _ABSENT = object()
 
 
-def _nothing(*_) -> None:
-    pass
-
-
 class ChunkedUpdate:
     """Runs one inner optimizer's step in chunks with its states streamed through slots.
 
@@ -88,7 +84,7 @@ class ChunkedUpdate:
     ) -> None:
         self.engine = engine
         # A chunked update of its own (no offloader): nothing else reacts to its phases.
-        self.phase = phase if phase is not None else PhaseTracker(on_access=_nothing)
+        self.phase = phase if phase is not None else PhaseTracker()
         self.inner = wrapper.optimizer
         self.kinds = tuple(kinds)
         # Refused now, before any memory is touched, if some parameter cannot fit a slot.

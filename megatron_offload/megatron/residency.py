@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 
-from ..access.host_view import servable
+from ..access.state import Policy
 from ..offloader.members import find_offloader
 
 
@@ -28,16 +28,15 @@ def save_is_staged_on_return(args) -> bool:
 def checkpoint_residency(optimizer, *, read_only: bool, args=None):
     """A checkpoint save (``read_only=True``) or load of ``optimizer``'s states.
 
-    Where the offloader can serve checkpoints from the host copy (``host_view.servable``:
-    every optimizer but Transformer Engine's with fp16 or FP8 moments, and none under
-    Megatron-FSDP), nothing is done here: the optimizer's checkpoint methods read and write
+    Where the offloader serves checkpoints from the host copy (``servable``: every optimizer
+    but Transformer Engine's with fp16 or FP8 moments, and none under Megatron-FSDP), nothing is done here: the optimizer's checkpoint methods read and write
     the host copy, and nothing comes back to the device. Otherwise the states are on the
     device for the block and offloaded again right after it (so the next iteration's forward
     and backward do not run with them).
 
     For a save the host copy stays valid. A save whose writer may keep references after it
     returns (an asynchronous save other than megatron-core's own) is left to the offloader's
-    state-access guard, which brings the states back when the save reads them and keeps
+    state access, which brings the states back when the save reads them and keeps
     them on the device until the next step's offload.
 
     After a load everything is offloaded, also what was never offloaded before: a resumed
@@ -53,7 +52,7 @@ def checkpoint_residency(optimizer, *, read_only: bool, args=None):
         return
     if servable(offloader):
         # The optimizer's checkpoint methods read and write the host copy themselves
-        # (guard.py, host_view.py): nothing comes back to the device.
+        # (access/state.py): nothing comes back to the device.
         yield offloader
     elif read_only and args is not None and not save_is_staged_on_return(args):
         yield offloader
@@ -62,6 +61,12 @@ def checkpoint_residency(optimizer, *, read_only: bool, args=None):
             yield offloader
     if not read_only and not offloader.detached and not offloader.is_offloaded:
         offloader.offload()
+
+
+def servable(offloader) -> bool:
+    """True if every optimizer of ``offloader`` has its checkpoints served from the host copy
+    (its policy, decided at attach)."""
+    return all(policy is Policy.HOST_COPY for policy in offloader.access.policies)
 
 
 def _megatron_args_or_none():

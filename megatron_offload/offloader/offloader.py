@@ -10,11 +10,11 @@ attribute name of Megatron-LM's own (unreleased) offloader. The loop points are
 copy back), ``prefetch()`` (what the step needs whole), ``wait()`` (order the copy-back
 before the current stream) and, for RL, ``sleep()`` / ``wake()`` (the model too).
 
-Every call that moves states runs in the ``MOVING`` phase (``phase.py``): the phase, not the
-call, decides whether the state mapping is guarded and ends reads served between steps.
-Methods of the optimizers that touch the states (state dicts, checkpointing, megatron's
-own ``offload_to_cpu``) are served from the host copy by ``access/guard.py``; ``attach``
-(``cycle.py``) adds the automatic per-step cycle on top.
+Every call that moves states runs in the ``MOVING`` phase (``phase.py``). Everything else that
+reaches the states between steps (state dicts, checkpointing, reads of the state mapping,
+``host_view()``) is the state access's (``access/state.py``); every update passes the update
+gate first (``gate.py``); megatron-core's own ``offload_to_cpu`` / ``restore_from_cpu`` are
+routed here. ``attach`` (``cycle.py``) adds the automatic per-step cycle on top.
 """
 
 from __future__ import annotations
@@ -26,14 +26,16 @@ from typing import Callable, Iterable, Iterator, Sequence
 from torch.utils.hooks import RemovableHandle
 
 from .. import report
-from ..access.guard import StateAccessGuard
-from ..access.host_view import HostView, HostViewFigures
+from ..access.host_view import HostView
+from ..access.methods import ROUTED_METHODS
+from ..access.state import StateAccess
 from ..adapters import MASTER_WEIGHTS
 from ..config import OffloadConfig
 from ..engine import OffloadEngine, OffloadStateError
 from ..errors import no_attribute
 from ..interceptions import Interceptions
-from ..phase import Phase, PhaseTracker, UpdateGate
+from ..phase import Phase, PhaseTracker
+from .gate import UpdateGate
 from .members import Member, master_weights_option, members, resident_selection, selection
 from .sleep import Sleep
 
@@ -56,11 +58,7 @@ class OptimizerStateOffloader:
         #: True once ``detach()`` ran: the optimizer is a plain optimizer again.
         self.detached = False
         #: The phase the optimizer is in (``phase.py``).
-        self.phase = PhaseTracker(
-            on_access=self._on_guarded_access, before_arming=self._before_arming
-        )
-        #: What checkpoints and reads served from the host copy did (``stats()``).
-        self.host_view_figures = HostViewFigures()
+        self.phase = PhaseTracker()
         self._members: list[Member] = []
         self._cycle = None  # the automatic cycle, once attach() installs one
         self._offload_pre_hooks: dict[int, Callable] = collections.OrderedDict()
@@ -68,8 +66,10 @@ class OptimizerStateOffloader:
         #: Every change made to the served objects (``interceptions.listing()``: what, where,
         #: why); ``detach`` removes them all.
         self.interceptions = Interceptions()
-        self._guard = None
-        self._gate = None  # every update's pre-hook (phase.py)
+        #: Every way in to the states between steps, and each optimizer's policy
+        #: (``access/state.py``).
+        self.access = None
+        self._gate = None  # every update's pre-hook (gate.py)
         self._sleep = Sleep(self)
         # All or nothing: a step that fails (a budget the arena does not fit, pinning, a wrap)
         # undoes the steps before it, and the optimizer is left exactly as it was.
@@ -84,11 +84,11 @@ class OptimizerStateOffloader:
                     why="the offloader serving it, under the name Megatron-LM's own uses",
                     only_if_ours=True,
                 )
-            self._guard = StateAccessGuard(self)
+            self.access = StateAccess(optimizer, self._members, self.phase, self.interceptions)
+            self._route_megatron_moves()
             self._gate = UpdateGate(self.phase, self._members, self._sleep, self.interceptions)
             self._sleep.register()
             undo.pop_all()
-        self.phase.serve(self.engines)
 
     # --------------------------------------------------------------- hooks
     def register_offload_pre_hook(
@@ -150,7 +150,7 @@ class OptimizerStateOffloader:
             per,
             cycles=self._cycle.cycles if self._cycle is not None else 0,
             devices=[member.engine.device for member in self._members],
-            host_views=self.host_view_figures.figures(),
+            host_views=self.access.figures.figures(),
             sleep=self._sleep.figures(),
         )
 
@@ -309,7 +309,7 @@ class OptimizerStateOffloader:
                 with self.phase.within(Phase.MOVING):
                     self._offload(again, skip_unchanged=True)
 
-    def host_view(self, *, writes: bool = False) -> HostView:
+    def host_view(self, *, writes: bool = False) -> contextlib.AbstractContextManager[HostView]:
         """Offloaded state seen as its host copy for the duration of the block.
 
         Inside ``with offloader.host_view():`` every released state tensor and master weight
@@ -323,7 +323,7 @@ class OptimizerStateOffloader:
         optimizer's checkpoint methods run inside one by themselves.
         """
         self._check_attached()
-        return HostView(self, writes=writes)
+        return self.access.host_view(writes=writes)
 
     # ------------------------------------------------------------- sleep and wake
     def sleep(self, model=None, *, parameters: bool = True, gradients: bool = True) -> None:
@@ -364,7 +364,7 @@ class OptimizerStateOffloader:
             self._cycle.remove()
             self._cycle = None
         self._gate.remove()
-        self._guard.remove()
+        self.access.remove()
         for engine in self.engines:
             engine.close()
         self.interceptions.remove_all()
@@ -386,21 +386,6 @@ class OptimizerStateOffloader:
         finally:
             self.phase.leave(token)
 
-    def make_resident(self, *, changes: bool, replaced: bool = False) -> None:
-        """Bring every offloaded state back and order it before the current stream; the
-        states then stay on the device until the next offload. ``changes``: the caller may
-        write them (the next offload copies them out again). ``replaced``: the caller may put
-        new tensor objects into the state (a load)."""
-        with self.phase.within(Phase.MOVING):
-            for engine in self.engines:
-                if engine.is_released():
-                    engine.reload()
-                engine.wait()
-                if changes:
-                    engine.mark_dirty()
-                if replaced:
-                    engine.invalidate()
-
     # ----------------------------------------------------------------- internals
     def _offload(self, selection: list[tuple[str, ...]], *, skip_unchanged: bool = False) -> None:
         """Copy out (unless ``skip_unchanged`` and still valid) and release, per optimizer."""
@@ -419,14 +404,36 @@ class OptimizerStateOffloader:
             for member, kinds in zip(self._members, selection):
                 if MASTER_WEIGHTS in kinds:
                     member.engine.copies.fingerprint.release_master_grads()  # O(groups) mostly
+        # A state mapping replaced since it was guarded (the wrapper's ``state`` setter) is
+        # guarded again as the states leave.
+        self.access.guard_replaced()
         for hook in tuple(self._offload_post_hooks.values()):
             hook(self)
 
-    def _on_guarded_access(self, mapping, writes: bool, name: str) -> None:
-        self._guard.accessed(mapping, writes, name)
+    def _route_megatron_moves(self) -> None:
+        """megatron-core's own RL moves (``offload_to_cpu`` / ``restore_from_cpu``) on each
+        served optimizer that has both, routed here: asynchronous, coalesced, and consistent
+        with what this offloader holds, instead of moving the tensors behind its back."""
 
-    def _before_arming(self) -> None:
-        self._guard.reinstall()
+        def offload_to_cpu(previous):
+            return lambda *args, **kwargs: self.offload()
+
+        def restore_from_cpu(previous):
+            def restore(*args, **kwargs):
+                if self.is_offloaded:
+                    self.reload()
+                self.wait()
+
+            return restore
+
+        wrappers = [member.optimizer for member in self._members]
+        targets = [self.optimizer] + [w for w in wrappers if w is not self.optimizer]
+        for target in targets:
+            if all(callable(getattr(type(target), name, None)) for name in ROUTED_METHODS):
+                for name, make in zip(ROUTED_METHODS, (offload_to_cpu, restore_from_cpu)):
+                    self.interceptions.wrap(
+                        target, name, make, why="megatron-core's RL move, routed to the offloader"
+                    )
 
     def _check_attached(self) -> None:
         if self.detached:

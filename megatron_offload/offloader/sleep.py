@@ -42,7 +42,6 @@ import weakref
 import torch
 
 from .. import rules
-from ..access.host_view import HostView
 from ..adapters import MASTER_WEIGHTS, OPTIMIZER_STATES, megatron_fsdp
 from ..adapters import model_buffers as buffers
 from ..adapters.megatron_wrappers import device_of
@@ -374,7 +373,7 @@ class Sleep:
         """Why a rebuild of ``wrapper``'s parameters would not be exact, or None: each shard
         compared with its master cast, where the masters are (their host copies, inside a
         host view, where the step cycle released them)."""
-        with HostView(self._offloader, writes=False):
+        with self._offloader.access.host_view(writes=False):
             equal = buffers.matches_masters(wrapper)
         if equal:
             return None

@@ -201,7 +201,7 @@ def wrap_load_checkpoint(original):
                 dopt._init_optimizer_states_with_dummy_values()
         result = original(ddp_model, optimizer, *args, **kwargs)
         if optimizer is not None and find_offloader(optimizer) is None:
-            from megatron_offload.access.guard import restore_step_tensors
+            from megatron_offload.access.methods import restore_step_tensors
 
             for dopt in chain_members(optimizer):
                 groups = dopt.optimizer.param_groups

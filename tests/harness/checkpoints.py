@@ -147,7 +147,7 @@ def load(chunks, optimizer, directory, offload):
     if not offload:
         # The offloader repairs the per-parameter `step` tensors megatron-core's load leaves
         # shared and stale with torch AdamW; the reference (no offloader) gets the same fix.
-        from megatron_offload.access.guard import restore_step_tensors
+        from megatron_offload.access.methods import restore_step_tensors
 
         for distrib in models.distributed_optimizers(optimizer):
             restore_step_tensors(

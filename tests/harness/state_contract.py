@@ -96,11 +96,13 @@ def touching_methods(cls) -> dict[str, str]:
 def unclassified() -> dict[str, str]:
     """``Class.method -> how`` for every method of the importable megatron-core's optimizers
     that touches states or masters and is neither served from the host copy, routed to the
-    offloader, nor shown safe by ``megatron_offload.access.guard`` (empty when the contract
+    offloader, nor shown safe by ``megatron_offload.access.methods`` (empty when the contract
     holds)."""
-    from megatron_offload.access import guard
+    from megatron_offload.access import methods
 
-    classified = set(guard.STATE_METHODS) | set(guard.ROUTED_METHODS) | set(guard.SAFE_METHODS)
+    classified = (
+        set(methods.STATE_METHODS) | set(methods.ROUTED_METHODS) | set(methods.SAFE_METHODS)
+    )
     return {
         f"{cls.__name__}.{name}": how
         for cls in optimizer_classes()

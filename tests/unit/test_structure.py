@@ -264,35 +264,47 @@ def test_the_size_alarm_rings_for_a_planted_long_module():
     }
 
 
-def arming(trees: dict[str, ast.Module]) -> list[str]:
-    """Stores of a guarded mapping's ``armed`` outside the phase tracker."""
+def reaching_the_offloader(trees: dict[str, ast.Module]) -> list[str]:
+    """Places in ``access/`` that reach the offloader: an import of ``offloader/`` or a name or
+    attribute called ``offloader`` (the state access is handed what it uses, once)."""
     found = []
     for path, tree in trees.items():
+        if not path.startswith("megatron_offload/access/"):
+            continue
         for node in ast.walk(tree):
-            if (
-                isinstance(node, ast.Attribute)
-                and isinstance(node.ctx, ast.Store)
-                and node.attr == "armed"
-                and path != "megatron_offload/phase.py"
+            if isinstance(node, ast.ImportFrom) and "offloader" in (node.module or "").split("."):
+                found.append(f"{path}:{node.lineno}: import {node.module}")
+            elif (isinstance(node, ast.Name) and node.id == "offloader") or (
+                isinstance(node, ast.Attribute) and node.attr == "offloader"
             ):
                 found.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
     return found
 
 
-def test_the_phase_is_armed_in_one_place():
-    """Only the phase tracker arms or disarms a guarded mapping."""
-    assert arming(_modules()) == []
+def test_the_state_access_never_reaches_the_offloader():
+    """``access/`` is handed the phase tracker, the members and the interceptions at attach;
+    it neither imports the offloader nor calls back into it."""
+    assert reaching_the_offloader(_modules()) == []
 
 
-def test_the_arming_scan_finds_a_planted_store():
-    planted = {"megatron_offload/access/x.py": ast.parse("state.armed = None\n")}
-    assert arming(planted) == ["megatron_offload/access/x.py:1: state.armed"]
+def test_the_offloader_scan_finds_planted_reaches():
+    planted = {
+        "megatron_offload/access/x.py": ast.parse(
+            "from ..offloader.offloader import X\nself.offloader.phase\noffloader.wait()\n"
+        ),
+        "megatron_offload/offloader/y.py": ast.parse("offloader.wait()\n"),  # outside: fine
+    }
+    assert reaching_the_offloader(planted) == [
+        "megatron_offload/access/x.py:1: import offloader.offloader",
+        "megatron_offload/access/x.py:2: self.offloader",
+        "megatron_offload/access/x.py:3: offloader",
+    ]
 
 
 # Plain attribute assignments to objects the package does not own that are not interceptions,
 # and why each is none: (module, attribute) -> the reason.
 ASSIGNED_BY_DESIGN = {
-    ("megatron_offload/access/guard.py", "state"): "the guarded state mapping, listed with "
+    ("megatron_offload/access/state.py", "state"): "the guarded state mapping, listed with "
     "Interceptions.record and an undo of its own (the optimizer writes into the mapping: the "
     "undo refills the original with what it holds now)",
     ("megatron_offload/chunked/update.py", "param_groups"): "the chunked update points the "

@@ -63,7 +63,7 @@ def _calls(chunks, optimizer, directory):
 
 def walk_job(offload, dtype, fix_shared_step=True):
     import megatron_offload
-    from megatron_offload.access.guard import unshare_step_tensors
+    from megatron_offload.access.methods import unshare_step_tensors
     from tests.harness import models
 
     chunks, optimizer, config = models.build("mlp", dtype)

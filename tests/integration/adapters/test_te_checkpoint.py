@@ -237,8 +237,8 @@ def test_dist_checkpoint_while_offloaded_resumes_bitwise(
     for ref, off in zip(reference, offloaded):
         assert off["offloaded_at_save"] and off["offloaded_before_load"]
         if moments == "fp8":
-            # Not served from the host (host_view.servable): TE dequantizes FP8 moments with a
-            # device kernel, so the save and the load bring the states back, as much as is
+            # Not served from the host (its policy, access/state.py): TE dequantizes FP8 moments
+            # with a device kernel, so the save and the load bring the states back, as much as is
             # tracked (docs/checkpointing.md), and the next step offloads again.
             assert off["save"]["peak_state_bytes"] == off["save"]["tracked_bytes"] > 0, off["save"]
             assert not off["save"]["released_after"]

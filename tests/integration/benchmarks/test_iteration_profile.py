@@ -12,8 +12,9 @@ def _both_modes():
 
 def test_one_iteration_stays_within_the_files_functions_and_calls_goals():
     """One steady iteration of megatron-core's bf16 GPT on a gloo rank (the benchmark's own
-    job, both modes in one process): whole mode at most 7 files and 30 functions of the
-    package, chunked mode at most 10 files and 300 calls, with the states offloaded."""
+    job, both modes in one process): whole mode at most 9 files and 30 functions of the
+    package, chunked mode at most 12 files and 300 calls, with the states offloaded (the phase,
+    the update gate and the guarded state mapping are a module each: docs/design.md)."""
     process = IsolatedProcess(timeout=300)  # its own: the job installs the CPU stand-ins
     try:
         out = process.run(_both_modes)
@@ -24,8 +25,9 @@ def test_one_iteration_stays_within_the_files_functions_and_calls_goals():
         mode: [f"{path}:{line} {name} x{calls}" for path, line, name, calls in figures["table"]]
         for mode, figures in out.items()
     }
-    assert whole["files"] <= 7 and whole["functions"] <= 30, listing["whole"]
-    assert chunked["files"] <= 10 and chunked["calls"] <= 300, listing["chunked"]
+    assert whole["files"] <= 9 and whole["functions"] <= 30, listing["whole"]
+    assert whole["calls"] <= 110, listing["whole"]
+    assert chunked["files"] <= 12 and chunked["calls"] <= 300, listing["chunked"]
     # What was counted is the real cycle: the step wrapper, the engine's offload and reload,
     # the update's pre-hook, and something offloaded between the steps.
     for figures in (whole, chunked):

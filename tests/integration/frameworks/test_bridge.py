@@ -170,7 +170,7 @@ def bridge_job(offload: bool, save_dir: str, resume: bool = False) -> dict:
             # before the load) and shared; an attached offloader repairs it, but Bridge loads
             # before on_train_start attaches one. Repaired here for both runs, as the offloader
             # would (the saved step is in the loaded param groups).
-            from megatron_offload.access.guard import restore_step_tensors
+            from megatron_offload.access.methods import restore_step_tensors
 
             for distrib in models.distributed_optimizers(optimizer):
                 restore_step_tensors(

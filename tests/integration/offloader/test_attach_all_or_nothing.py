@@ -26,7 +26,7 @@ def _primitives():
     """(owner, attribute name) of every call through which attach changes something."""
     import importlib
 
-    from megatron_offload.access.guard import StateAccessGuard
+    from megatron_offload.access.state import StateAccess
     from megatron_offload.chunked.update import ChunkedUpdate
     from megatron_offload.engine import OffloadEngine
     from megatron_offload.interceptions import Interceptions
@@ -40,8 +40,8 @@ def _primitives():
         (attach_module, "_refuse_backward_prefetch_under_cuda_graphs"),
         (OffloadEngine, "reserve_host"),
         (Interceptions, "replace"),
-        (StateAccessGuard, "_install"),
-        (StateAccessGuard, "_wrap"),
+        (StateAccess, "_install"),
+        (Interceptions, "wrap"),
         (torch.optim.Optimizer, "register_state_dict_pre_hook"),
         (torch.optim.Optimizer, "register_load_state_dict_pre_hook"),
         (torch.optim.Optimizer, "register_load_state_dict_post_hook"),
@@ -220,7 +220,7 @@ def test_a_failure_at_any_step_of_attach_leaves_the_optimizer_as_it_was(rank_poo
         "reserve_host",
         "replace",
         "_install",
-        "_wrap",
+        "Interceptions.wrap",
         "register_step_pre_hook",
         "update_wrapper",
         "warn_where_frees_wait",

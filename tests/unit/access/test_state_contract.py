@@ -1,7 +1,7 @@
 """The state-access contract, checked against the installed megatron-core's own code: every
 public method of the optimizers an offloader serves that touches the optimizer states or the
-master weights is served from the host copy (``guard.STATE_METHODS``), routed to the
-offloader (``guard.ROUTED_METHODS``), or shown safe (``guard.SAFE_METHODS``, with the reason).
+master weights is served from the host copy (``methods.STATE_METHODS``), routed to the
+offloader (``methods.ROUTED_METHODS``), or shown safe (``methods.SAFE_METHODS``, with the reason).
 A method a later megatron-core adds fails here, naming it, until it is classified.
 
 Runs on every megatron-core line of the suite (``floor``: 0.16.1; ``line``: 0.17.1, 0.18.2;
@@ -12,10 +12,10 @@ checkout (``tests/functional/test_stock_script.py``).
 
 import pytest
 
-from megatron_offload.access import guard
+from megatron_offload.access import methods
 from tests.harness.state_contract import optimizer_classes, touching_methods, unclassified
 
-CLASSIFIED = set(guard.STATE_METHODS) | set(guard.ROUTED_METHODS) | set(guard.SAFE_METHODS)
+CLASSIFIED = set(methods.STATE_METHODS) | set(methods.ROUTED_METHODS) | set(methods.SAFE_METHODS)
 
 
 @pytest.mark.floor
