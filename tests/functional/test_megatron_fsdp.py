@@ -1,13 +1,14 @@
 """examples/pretrain_gpt.py under Megatron-FSDP (``--use-megatron-fsdp``, its default sharding
 strategy ``optim_grads_params``, ``--ckpt-format fsdp_dtensor``) with and without
-``--offload-optimizer-states``, on 2 and 4 gloo ranks.
+``--offload-optimizer-states``, on 2 gloo ranks (4 ranks, the four sharding strategies and
+uneven shards are the integration tier's: tests/integration/offloader/test_megatron_fsdp.py).
 
 Per iteration, on every rank, lm loss and grad norm are bitwise those of the plain script; with
 ``--log-params-norm`` megatron.training reads the fp32 master weights after every step (the
 masters are offloaded then), and the norm it logs is the plain run's too. After every step the
 offloader holds every state and master buffer on the host and nothing on the device.
 
-On 2 ranks both runs also save fsdp_dtensor checkpoints (after iterations 2 and 4): the
+Both runs also save fsdp_dtensor checkpoints (after iterations 2 and 4): the
 offloaded run's hold bit for bit the plain run's tensors, and a run resumed with offloading from
 the offloaded run's first one trains on bitwise as the run that never stopped.
 """
@@ -28,24 +29,24 @@ from tests.harness.checkpoints import torch_dist_tensors
 SAVE_INTERVAL = 2
 
 
-def _case(world_size: int) -> runner.Case:
+def _case() -> runner.Case:
     return runner.Case(
-        f"megatron-fsdp-dp{world_size}",
-        world_size,
+        "megatron-fsdp-dp2",
+        2,
         (
             "--bf16",
             "--use-megatron-fsdp",
             "--ckpt-format",
             "fsdp_dtensor",
             "--log-params-norm",
-            # Gated linear units on 2 ranks: their fc1 states and masters are re-wrapped in
-            # halves for the checkpoints (megatron-core's handle_swiglu_in_state_dict).
-            *(("--swiglu",) if world_size == 2 else ()),
+            # Gated linear units: their fc1 states and masters are re-wrapped in halves for
+            # the checkpoints (megatron-core's handle_swiglu_in_state_dict).
+            "--swiglu",
         ),
         train_iters=4,
-        description=f"Megatron-FSDP over {world_size} data-parallel ranks, bf16",
+        description="Megatron-FSDP over 2 data-parallel ranks, bf16",
         unset_env=("CUDA_DEVICE_MAX_CONNECTIONS",),
-        save_interval=SAVE_INTERVAL if world_size == 2 else None,
+        save_interval=SAVE_INTERVAL,
     )
 
 
@@ -57,26 +58,20 @@ def _params_norms(run) -> list[str]:
     return re.findall(r"params norm: ([0-9.eE+-]+)", run.log)
 
 
-def _runs(world_size: int, root=None):
-    """(offloaded run, plain run), each saving under ``root`` when given."""
-    case = _case(world_size)
-    on = runner.run(case, offload=True, save_dir=root and os.path.join(root, "on"))
-    off = runner.run(case, offload=False, save_dir=root and os.path.join(root, "off"))
-    return on, off
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """The two runs on 2 ranks and the directory under which they saved."""
+    """(offloaded run, plain run, the directory under which they saved)."""
     root = str(tmp_path_factory.mktemp("megatron_fsdp"))
-    return (*_runs(2, root), root)
+    case = _case()
+    on = runner.run(case, offload=True, save_dir=os.path.join(root, "on"))
+    off = runner.run(case, offload=False, save_dir=os.path.join(root, "off"))
+    return on, off, root
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_the_stock_script_under_megatron_fsdp_is_bitwise_offloaded(world_size, saved):
-    case = _case(world_size)
-    on, off = saved[:2] if world_size == 2 else _runs(world_size)
-    for rank in range(world_size):
+def test_the_stock_script_under_megatron_fsdp_is_bitwise_offloaded(saved):
+    case = _case()
+    on, off, _ = saved
+    for rank in range(2):
         assert len(on.ranks[rank]["iterations"]) == case.train_iters
         assert _values(on, rank) == _values(off, rank), f"rank {rank}"
         for index, entry in enumerate(on.ranks[rank]["iterations"]):
@@ -117,7 +112,7 @@ def test_a_resume_from_its_checkpoint_trains_on_bitwise(saved, tmp_path):
     shutil.rmtree(os.path.join(resume_dir, f"iter_{2 * SAVE_INTERVAL:07d}"))
     with open(os.path.join(resume_dir, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write(str(SAVE_INTERVAL))
-    case = dataclasses.replace(_case(2), name="megatron-fsdp-dp2-resume", save_interval=None)
+    case = dataclasses.replace(_case(), name="megatron-fsdp-dp2-resume", save_interval=None)
     resumed = runner.run(case, offload=True, extra_flags=("--load", resume_dir))
     for rank in range(2):
         assert len(resumed.ranks[rank]["iterations"]) == case.train_iters - SAVE_INTERVAL
