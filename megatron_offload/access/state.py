@@ -360,7 +360,7 @@ class StateAccess:
             return
         mapping = GuardedState(state.default_factory)
         dict.update(mapping, state)
-        mapping.member = self._members.index(member)
+        mapping.member = next(i for i, m in enumerate(self._members) if m is member)
         mapping.access, mapping.phase = self, self._phase
         inner.state = mapping
         if id(inner) in self._mappings:
