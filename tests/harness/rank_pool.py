@@ -281,19 +281,34 @@ def _free_stranded(gc) -> None:
     own nodes (C++ references the collector cannot see: an fp32 model's optimizer holds views
     of its parameters, whose gradient nodes hold the hooks). Such a model keeps its process
     groups, and each gloo group three transport threads: a few hundred jobs left the rank
-    processes with a thousand threads each. Whatever is still alive after the collection is
-    garbage of the finished job; emptying it releases what it holds.
+    processes with a thousand threads each. Megatron-FSDP jobs stranded more: its module, its
+    distributed index and, with MoE, the whole model (its layers hold their groups), some 20
+    gloo groups (60 threads per rank) per job, so a few dozen of them left every rank process
+    with over a thousand threads and the machine's load average in the hundreds. Whatever is
+    still alive after the collection is garbage of the finished job; emptying it releases
+    what it holds.
     """
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.optimizer.optimizer import MegatronOptimizer
+    from megatron.core.transformer.module import MegatronModule
 
-    stranded = [
-        o for o in gc.get_objects() if isinstance(o, (DistributedDataParallel, MegatronOptimizer))
-    ]
+    kinds = (DistributedDataParallel, MegatronOptimizer, MegatronModule, *_megatron_fsdp_holders())
+    stranded = [o for o in gc.get_objects() if isinstance(o, kinds)]
     for obj in stranded:
         vars(obj).clear()
     del stranded
     gc.collect()
+
+
+def _megatron_fsdp_holders() -> tuple:
+    """What keeps a Megatron-FSDP job's process groups alive after it, beside its model: its
+    ``MegatronFSDP`` module (autograd's nodes hold its hooks) and its distributed index. (Device
+    meshes are not emptied: torch keeps some for the next job to reuse.)"""
+    try:
+        from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp, utils
+    except ImportError:  # a megatron-core without Megatron-FSDP
+        return ()
+    return (megatron_fsdp.MegatronFSDP, utils.FSDPDistributedIndex)
 
 
 def _rank_main(rank, world_size, port, conn, log_path, env, pg_timeout_s, megatron=True):

@@ -302,17 +302,27 @@ def fp32_training_job():
         models.train_step(chunks, optimizer, config, step)
 
 
-def test_jobs_leave_no_process_groups_or_threads_behind(rank_pool):
+def megatron_fsdp_moe_job():
+    from tests.integration.offloader.test_megatron_fsdp import fsdp_job
+
+    fsdp_job(True, steps=1, moe=True)
+
+
+@pytest.mark.parametrize(
+    "job", [fp32_training_job, megatron_fsdp_moe_job], ids=["fp32-ddp", "megatron-fsdp-moe"]
+)
+def test_jobs_leave_no_process_groups_or_threads_behind(rank_pool, job):
     """An fp32 model with the distributed optimizer outlives its job (autograd's nodes keep
     its hooks, and so the DDP wrapper, alive) and held its process groups, three gloo threads
-    each: a few hundred jobs left each rank with a thousand threads. The pool empties such
-    leftovers at every teardown; the groups and threads stay what one job needs. (No more after
-    three jobs than before them: the shared ranks may still hold, before, what an earlier
-    test's job left, which a teardown then frees.)"""
-    rank_pool.run(fp32_training_job)
+    each: a few hundred jobs left each rank with a thousand threads. A Megatron-FSDP job with
+    MoE left its module, its distributed index and its whole model (some 60 threads per rank
+    and job). The pool empties such leftovers at every teardown; the groups and threads stay
+    what one job needs. (No more after three jobs than before them: the shared ranks may still
+    hold, before, what an earlier test's job left, which a teardown then frees.)"""
+    rank_pool.run(job)
     before = rank_pool.run(threads_job)
     for _ in range(3):
-        rank_pool.run(fp32_training_job)
+        rank_pool.run(job)
     after = rank_pool.run(threads_job)
     for rank_before, rank_after in zip(before, after):
         assert all(a <= b for a, b in zip(rank_after, rank_before)), (before, after)
