@@ -80,20 +80,16 @@ FSDP_STRATEGIES = ("optim_grads_params", "optim_grads", "optim", "no_shard")
 
 def refuse_megatron_fsdp(source) -> None:
     """Raise ``OffloadArgumentError`` for the Megatron-FSDP settings offloading does not serve
-    (yet): sharding strategies it does not know, hybrid sharding (HSDP), NCCL user buffers and
-    its CUDA-graph mode."""
+    (yet): sharding strategies it does not know, and its CUDA-graph mode. Hybrid sharding
+    (``--num-distributed-optimizer-instances`` above 1, either outer strategy) and NCCL user
+    buffers are served: each rank's masters are still one main weight buffer per parameter
+    group (``adapters/megatron_fsdp.py``)."""
     strategy = getattr(source, "data_parallel_sharding_strategy", None)
     if strategy is not None and strategy not in FSDP_STRATEGIES:
         raise OffloadArgumentError(
             f"optimizer-state offloading ({SWITCH}) under Megatron-FSDP (--use-megatron-fsdp) "
             f"serves --data-parallel-sharding-strategy {', '.join(FSDP_STRATEGIES)}, not "
             f"{strategy!r} (not shown yet). Use one of those, or drop {SWITCH}."
-        )
-    if (getattr(source, "num_distributed_optimizer_instances", 1) or 1) > 1:
-        raise OffloadArgumentError(
-            f"optimizer-state offloading ({SWITCH}) does not serve the hybrid sharding of "
-            "Megatron-FSDP (--use-megatron-fsdp) yet (HSDP: --num-distributed-optimizer-instances "
-            f"above 1). Use one distributed optimizer instance, or drop {SWITCH}."
         )
     if getattr(source, "megatron_fsdp_cuda_graph_mode", False):
         raise OffloadArgumentError(

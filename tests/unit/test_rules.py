@@ -38,15 +38,14 @@ def test_without_megatron_fsdp_its_fields_are_not_judged():
     "fields, words",
     [
         ({"data_parallel_sharding_strategy": "a_later_one"}, "not 'a_later_one' (not shown"),
-        ({"num_distributed_optimizer_instances": 2}, "(HSDP"),
         ({"megatron_fsdp_cuda_graph_mode": True}, "CUDA-graph mode of"),
         (
             {
                 "use_megatron_fsdp": False,
                 "use_custom_fsdp": True,
-                "num_distributed_optimizer_instances": 2,
+                "megatron_fsdp_cuda_graph_mode": True,
             },
-            "HSDP",
+            "CUDA-graph mode of",
         ),
     ],
 )

@@ -24,20 +24,29 @@ STEPS = 4
 
 
 def fsdp_job(
-    offload: bool, *, steps=STEPS, options=None, moe=False, checked=False, te=None, strategy=None
+    offload: bool,
+    *,
+    steps=STEPS,
+    options=None,
+    moe=False,
+    checked=False,
+    te=None,
+    strategy=None,
+    ddp=None,
 ):
     """``te``: None (torch's AdamW), or Transformer Engine's FusedAdam (its CPU double):
     "te" keeping no masters (Megatron-FSDP's buffers hold them), or "te-precision-aware"
-    (``--use-precision-aware-optimizer`` with bf16 moments)."""
+    (``--use-precision-aware-optimizer`` with bf16 moments). ``ddp``: more fields of the
+    ``DistributedDataParallelConfig``."""
     import contextlib
 
     from tests.harness import optimizer_jobs
 
     with optimizer_jobs.injected("te") if te else contextlib.nullcontext():
-        return _fsdp_run(offload, steps, options, moe, checked, te, strategy)
+        return _fsdp_run(offload, steps, options, moe, checked, te, strategy, ddp)
 
 
-def _fsdp_run(offload, steps, options, moe, checked, te, strategy):
+def _fsdp_run(offload, steps, options, moe, checked, te, strategy, ddp=None):
     import megatron_offload
     from tests.harness import models, optimizer_jobs
     from tests.harness.checked import check_devices, checked_device_options
@@ -52,6 +61,7 @@ def _fsdp_run(offload, steps, options, moe, checked, te, strategy):
             **FSDP,
             "megatron_fsdp_use_decoupled_grad": precision_aware,
             **({"data_parallel_sharding_strategy": strategy} if strategy else {}),
+            **(ddp or {}),
         },
         transformer_overrides=overrides,
         optimizer_overrides=optimizer_jobs.precision_aware(exp_avg="bf16")
@@ -139,6 +149,20 @@ def test_one_rank_bitwise_with_nothing_held():
 def test_four_ranks_bitwise_with_nothing_held(rank_pool4):
     reference = rank_pool4.run(fsdp_job, False, steps=3)
     offloaded = rank_pool4.run(fsdp_job, True, steps=3)
+    assert_bitwise_equal(reference, offloaded)
+    _assert_offloaded_between_steps(reference, offloaded)
+
+
+@pytest.mark.parametrize("outer", ["no_shard", "optim"], ids=["hsdp", "hfsdp"])
+def test_hybrid_sharding_bitwise_with_nothing_held(rank_pool4, outer):
+    """Hybrid sharding on 4 ranks: two distributed optimizer instances of 2 ranks each
+    (``--num-distributed-optimizer-instances 2``), the outer group replicated (HSDP) or
+    sharded too (``--outer-dp-sharding-strategy optim``). Each rank's masters are still one
+    main weight buffer per parameter group, released and regrown in place."""
+    instances = {"num_distributed_optimizer_instances": 2}
+    ddp = {**instances, "outer_dp_sharding_strategy": outer}
+    reference = rank_pool4.run(fsdp_job, False, steps=3, ddp=ddp, mp_kwargs=instances)
+    offloaded = rank_pool4.run(fsdp_job, True, steps=3, ddp=ddp, mp_kwargs=instances)
     assert_bitwise_equal(reference, offloaded)
     _assert_offloaded_between_steps(reference, offloaded)
 

@@ -100,13 +100,13 @@ def more_misuse_job():
         torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1),
     ]
     found["chained_with_other"] = _error(lambda: megatron_offload.attach(mixed))
-    # Refused settings (Megatron-FSDP: hybrid sharding), before anything is touched.
+    # Refused settings (Megatron-FSDP: its CUDA-graph mode), before anything is touched.
     for flag, obj, fields in (
         ("optimizer_cuda_graph", distrib.config, {"optimizer_cuda_graph": True}),
         (
             "use_megatron_fsdp",
             distrib.ddp_config,
-            {"use_megatron_fsdp": True, "num_distributed_optimizer_instances": 2},
+            {"use_megatron_fsdp": True, "megatron_fsdp_cuda_graph_mode": True},
         ),
     ):
         saved = {name: getattr(obj, name) for name in fields}

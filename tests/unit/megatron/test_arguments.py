@@ -175,6 +175,16 @@ def test_max_piece_bytes_option_is_validated_before_anything_is_touched():
             OK_BASE + ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy]
             for strategy in ("optim_grads_params", "optim_grads", "optim", "no_shard")
         ),
+        # Hybrid sharding (HSDP, and HFSDP with a sharded outer group).
+        OK_BASE + ["--use-megatron-fsdp", "--num-distributed-optimizer-instances", "2"],
+        OK_BASE
+        + [
+            "--use-megatron-fsdp",
+            "--num-distributed-optimizer-instances",
+            "2",
+            "--outer-dp-sharding-strategy",
+            "optim",
+        ],
     ],
     ids=lambda argv: " ".join(argv) or "no-flags",
 )
@@ -250,11 +260,6 @@ REFUSED = [
         ],
         id="adaptive-muon",
         marks=pytest.mark.skipif(not HAVE_EMERGING, reason=EMERGING_REASON),
-    ),
-    pytest.param(
-        OK_BASE + ["--use-megatron-fsdp", "--num-distributed-optimizer-instances", "2"],
-        [OFFLOAD_FLAG, "hybrid sharding of", "--num-distributed-optimizer-instances"],
-        id="megatron-fsdp-hsdp",
     ),
     pytest.param(
         OK_BASE + ["--use-megatron-fsdp", CHUNKED_FLAG, "4096"],
