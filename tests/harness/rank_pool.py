@@ -275,7 +275,7 @@ def _thread_count() -> int:
 
 
 def _free_stranded(gc) -> None:
-    """Empty the job's DDP models and Megatron optimizers that outlived it.
+    """Empty the job's models, DDP wrappers and Megatron optimizers that outlived it.
 
     A model whose gradient hooks close over the DDP wrapper can be kept alive by autograd's
     own nodes (C++ references the collector cannot see: an fp32 model's optimizer holds views
