@@ -46,7 +46,7 @@ def fsdp_job(
         return _fsdp_run(offload, steps, options, moe, checked, te, strategy, ddp)
 
 
-def _fsdp_run(offload, steps, options, moe, checked, te, strategy, ddp=None):
+def _fsdp_run(offload, steps, options, moe, checked, te, strategy, ddp):
     import megatron_offload
     from tests.harness import models, optimizer_jobs
     from tests.harness.checked import check_devices, checked_device_options
