@@ -266,6 +266,7 @@ def install() -> None:
     # region (dropout) and logs a warning each time; that is expected here.
     logging.getLogger(mcore_random.__name__).setLevel(logging.ERROR)
 
+    _run_each_gloo_group_in_order()
     _give_megatron_fsdp_the_cpu()
     _serve_the_deepseek_recipe()
     from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -274,6 +275,38 @@ def install() -> None:
     _mode = _CudaOnCpuMode()
     _mode.__enter__()
     _installed = True
+
+
+def _run_each_gloo_group_in_order() -> None:
+    """Every gloo process group created from now on runs its collectives on one worker thread,
+    in the order they were issued, as a GPU's communication stream runs NCCL's.
+
+    Needed: gloo gives each group two worker threads, so two asynchronous collectives of one
+    group run at the same time, and torch 2.13's gloo coalesced all-gather
+    (``allgather_into_tensor_coalesced``) is not safe that way: two of them in flight on one
+    group corrupt the heap (``malloc(): unaligned tcache chunk detected``, ``malloc_consolidate():
+    unaligned fastbin chunk detected`` or a segmentation fault in a gloo worker thread, one
+    run in a few). Megatron-FSDP's overlapped parameter gather issues one such coalesced
+    all-gather per bucket group, back to back, and waits for them later. NCCL on a GPU never
+    takes this path: its collectives of one group run in order on the group's stream. (Must run
+    before ``init_process_group``: a group keeps the worker threads it was created with.)"""
+    from torch.distributed import distributed_c10d
+
+    gloo = distributed_c10d.ProcessGroupGloo
+    default_timeout = distributed_c10d.default_pg_timeout
+
+    class InOrderGloo(gloo):
+        """A ProcessGroupGloo with one worker thread; everything else as torch builds it."""
+
+        def __init__(self, store, rank, size, timeout=default_timeout):
+            options = gloo._Options()
+            if timeout is not None:
+                options._timeout = timeout
+            options._threads = 1
+            options._devices = [gloo.create_default_device()]
+            super().__init__(store, rank, size, options)
+
+    _patch(distributed_c10d, "ProcessGroupGloo", InOrderGloo)
 
 
 def _give_megatron_fsdp_the_cpu() -> None:
