@@ -26,7 +26,6 @@ import functools
 import json
 from dataclasses import fields
 
-from .. import rules
 from ..config import NOT_FLAGS, PREFETCH_POINTS, OffloadConfig, flag
 from ..errors import OffloadArgumentError
 from ..rules import SWITCH, offload_enabled
@@ -292,11 +291,6 @@ def validate_args(args) -> None:
                 "forward pass, when they are in host memory. Add --no-offload-master-weights, "
                 "or drop --reuse-grad-buf-for-mxfp8-param-ag."
             )
-    if config.chunked_update_bytes is not None and getattr(args, "use_megatron_fsdp", False):
-        rules.refuse_under_megatron_fsdp(
-            f"the chunked update ({CHUNKED_FLAG})",
-            f"drop {CHUNKED_FLAG} to reload the states whole for each step.",
-        )
     if config.chunked_update_bytes is not None and not config.offload_optimizer_states:
         _refuse(
             f"{CHUNKED_FLAG} streams the optimizer states through the device during the step, "

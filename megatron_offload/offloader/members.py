@@ -121,11 +121,6 @@ def members(optimizer, config: OffloadConfig, undo: contextlib.ExitStack) -> lis
     found = megatron_optimizers(optimizer)
     for wrapper in found:
         refuse_unsupported(wrapper)
-    if config.chunked_update_bytes and any(map(megatron_fsdp.is_megatron_fsdp, found)):
-        rules.refuse_under_megatron_fsdp(
-            "the chunked update (chunked_update_bytes)",
-            "drop chunked_update_bytes to reload the states whole for each step.",
-        )
     served = [(index, wrapper) for index, wrapper in enumerate(found) if not is_stub(wrapper)]
     budget = HostBudget(None)  # its limit is set once the node agreed, below
     factory = config.device_factory or functools.partial(

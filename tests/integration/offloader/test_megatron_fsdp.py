@@ -50,6 +50,7 @@ def _fsdp_run(offload, steps, options, moe, checked, te, strategy, ddp):
     import megatron_offload
     from tests.harness import models, optimizer_jobs
     from tests.harness.checked import check_devices, checked_device_options
+    from tests.harness.footprint import record_peaks, whole_state_bytes
 
     overrides = dict(models.MOE) if moe else None
     precision_aware = te == "te-precision-aware"
@@ -72,13 +73,19 @@ def _fsdp_run(offload, steps, options, moe, checked, te, strategy, ddp):
     if checked:
         options, devices = checked_device_options(options)
     offloader = megatron_offload.attach(optimizer, **(options or {})) if offload else None
+    # The states' device footprint during each step (the masters left out): what a chunked
+    # update bounds by its slots.
+    peaks = record_peaks(optimizer, devices)
     results, held, figures = [], [], []
     for step in range(steps):
+        peaks.append(0)
         results.append(models.train_step(chunks, optimizer, config, step))
         held.append(held_bytes(chunks, optimizer))
         if offloader is not None:
             stats = offloader.stats()
-            figures.append({k: stats[k] for k in ("tracked_bytes", "offloaded_bytes")})
+            figures.append(
+                {k: stats[k] for k in ("tracked_bytes", "offloaded_bytes", "update_chunks")}
+            )
     if offloader is not None:
         offloader.reload()
         offloader.wait()
@@ -91,6 +98,8 @@ def _fsdp_run(offload, steps, options, moe, checked, te, strategy, ddp):
         "shards": shards,
         "snapshot": snapshot(chunks, optimizer),
         "checked_calls": [dict(d.calls) for d in devices],
+        "peaks": peaks,
+        "whole": whole_state_bytes(optimizer),
         "optimizer": type(opt).__module__ + "." + type(opt).__name__,
         "state_dtypes": sorted(
             {
@@ -360,13 +369,7 @@ def refusal_job(what: str):
     chunks, optimizer, config = models.build("gpt", "bf16", ddp_overrides=FSDP)
     results = [models.train_step(chunks, optimizer, config, 0)]
     refused = None
-    if what == "chunked":
-        try:
-            megatron_offload.attach(optimizer, chunked_update_bytes=1 << 20)
-        except megatron_offload.OffloadArgumentError as error:
-            refused = str(error)
-        attached = megatron_offload.find_offloader(optimizer) is not None
-    elif what == "sleep":
+    if what == "sleep":
         offloader = megatron_offload.attach(optimizer)
         results.append(models.train_step(chunks, optimizer, config, 1))
         before = held_bytes(chunks, optimizer)
@@ -387,15 +390,40 @@ def refusal_job(what: str):
     }
 
 
-@pytest.mark.parametrize("what", ["chunked", "sleep"])
+@pytest.mark.parametrize("what", ["sleep"])
 def test_what_stays_refused_under_megatron_fsdp_touches_nothing(rank_pool, what):
-    reference = rank_pool.run(fsdp_job, False, steps=3 if what == "sleep" else 2)
+    reference = rank_pool.run(fsdp_job, False, steps=3)
     tried = rank_pool.run(refusal_job, what)
     for ref, run in zip(reference, tried):
         assert "Megatron-FSDP" in run["refused"] and "yet" in run["refused"], run["refused"]
-        # chunked: no offloader was left attached; sleep: the offloaded states did not move.
-        assert run["attached"] is (what == "sleep")
+        assert run["attached"]  # the offloaded states did not move
     assert_bitwise_equal(reference, tried)
+
+
+# A budget under one whole update's states (about 440 KB of fp32 moments per rank here), above
+# what the largest parameter shard needs in two slots.
+CHUNKED_BUDGET = 256 * 1024
+
+
+def test_the_chunked_update_streams_the_state_shards_bitwise_with_nothing_held(rank_pool):
+    """Under Megatron-FSDP the chunked update streams each rank's state shards (the locals of
+    the optimizer's DTensors) through its slots, several update calls per step, the first
+    step's new states included; the masters (``main_weight_buffer``) come back whole for the
+    step, as megatron-core copies them into the parameters after the update. Bitwise with the
+    plain run, the states' footprint within the budget during every step, 0 bytes between."""
+    reference = rank_pool.run(fsdp_job, False, steps=3)
+    chunked = rank_pool.run(
+        fsdp_job, True, steps=3, checked=True, options={"chunked_update_bytes": CHUNKED_BUDGET}
+    )
+    _assert_offloaded_between_steps(reference, chunked)
+    for ref, off in zip(reference, chunked):
+        assert max(ref["peaks"]) == ref["whole"] > CHUNKED_BUDGET, (ref["peaks"], ref["whole"])
+        assert all(0 < peak <= CHUNKED_BUDGET for peak in off["peaks"]), off["peaks"]
+        # The states streamed in several chunks once they exist (the first step makes them,
+        # one parameter per call, straight to the host).
+        chunks = [f["update_chunks"] for f in off["figures"]]
+        assert chunks[0] == 0 and all(n >= 2 for n in chunks[1:]), chunks
+    assert_bitwise_equal(reference, chunked)
 
 
 def detach_job():
