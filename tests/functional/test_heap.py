@@ -139,19 +139,27 @@ def _gather_on_two_ranks(tmp_path, iterations: int) -> list[subprocess.Completed
     return done
 
 
-def test_every_gloo_group_runs_its_collectives_in_order_on_one_worker_thread(tmp_path):
+ITERATIONS = 3000
+
+
+@pytest.fixture(scope="module")
+def gathered(tmp_path_factory) -> list[subprocess.CompletedProcess]:
+    """The two ranks of the gathers below, run once for the tests of this module."""
+    return _gather_on_two_ranks(tmp_path_factory.mktemp("gathers"), ITERATIONS)
+
+
+def test_every_gloo_group_runs_its_collectives_in_order_on_one_worker_thread(gathered):
     """Deterministic: gloo's default is two worker threads per group (the heap corruption above
     needs two); under ``cpu_megatron.install()`` every group, the world's included, has one."""
-    for run in _gather_on_two_ranks(tmp_path, iterations=1):
-        assert run.returncode == 0, (run.returncode, run.stdout, run.stderr[-3000:])
-        assert "worker threads per group [1, 1]" in run.stdout, run.stdout
+    for run in gathered:
+        assert "worker threads per group [1, 1]" in run.stdout, (run.stdout, run.stderr[-3000:])
 
 
-def test_coalesced_all_gathers_in_flight_together_leave_the_heap_sound(tmp_path):
+def test_coalesced_all_gathers_in_flight_together_leave_the_heap_sound(gathered):
     """Megatron-FSDP's overlapped parameter gather on gloo, reduced to torch: three coalesced
     all-gathers of one group in flight at once, many times, with every value checked. (Without
     the one worker thread this aborted in 3 of 5 runs of 30,000 iterations: a race, so it is
     the test above that fails every time without it.)"""
-    for run in _gather_on_two_ranks(tmp_path, iterations=3000):
+    for run in gathered:
         assert run.returncode == 0, (run.returncode, run.stdout, run.stderr[-3000:])
-        assert "gathered 3000" in run.stdout, run.stdout
+        assert f"gathered {ITERATIONS}" in run.stdout, run.stdout
