@@ -291,8 +291,10 @@ def written_tensors(optimizer, param: torch.Tensor, entries):
     """Every tensor with memory that an update of ``param`` may write: the parameter, the
     tensors of its state (plain ones, and the buffers inside a quantized state such as
     Transformer Engine's ``Float8Tensor``: data, transpose, scale, amax), and the per-state
-    scales Transformer Engine keeps outside the state (``optimizer._scales[param]``)."""
-    yield param
+    scales Transformer Engine keeps outside the state (``optimizer._scales[param]``). A DTensor
+    parameter (Megatron-FSDP) is written through its local tensor, this rank's shard."""
+    local = dtensor_local(param)
+    yield param if local is None else local
     for value in (entries or {}).values():
         yield from _tensors_in(value)
     scales = getattr(optimizer, "_scales", None)

@@ -23,6 +23,10 @@ from tests.harness.megatron_fsdp import FSDP, held_bytes, inner, local, snapshot
 STEPS = 4
 
 
+class PlantedFailure(RuntimeError):
+    pass
+
+
 def fsdp_job(
     offload: bool,
     *,
@@ -33,20 +37,26 @@ def fsdp_job(
     te=None,
     strategy=None,
     ddp=None,
+    fail=None,
 ):
     """``te``: None (torch's AdamW), or Transformer Engine's FusedAdam (its CPU double):
     "te" keeping no masters (Megatron-FSDP's buffers hold them), or "te-precision-aware"
     (``--use-precision-aware-optimizer`` with bf16 moments). ``ddp``: more fields of the
-    ``DistributedDataParallelConfig``."""
+    ``DistributedDataParallelConfig``. ``fail``: (step, call): that call of the inner
+    optimizer's ``step`` in that step raises after its update, and the loop runs the same
+    iteration again."""
     import contextlib
 
     from tests.harness import optimizer_jobs
 
     with optimizer_jobs.injected("te") if te else contextlib.nullcontext():
-        return _fsdp_run(offload, steps, options, moe, checked, te, strategy, ddp)
+        return _fsdp_run(offload, steps, options, moe, checked, te, strategy, ddp, fail)
 
 
-def _fsdp_run(offload, steps, options, moe, checked, te, strategy, ddp):
+def _fsdp_run(offload, steps, options, moe, checked, te, strategy, ddp, fail):
+    import torch
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
     import megatron_offload
     from tests.harness import models, optimizer_jobs
     from tests.harness.checked import check_devices, checked_device_options
@@ -72,14 +82,36 @@ def _fsdp_run(offload, steps, options, moe, checked, te, strategy, ddp):
     devices = []
     if checked:
         options, devices = checked_device_options(options)
+    current = {"step": 0, "calls": 0}
+    if fail is not None:
+        real = inner(optimizer).step
+
+        def failing(*args, **kwargs):  # set before attach: the chunked update calls this one
+            out = real(*args, **kwargs)
+            if current["step"] == fail[0]:
+                current["calls"] += 1
+                if current["calls"] == fail[1]:
+                    raise PlantedFailure("planted failure after an update call")
+            return out
+
+        inner(optimizer).step = failing
     offloader = megatron_offload.attach(optimizer, **(options or {})) if offload else None
     # The states' device footprint during each step (the masters left out): what a chunked
     # update bounds by its slots.
     peaks = record_peaks(optimizer, devices)
-    results, held, figures = [], [], []
+    results, held, figures, failures = [], [], [], []
     for step in range(steps):
+        current["step"] = step
         peaks.append(0)
-        results.append(models.train_step(chunks, optimizer, config, step))
+        # The iteration run again draws the same dropout masks as the failed one did.
+        generators = (torch.get_rng_state(), get_cuda_rng_tracker().get_states())
+        try:
+            results.append(models.train_step(chunks, optimizer, config, step))
+        except PlantedFailure as error:
+            failures.append({"step": step, "notes": list(getattr(error, "__notes__", []))})
+            torch.set_rng_state(generators[0])
+            get_cuda_rng_tracker().set_states(generators[1])
+            results.append(models.train_step(chunks, optimizer, config, step))  # again
         held.append(held_bytes(chunks, optimizer))
         if offloader is not None:
             stats = offloader.stats()
@@ -100,6 +132,7 @@ def _fsdp_run(offload, steps, options, moe, checked, te, strategy, ddp):
         "checked_calls": [dict(d.calls) for d in devices],
         "peaks": peaks,
         "whole": whole_state_bytes(optimizer),
+        "failures": failures,
         "optimizer": type(opt).__module__ + "." + type(opt).__name__,
         "state_dtypes": sorted(
             {
@@ -405,15 +438,23 @@ def test_what_stays_refused_under_megatron_fsdp_touches_nothing(rank_pool, what)
 CHUNKED_BUDGET = 256 * 1024
 
 
-def test_the_chunked_update_streams_the_state_shards_bitwise_with_nothing_held(rank_pool):
+@pytest.mark.parametrize("layout", ["dense", "moe-ep2"])
+def test_the_chunked_update_streams_the_state_shards_bitwise_with_nothing_held(rank_pool, layout):
     """Under Megatron-FSDP the chunked update streams each rank's state shards (the locals of
     the optimizer's DTensors) through its slots, several update calls per step, the first
     step's new states included; the masters (``main_weight_buffer``) come back whole for the
     step, as megatron-core copies them into the parameters after the update. Bitwise with the
-    plain run, the states' footprint within the budget during every step, 0 bytes between."""
-    reference = rank_pool.run(fsdp_job, False, steps=3)
+    plain run, the states' footprint within the budget during every step, 0 bytes between.
+    With MoE on 2 expert-parallel ranks one optimizer streams the dense and expert shards."""
+    model = dict(moe=True, ep=2) if layout == "moe-ep2" else {}
+    reference = rank_pool.run(fsdp_job, False, steps=3, **model)
     chunked = rank_pool.run(
-        fsdp_job, True, steps=3, checked=True, options={"chunked_update_bytes": CHUNKED_BUDGET}
+        fsdp_job,
+        True,
+        steps=3,
+        checked=True,
+        options={"chunked_update_bytes": CHUNKED_BUDGET},
+        **model,
     )
     _assert_offloaded_between_steps(reference, chunked)
     for ref, off in zip(reference, chunked):
@@ -424,6 +465,26 @@ def test_the_chunked_update_streams_the_state_shards_bitwise_with_nothing_held(r
         chunks = [f["update_chunks"] for f in off["figures"]]
         assert chunks[0] == 0 and all(n >= 2 for n in chunks[1:]), chunks
     assert_bitwise_equal(reference, chunked)
+
+
+def test_a_chunked_step_failing_part_way_is_undone_and_run_again_bitwise(rank_pool):
+    """With ``chunked_update_undo``, the update calls of a step write the DTensor parameters'
+    and states' local shards: the second call of step 2 fails after its update, the step is
+    undone (the first call's shards written back too), and the iteration run again equals the
+    run that never failed. Without the undo the first call's update would be applied twice."""
+    reference = rank_pool.run(fsdp_job, False, steps=3)
+    failed = rank_pool.run(
+        fsdp_job,
+        True,
+        steps=3,
+        fail=(2, 2),
+        options={"chunked_update_bytes": CHUNKED_BUDGET, "chunked_update_undo": True},
+    )
+    for rank in failed:
+        assert [f["step"] for f in rank["failures"]] == [2], rank["failures"]
+        assert any("undone" in note for note in rank["failures"][0]["notes"])
+        assert rank["figures"][2]["update_chunks"] >= 2
+    assert_bitwise_equal(reference, failed)
 
 
 def detach_job():
