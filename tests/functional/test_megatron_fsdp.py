@@ -122,3 +122,24 @@ def test_a_resume_from_its_checkpoint_trains_on_bitwise(saved, tmp_path):
         [e["held_at_start"] for e in on.ranks[0]["iterations"]],
         [e["held_at_start"] for e in resumed.ranks[0]["iterations"]],
     )
+
+
+def test_the_stock_script_streams_the_states_with_the_chunked_update(saved, tmp_path):
+    """``--offload-chunked-update-bytes`` under Megatron-FSDP through the stock script: the
+    states' shards streamed in several update calls per step once they exist, every
+    iteration bitwise with the plain run, nothing resident between steps."""
+    _, off, _ = saved
+    case = dataclasses.replace(
+        _case(),
+        name="megatron-fsdp-dp2-chunked",
+        offload_flags=("--offload-chunked-update-bytes", str(256 * 1024)),
+        save_interval=None,
+    )
+    on = runner.run(case, offload=True, save_dir=str(tmp_path / "chunked"))
+    for rank in range(2):
+        assert _values(on, rank) == _values(off, rank), f"rank {rank}"
+        entries = on.ranks[rank]["iterations"]
+        assert all(e["offloader"]["resident_bytes"] == 0 for e in entries)
+        chunks = [e["offloader"]["update_chunks"] for e in entries]
+        assert all(n >= 2 for n in chunks[1:]), chunks
+    assert _params_norms(on) == _params_norms(off)
