@@ -292,7 +292,9 @@ def _run_each_gloo_group_in_order() -> None:
     before ``init_process_group``: a group keeps the worker threads it was created with.)"""
     from torch.distributed import distributed_c10d
 
-    gloo = distributed_c10d.ProcessGroupGloo
+    gloo = getattr(distributed_c10d, "ProcessGroupGloo", None)
+    if gloo is None:  # a torch built without gloo: nothing runs on it
+        return
     default_timeout = distributed_c10d.default_pg_timeout
 
     class InOrderGloo(gloo):
