@@ -25,11 +25,12 @@ import time
 
 import torch
 
-from ..adapters import inner_optimizers
+from ..adapters import inner_optimizers, megatron_fsdp
 from ..adapters import megatron_wrappers as wrappers
 from ..adapters.holders import Holder, Repointing, items_of
 from ..engine import Place
 from ..engine.pieces import is_plain
+from .dtensor_view import DTensorView
 
 
 class HostViewFigures:
@@ -196,6 +197,8 @@ class _Served:
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.served_bytes = 0  # host-copy bytes in place of released tensors
         self.written_bytes = 0  # bytes folded into the host copy beyond them (new tensors)
+        self.dtensors: DTensorView | None = None  # Megatron-FSDP's, pointed at the host
+        slices = []
         for piece in engine.pieces:
             if piece.place is Place.RELEASED:
                 for tensor, host in piece.host_slices():
@@ -209,6 +212,7 @@ class _Served:
                     else:
                         served = _like(tensor, host)
                     self.views[id(tensor)] = served
+                    slices.append((tensor, served))
                     self.served_bytes += host.numel() * host.element_size()
         # The views pointed at where the optimizer holds the released tensors.
         self.pointed = Repointing()
@@ -239,6 +243,14 @@ class _Served:
                         self.places[(id(key), name)] = value
                         self.pointed.point(Holder(entries, name), view)
         self.pointed.rekey(state, self.views)
+        if megatron_fsdp.is_megatron_fsdp(wrapper):
+            # Its DTensors are handed out as themselves: their local tensors are pointed at
+            # the host copy (dtensor_view.py).
+            try:
+                self.dtensors = DTensorView(wrapper, slices)
+            except BaseException:
+                self.restore(writes=False)  # all or nothing
+                raise
 
     def restore(self, writes: bool) -> None:
         engine = self.engine
@@ -247,6 +259,8 @@ class _Served:
             engine.mark_dirty(on_device=True)
         if not self.views:
             return
+        if self.dtensors is not None:
+            self.dtensors.close()
         if writes:
             for served, host in self.copies:
                 host.copy_(served)

@@ -20,9 +20,10 @@ reaches them must find them somewhere. What reaches them, and what it finds:
 
 The policy of each served optimizer (``policies``) is decided once, here, at attach: its
 checkpoints are served from the host copy (``Policy.HOST_COPY``: 0 device bytes at a save),
-or its states come back to the device until the next offload (``Policy.DEVICE``: Transformer
-Engine's fp16 and FP8 moments, which need the device to be read, and Megatron-FSDP, whose
-checkpoint code re-wraps state slices on the device). The listing of interceptions names it.
+served so inside a host view only (``Policy.HOST_VIEW``: Megatron-FSDP, whose DTensors the
+checkpoint is built from after the method returned), or its states come back to the device
+until the next offload (``Policy.DEVICE``: Transformer Engine's fp16 and FP8 moments, which
+need the device to be read). The listing of interceptions names it.
 
 Brought back (``bring_back``) means: regrown and copied back, ordered before the current
 stream, and kept on the device until the next offload (the next step's, under ``attach``);
@@ -62,17 +63,21 @@ class Policy(enum.Enum):
     """How a served optimizer's checkpoints reach its offloaded states."""
 
     HOST_COPY = "served from the host copy"
+    HOST_VIEW = (
+        "served from the host copy inside a host view (megatron.training's synchronous save "
+        "opens one), else the states come back to the device until the next offload"
+    )
     DEVICE = "the states come back to the device until the next offload"
 
 
 def policy_of(wrapper) -> Policy:
-    """``DEVICE`` where the states cannot be served from the host: Megatron-FSDP (its
-    optimizer's parameters, and the model's in a state dict, are views into the master buffers,
-    which no holder can point at the host, and its checkpoint code re-wraps state slices on the
-    mesh's device, where a host tensor would be copied and a load would write the copy) and
-    Transformer Engine's fp16 and FP8 moments; ``HOST_COPY`` otherwise."""
+    """``HOST_VIEW`` for Megatron-FSDP: its module hands the optimizer's own DTensors out in
+    the model's state dict and megatron-core builds the checkpoint from them after the
+    optimizer's method returned, so they are served for as long as a host view is open
+    (``dtensor_view.py``) and come back for a call outside one. ``DEVICE`` for Transformer
+    Engine's fp16 and FP8 moments, which need the device to be read; ``HOST_COPY`` otherwise."""
     if megatron_fsdp.is_megatron_fsdp(wrapper):
-        return Policy.DEVICE
+        return Policy.HOST_VIEW
     inner = wrapper.optimizer
     if inner_optimizers.kind_of(inner) == inner_optimizers.TE_FUSED_ADAM:
         dtypes = getattr(inner, "name_to_dtype_map", {}) or {}

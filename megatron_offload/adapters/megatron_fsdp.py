@@ -64,9 +64,8 @@ def pooled_master_bytes(wrapper) -> int:
 def _viewed_master_buffers(wrapper) -> list[torch.Tensor]:
     if not is_megatron_fsdp(wrapper) or getattr(wrapper, "optimizer", None) is None:
         return []
-    # Storages by their StorageImpl (stable while a storage is released and regrown).
     viewed = {
-        _local(param).untyped_storage()._cdata
+        storage_key(local_tensor(param))
         for group in wrapper.optimizer.param_groups
         for param in group["params"]
     }
@@ -76,12 +75,34 @@ def _viewed_master_buffers(wrapper) -> list[torch.Tensor]:
         groups = getattr(getattr(module, "param_and_grad_buffer", None), "parameter_groups", ())
         for group in groups:
             buffer = getattr(group.main_weight_buffer, "data", None)
-            if buffer is not None and buffer.untyped_storage()._cdata in viewed:
+            if buffer is not None and storage_key(buffer) in viewed:
                 buffers.append(buffer)
     return buffers
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local tensor; any other tensor itself."""
+def dtensors(wrapper):
+    """The DTensors of ``wrapper``'s inner optimizer whose local tensors the offloader may
+    release: its parameters (views into the master buffers) and their states."""
+    inner = wrapper.optimizer
+    for group in inner.param_groups:
+        for param in group["params"]:
+            if local_tensor(param) is not param:
+                yield param
+    for entries in dict.values(inner.state):
+        if isinstance(entries, dict):
+            for value in entries.values():
+                if isinstance(value, torch.Tensor) and local_tensor(value) is not value:
+                    yield value
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor, the object itself (``to_local()`` hands out a view while
+    gradients are enabled); any other tensor itself."""
     local = getattr(tensor, "_local_tensor", None)
     return local if isinstance(local, torch.Tensor) else tensor
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """``tensor``'s storage, by its StorageImpl (stable while the storage is released and
+    regrown in place, when its data pointer is null)."""
+    return tensor.untyped_storage()._cdata

@@ -29,10 +29,13 @@ def checkpoint_residency(optimizer, *, read_only: bool, args=None):
     """A checkpoint save (``read_only=True``) or load of ``optimizer``'s states.
 
     Where the offloader serves checkpoints from the host copy (``servable``: every optimizer
-    but Transformer Engine's with fp16 or FP8 moments, and none under Megatron-FSDP), nothing is done here: the optimizer's checkpoint methods read and write
-    the host copy, and nothing comes back to the device. Otherwise the states are on the
-    device for the block and offloaded again right after it (so the next iteration's forward
-    and backward do not run with them).
+    but Transformer Engine's with fp16 or FP8 moments, and none under Megatron-FSDP), nothing
+    is done here: the optimizer's checkpoint methods read and write the host copy, and
+    nothing comes back to the device. A synchronous save under Megatron-FSDP runs in a host
+    view (``servable_in_view``): it reads the host copy too. Otherwise (loads under
+    Megatron-FSDP: megatron-core steps the inner optimizer on zero gradients to make its states
+    before the load, on the device) the states are on the device for the block and offloaded
+    again right after it (so the next iteration's forward and backward do not run with them).
 
     For a save the host copy stays valid. A save whose writer may keep references after it
     returns (an asynchronous save other than megatron-core's own) is left to the offloader's
@@ -54,6 +57,12 @@ def checkpoint_residency(optimizer, *, read_only: bool, args=None):
         # The optimizer's checkpoint methods read and write the host copy themselves
         # (access/state.py): nothing comes back to the device.
         yield offloader
+    elif read_only and servable_in_view(offloader) and not getattr(args, "async_save", False):
+        # Megatron-FSDP: the whole save reads the host copy (the state dict holds the
+        # optimizer's own DTensors until the write). An asynchronous writer could read them
+        # after the view closed: its saves take the way below.
+        with offloader.host_view(writes=False):
+            yield offloader
     elif read_only and args is not None and not save_is_staged_on_return(args):
         yield offloader
     else:
@@ -61,6 +70,15 @@ def checkpoint_residency(optimizer, *, read_only: bool, args=None):
             yield offloader
     if not read_only and not offloader.detached and not offloader.is_offloaded:
         offloader.offload()
+
+
+def servable_in_view(offloader) -> bool:
+    """True if every optimizer of ``offloader`` has its checkpoints served from the host copy
+    at least inside a host view (Megatron-FSDP's), and one only there."""
+    policies = offloader.access.policies
+    return Policy.HOST_VIEW in policies and all(
+        policy in (Policy.HOST_COPY, Policy.HOST_VIEW) for policy in policies
+    )
 
 
 def servable(offloader) -> bool:

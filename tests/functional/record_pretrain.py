@@ -69,13 +69,49 @@ def _expected_offload_bytes(optimizer) -> int:
     return sum(t.numel() * t.element_size() for _, t in tensors)
 
 
+def _host_storages(optimizer) -> set:
+    """The data pointers of the offloader's host copy's storages (none without one)."""
+    offloader = find_offloader(optimizer)
+    return {
+        piece.host.untyped_storage().data_ptr()
+        for engine in (offloader.engines if offloader is not None else ())
+        for piece in engine.pieces
+        if piece.host is not None
+    }
+
+
 def _state_storage_bytes(optimizer) -> int:
     """Bytes the storages of the optimizer's state tensors hold now (0 for a released one),
-    each storage once; reads no data."""
+    each storage once, but for the offloader's host copy (in a host view a Megatron-FSDP
+    DTensor's local tensor is pointed at it); reads no data."""
+    host = _host_storages(optimizer)
     storages = {
         t.untyped_storage()._cdata: t.untyped_storage().nbytes()
         for _, t in _state_tensors(optimizer, whole_buffers=True)
+        if t.untyped_storage().data_ptr() not in host
     }
+    return sum(storages.values())
+
+
+def _written_device_bytes(state_dict, optimizer) -> int:
+    """Bytes the storages of the local tensors of every DTensor a torch DCP save writes hold
+    outside the offloader's host copy (an fsdp_dtensor save: the masters and states, the
+    SwiGLU halves megatron-core re-wraps included), each storage once; reads no data."""
+    from torch.distributed.tensor import DTensor
+
+    host = _host_storages(optimizer)
+    storages = {}
+    stack = [state_dict]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+        elif isinstance(value, DTensor):
+            storage = value._local_tensor.untyped_storage()
+            if storage.data_ptr() not in host:
+                storages[storage._cdata] = storage.nbytes()
     return sum(storages.values())
 
 
@@ -167,9 +203,20 @@ class Recorder:
             with offloader.host_view() if offloader is not None else contextlib.nullcontext():
                 digest = _state_digest(optimizer)
             self.data["saves"].append({"iteration": iteration, "state_sha256": digest})
+            import torch.distributed.checkpoint as dcp
+
+            written = []
+            dcp_save = dcp.save
+
+            def save(state_dict, *save_args, **save_kwargs):
+                written.append(_written_device_bytes(state_dict, optimizer))
+                return dcp_save(state_dict, *save_args, **save_kwargs)
+
+            dcp.save = save
             try:
                 return original(iteration, model, optimizer, *args, **kwargs)
             finally:
+                dcp.save = dcp_save
                 # Device bytes of the optimizer's own state tensors (their storages) before
                 # and right after the save: what a save brought back to the device.
                 self.data.setdefault("save_storage_bytes", []).append(
@@ -177,6 +224,9 @@ class Recorder:
                         "iteration": iteration,
                         "before": stored,
                         "after": _state_storage_bytes(optimizer),
+                        # Each torch DCP save of it (fsdp_dtensor): what its DTensors held
+                        # on the device as the write began.
+                        "written_device_bytes": written,
                     }
                 )
                 self.flush()

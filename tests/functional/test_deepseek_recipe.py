@@ -140,11 +140,15 @@ def test_the_recipe_trains_bitwise_offloaded_with_nothing_held_between_steps(run
             assert entry["held_at_start"] == 0, where
         assert all(e["held_at_start"] > 0 for e in off.ranks[rank]["iterations"]), (way, rank)
         if way == "megatron-fsdp":
-            # The states and masters still come back for a save (docs/megatron-fsdp.md) and
-            # leave right after it (held_at_start above).
+            # Each save reads the host copy: nothing on the device as it starts, while torch
+            # DCP writes (the DTensors it writes, the SwiGLU halves included) and after it.
             saves = on.ranks[rank]["save_storage_bytes"]
             assert [s["iteration"] for s in saves] == [2, 3], (way, rank)
-            assert all(s["before"] > 0 for s in saves), (way, rank, saves)
+            for save in saves:
+                assert save["before"] == save["after"] == 0, (way, rank, saves)
+                assert save["written_device_bytes"] == [0], (way, rank, saves)
+            plain = off.ranks[rank]["save_storage_bytes"]
+            assert all(s["written_device_bytes"][0] > 0 for s in plain), (way, rank, plain)
     norms = _params_norms(off)
     assert len(norms) == ITERATIONS and _params_norms(on) == norms, way
 

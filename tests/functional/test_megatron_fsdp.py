@@ -93,6 +93,13 @@ def test_its_fsdp_dtensor_checkpoints_hold_the_plain_runs_tensors(saved):
     on, off, root = saved
     for rank in range(2):
         assert [s["iteration"] for s in on.ranks[rank]["saves"]] == [2, 4]
+        # Written from the host copy: no byte of states or masters on the device before, while
+        # torch DCP writes (the SwiGLU halves included) or after; the plain run's are there.
+        for save in on.ranks[rank]["save_storage_bytes"]:
+            assert save["before"] == save["after"] == 0, save
+            assert save["written_device_bytes"] == [0], save
+        for save in off.ranks[rank]["save_storage_bytes"]:
+            assert save["written_device_bytes"][0] > 0, save
     for iteration in (SAVE_INTERVAL, 2 * SAVE_INTERVAL):
         name = f"iter_{iteration:07d}"
         written, expected = (

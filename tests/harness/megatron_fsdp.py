@@ -37,19 +37,37 @@ def inner(optimizer):
     return wrapper.optimizer
 
 
-def held_bytes(chunks, optimizer) -> int:
-    """Bytes the raw storages of the master buffers and of the states' local tensors hold,
-    each storage once (read without the state mapping's accessors)."""
+def held_bytes(chunks, optimizer, besides=lambda tensor: False) -> int:
+    """Bytes the raw storages of the master buffers and of the local tensors of the
+    optimizer's parameters and states hold, each storage once (read without the state
+    mapping's accessors), but for tensors for which ``besides(tensor)`` (e.g.
+    ``HostRecordingDevice.holds``: the offloader's host memory)."""
     opt = inner(optimizer)
     tensors = [g.main_weight_buffer.data for g in groups(chunks) if g.main_weight_buffer]
+    tensors += [local(p) for group in opt.param_groups for p in group["params"]]
     tensors += [
         local(value)
         for entries in dict.values(opt.state)
         for value in dict.values(entries)
         if isinstance(value, torch.Tensor) and value.dim() > 0
     ]
-    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
+    storages = {
+        t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors if not besides(t)
+    }
     return sum(storages.values())
+
+
+def dtensors_in(state_dict) -> list:
+    """Every DTensor in a (nested) state dict."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state_dict, DTensor):
+        return [state_dict]
+    if isinstance(state_dict, dict):
+        return [d for value in state_dict.values() for d in dtensors_in(value)]
+    if isinstance(state_dict, (list, tuple)):
+        return [d for value in state_dict for d in dtensors_in(value)]
+    return []
 
 
 def snapshot(chunks, optimizer) -> dict:

@@ -307,6 +307,9 @@ ASSIGNED_BY_DESIGN = {
     ("megatron_offload/access/state.py", "state"): "the guarded state mapping, listed with "
     "Interceptions.record and an undo of its own (the optimizer writes into the mapping: the "
     "undo refills the original with what it holds now)",
+    ("megatron_offload/access/dtensor_view.py", "data"): "a host view points the local "
+    "tensors of Megatron-FSDP's released DTensors at the host copy (torch's Tensor.data setter, "
+    "the objects stay, as megatron-core hands them out) and back when it closes, all or nothing",
     ("megatron_offload/chunked/update.py", "param_groups"): "the chunked update points the "
     "inner optimizer at one chunk's groups for the length of its update call, on the step's "
     "path (a handle per chunk would cost there), and puts them back in a finally",

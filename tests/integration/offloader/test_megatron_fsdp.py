@@ -293,6 +293,87 @@ def test_the_modules_state_dict_reads_and_loads_the_masters_while_offloaded(rank
         assert off["offloaded_after_read"] is False and off["offloaded_at_end"] is True
 
 
+def host_view_job(offload: bool):
+    """Between steps, a host view (what megatron.training's synchronous save runs in): the
+    module's and the optimizer's DTensors are read from the host copy; a view whose opening
+    fails part-way (torch's ``as_strided`` raising) leaves every DTensor as it was, and the
+    same view opened again serves the same bytes; training goes on bitwise."""
+    import contextlib
+
+    import megatron_offload
+    from tests.harness import models
+    from tests.harness.megatron_fsdp import HostRecordingDevice
+
+    host = HostRecordingDevice()
+    chunks, optimizer, config = models.build("gpt", "bf16", ddp_overrides=FSDP)
+    offloader = megatron_offload.attach(optimizer, device_factory=host) if offload else None
+    results = [models.train_step(chunks, optimizer, config, step) for step in range(2)]
+    opt = inner(optimizer)
+
+    def read():
+        dtensors = [p for group in opt.param_groups for p in group["params"]]
+        dtensors += [v for e in dict.values(opt.state) for v in e.values() if v.dim() > 0]
+        module = [v for v in chunks[0].state_dict().values() if isinstance(v, torch.Tensor)]
+        return {
+            "values": [local(d).detach().clone() for d in dtensors + module],
+            "on_host": sum(host.holds(local(d)) for d in dtensors + module),
+            "held": held_bytes(chunks, optimizer, besides=host.holds),
+        }
+
+    out = {}
+    if offload:
+        real = torch.Tensor.as_strided
+        calls = {"n": 0}
+
+        def failing(self, *args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("planted: as_strided failed")
+            return real(self, *args, **kwargs)
+
+        torch.Tensor.as_strided = failing
+        try:
+            with offloader.host_view():
+                pass
+        except RuntimeError as error:
+            out["failed"] = str(error)
+        finally:
+            torch.Tensor.as_strided = real
+        out["after_failure"] = {
+            "held": held_bytes(chunks, optimizer),
+            "on_host": sum(host.holds(local(p)) for g in opt.param_groups for p in g["params"]),
+            "phase": offloader.phase.current.value,
+        }
+    with offloader.host_view() if offload else contextlib.nullcontext():
+        out["read"] = read()
+    out["offloaded_after_view"] = offloader.is_offloaded if offload else None
+    results.append(models.train_step(chunks, optimizer, config, 2))
+    out["results"] = results
+    if offloader is not None:
+        offloader.reload()
+        offloader.wait()
+    out["snapshot"] = snapshot(chunks, optimizer)
+    return out
+
+
+def test_a_host_view_serves_the_dtensors_from_the_host_copy_all_or_nothing(rank_pool):
+    reference = rank_pool.run(host_view_job, False)
+    offloaded = rank_pool.run(host_view_job, True)
+    assert_bitwise_equal(
+        [{k: r[k] for k in ("results", "snapshot")} for r in reference],
+        [{k: r[k] for k in ("results", "snapshot")} for r in offloaded],
+    )
+    for ref, off in zip(reference, offloaded):
+        assert off["failed"] == "planted: as_strided failed"
+        assert off["after_failure"] == {"held": 0, "on_host": 0, "phase": "idle"}
+        values = ref["read"]["values"], off["read"]["values"]
+        assert len(values[0]) == len(values[1]) > 0
+        assert all(torch.equal(a, b) for a, b in zip(*values))
+        assert ref["read"]["held"] > 0 and off["read"]["held"] == 0
+        assert ref["read"]["on_host"] == 0 and off["read"]["on_host"] > 0
+        assert off["offloaded_after_view"] is True
+
+
 def node_check_job():
     """The node-wide host-memory check at attach under Megatron-FSDP: each rank's need is
     its own shards' (uneven), an over-commit is refused before anything moves, and

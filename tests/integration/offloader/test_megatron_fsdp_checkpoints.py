@@ -8,8 +8,9 @@ Shown for every sharding strategy, with and without gated linear units (SwiGLU, 
 linear_fc1 states and masters megatron-core re-wraps in halves for the checkpoint):
 - the resumed run is bitwise the uninterrupted one (results and every rank's shards);
 - both are bitwise the same runs without offloading;
-- the save found the states and masters offloaded (0 bytes held), and they were offloaded
-  again after it (as megatron.training's save does);
+- the save, in a host view as megatron.training's synchronous save runs it, holds no byte
+  of states and masters on the device while torch DCP writes them: the local tensors of the
+  DTensors it writes, the SwiGLU halves megatron-core re-wraps included, are the host copy;
 - nothing was served from the offloader's host memory: ``DTensor.from_local`` is made to copy
   host tensors, as it does on a GPU, so a load through a served host tensor would write a
   copy and leave the host copy stale (the resume would differ).
@@ -17,11 +18,13 @@ linear_fc1 states and masters megatron-core re-wraps in halves for the checkpoin
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from tests.harness.compare import assert_bitwise_equal
-from tests.harness.megatron_fsdp import FSDP, held_bytes, snapshot
+from tests.harness.megatron_fsdp import FSDP, dtensors_in, held_bytes, local, snapshot
 
 DEFAULT_STRATEGY = FSDP["data_parallel_sharding_strategy"]
 
@@ -105,14 +108,15 @@ def fsdp_checkpoint_job(
     with host_copies_are_copied(is_host) as copied:
         chunks, optimizer, config, offloader = _build(offload, glu, host, strategy)
         first = [models.train_step(chunks, optimizer, config, s) for s in range(SAVE_AFTER)]
-        out["held_at_save"] = held_bytes(chunks, optimizer)
-        _, state = _fsdp_dtensor_state(chunks[0].module, optimizer, glu)
-        dcp.save(state, checkpoint_id=where)
-        del state
-        if offloader is not None:
-            # The read brought them back; megatron.training's save offloads them right after,
-            # a loop of its own may too (else the next step's offload does).
-            offloader.offload()
+        # The whole save in a host view, as megatron.training's synchronous save runs it.
+        with offloader.host_view() if offloader is not None else contextlib.nullcontext():
+            _, state = _fsdp_dtensor_state(chunks[0].module, optimizer, glu)
+            # Device bytes of states and masters while the write reads them (the host copy
+            # is not counted: on the CPU harness it is memory of the same kind).
+            out["held_at_save"] = held_bytes(chunks, optimizer, besides=host.holds)
+            out["served_locals"] = sum(host.holds(local(t)) for t in dtensors_in(state))
+            dcp.save(state, checkpoint_id=where)
+            del state
         out["held_after_save"] = held_bytes(chunks, optimizer)
         # megatron.training saves these in the checkpoint (rng_state) and restores them on load:
         # the model's dropout draws from them.
@@ -198,6 +202,7 @@ def test_fsdp_dtensor_resume_while_offloaded_is_bitwise_the_uninterrupted_run(ru
     for ref, off in zip(reference, offloaded):
         assert ref["held_at_save"] > 0  # the measure sees the bytes
         assert off["held_at_save"] == off["held_after_save"] == 0
+        assert ref["served_locals"] == 0 and off["served_locals"] > 0
         assert off["uninterrupted"]["offloaded"] and off["resumed"]["offloaded"]
         assert off["host_buffers"] > 0 and off["host_tensors_copied"] == []
 

@@ -98,10 +98,12 @@ def test_each_optimizer_gets_its_policy_once_and_the_listing_names_it():
     whys = {why for _, where, why in installed.listing() if where == "_Wrapper.state_dict"}
     assert whys == {"a checkpoint method: served from the host copy"}
     access, _, _, installed = _access(_fsdp_wrapper())
-    assert access.policies == (Policy.DEVICE,)
+    assert access.policies == (Policy.HOST_VIEW,)
     whys = {why for _, where, why in installed.listing() if where == "_Wrapper.state_dict"}
     assert whys == {
-        "a checkpoint method: the states come back to the device until the next offload"
+        "a checkpoint method: served from the host copy inside a host view (megatron.training's "
+        "synchronous save opens one), else the states come back to the device until the next "
+        "offload"
     }
 
 

@@ -14,6 +14,7 @@ import inspect
 
 import pytest
 
+from megatron_offload.access.state import Policy
 from megatron_offload.interceptions import PROCESS, Interceptions
 from megatron_offload.megatron import residency
 from megatron_offload.megatron import training as hooks
@@ -30,6 +31,8 @@ class FakeOffloader:
         self.detached = False
         self.config = argparse.Namespace(offload_master_weights=True, prefetch="gradients")
         self.interceptions = Interceptions()
+        # Served as the tests below say (they set residency.servable); never in a host view.
+        self.access = argparse.Namespace(policies=(Policy.DEVICE,))
 
     @property
     def is_offloaded(self):
@@ -392,6 +395,51 @@ def test_asynchronous_saves_that_keep_references_are_left_to_the_guard(megatron_
     save(2, [], optimizer)  # may hold references: not offloaded again behind its back
     assert events == [("resident", True), "save", ("offloaded again", True), "save"]
     assert hooks.save_is_staged_on_return(argparse.Namespace())
+
+
+def test_megatron_fsdp_saves_run_in_a_host_view_and_its_loads_with_resident_states(
+    megatron_args,
+):
+    """Under Megatron-FSDP (the policy ``HOST_VIEW``, with any ``HOST_COPY`` beside it) a
+    synchronous save runs whole in a host view; an asynchronous one, whose writer may read
+    after it returned, and a load (megatron-core steps on zero gradients first) have the
+    states resident."""
+    events = []
+    offloader = FakeOffloader(events)
+
+    @contextlib.contextmanager
+    def host_view(*, writes=False):
+        events.append(("host view", writes))
+        yield offloader
+        events.append("view closed")
+
+    offloader.host_view = host_view
+    offloader.access = argparse.Namespace(policies=(Policy.HOST_COPY, Policy.HOST_VIEW))
+    optimizer = FakeOptimizer(offloader)
+    save = hooks._wrap_checkpoint(lambda i, model, optimizer: events.append("save"), read_only=True)
+    load = hooks._wrap_checkpoint(lambda model, optimizer: events.append("load"), read_only=False)
+    save(1, [], optimizer)
+    load([], optimizer)
+    megatron_args.async_save, megatron_args.async_strategy = True, "mcore"
+    save(2, [], optimizer)
+    assert events == [
+        ("host view", False),
+        "save",
+        "view closed",
+        ("resident", False),
+        "load",
+        ("offloaded again", False),
+        ("resident", True),
+        "save",
+        ("offloaded again", True),
+    ]
+    # With an optimizer that needs the device (Transformer Engine's FP8 moments) beside it,
+    # no view: the states come back.
+    events.clear()
+    megatron_args.async_save = False
+    offloader.access = argparse.Namespace(policies=(Policy.DEVICE, Policy.HOST_VIEW))
+    save(3, [], optimizer)
+    assert events == [("resident", True), "save", ("offloaded again", True)]
 
 
 def test_training_log_logs_at_each_log_interval(megatron_args, monkeypatch):
