@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .model_buffers import chunks_of
+from .model_buffers import chunks_of, local_tensor, storage_key
 
 
 def is_megatron_fsdp(wrapper) -> bool:
@@ -93,16 +93,3 @@ def dtensors(wrapper):
             for value in entries.values():
                 if isinstance(value, torch.Tensor) and local_tensor(value) is not value:
                     yield value
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local tensor, the object itself (``to_local()`` hands out a view while
-    gradients are enabled); any other tensor itself."""
-    local = getattr(tensor, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else tensor
-
-
-def storage_key(tensor: torch.Tensor) -> int:
-    """``tensor``'s storage, by its StorageImpl (stable while the storage is released and
-    regrown in place, when its data pointer is null)."""
-    return tensor.untyped_storage()._cdata

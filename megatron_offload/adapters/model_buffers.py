@@ -42,6 +42,19 @@ class ModelStorage:
     rebuilder: object | None = None
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor, the object itself (``to_local()`` hands out a view while
+    gradients are enabled); any other tensor itself."""
+    local = getattr(tensor, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else tensor
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """``tensor``'s storage, by its StorageImpl (stable while the storage is released and
+    regrown in place, when its data pointer is null)."""
+    return tensor.untyped_storage()._cdata
+
+
 def chunks_of(wrappers) -> list:
     """The model chunks the Megatron optimizers ``wrappers`` were built for (their
     ``model_chunks``; none for an optimizer without them), each once, in order: the one walk
@@ -59,12 +72,27 @@ def model_chunks(optimizers, model=None) -> list:
     else:
         unique = chunks_of(optimizers)
     for chunk in unique:
+        if is_megatron_fsdp_chunk(chunk):
+            continue
         if not hasattr(chunk, "buffers") or not hasattr(chunk, "expert_parallel_buffers"):
             raise TypeError(
                 f"{type(chunk).__name__} is not a megatron-core DistributedDataParallel chunk; "
                 "sleep() needs the DDP-wrapped model chunks (as get_model returns them)."
             )
     return unique
+
+
+def is_megatron_fsdp_chunk(chunk) -> bool:
+    """Whether ``chunk`` is megatron-core's ``FullyShardedDataParallel`` (Megatron-FSDP)."""
+    return hasattr(chunk, "param_and_grad_buffer") and hasattr(
+        getattr(chunk, "module", None), "all_gather_pipeline"
+    )
+
+
+def fsdp_groups(chunk) -> list:
+    """Megatron-FSDP's parameter groups of ``chunk`` (its buffers, one of each kind per
+    group)."""
+    return list(chunk.param_and_grad_buffer.parameter_groups)
 
 
 def is_distributed(wrapper) -> bool:
@@ -87,7 +115,11 @@ def rebuild_refusal(wrapper) -> str | None:
 
 
 def shard_pairs(wrapper) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(this rank's shard of a 16-bit parameter, its fp32 master), for every one."""
+    """(this rank's shard of a 16-bit parameter, its fp32 master), for every one. Under
+    Megatron-FSDP the master is the optimizer's DTensor's local tensor (inside a host view:
+    its host copy) and the shard is the model weight buffer's."""
+    if getattr(getattr(wrapper, "ddp_config", None), "use_megatron_fsdp", False):
+        return _fsdp_shard_pairs(wrapper)
     models = getattr(wrapper, "shard_float16_groups", None) or ()
     masters = getattr(wrapper, "shard_fp32_from_float16_groups", None) or ()
     return [
@@ -95,6 +127,32 @@ def shard_pairs(wrapper) -> list[tuple[torch.Tensor, torch.Tensor]]:
         for model_group, master_group in zip(models, masters)
         for model, master in zip(model_group, master_group)
     ]
+
+
+def _fsdp_shard_pairs(wrapper) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # Each of the inner optimizer's parameters (a DTensor over its master shard) names the
+    # model parameter it stands for (``orig_param``), whose item in the group's buffers is its
+    # index there.
+    items = {
+        id(param): (group, item_id)
+        for chunk in chunks_of([wrapper])
+        for group in fsdp_groups(chunk)
+        for item_id, param in enumerate(group.params)
+    }
+    pairs = []
+    for group in wrapper.optimizer.param_groups:
+        for master in group["params"]:
+            found = items.get(id(getattr(master, "orig_param", None)))
+            if found is None or found[0].model_weight_buffer is None:
+                continue
+            buffers, item_id = found
+            model, main = buffers.model_weight_buffer, buffers.main_weight_buffer
+            shard = model.is_data_distributed or (main is not None and main.is_data_distributed)
+            # The buffer's item is flat, the DTensor's local tensor shaped: compared flat.
+            pairs.append(
+                (model.get_item(item_id, only_shard=shard), local_tensor(master).reshape(-1))
+            )
+    return pairs
 
 
 def matches_masters(wrapper) -> bool:
@@ -148,6 +206,18 @@ def storages(chunks, rebuilders) -> list[ModelStorage]:
             found.setdefault(key, ModelStorage(tensor, kind, rebuilder))
 
     for chunk in chunks:
+        if is_megatron_fsdp_chunk(chunk):
+            # Its model weight and main gradient buffers (the masters are the engine's); the
+            # unsharded parameters gathered from them are Megatron-FSDP's own buckets
+            # (``release_gathered``).
+            rebuilder = next((w for w in rebuilders if chunk in chunks_of([w])), None)
+            for group in fsdp_groups(chunk):
+                if group.main_grad_buffer is not None:
+                    add(group.main_grad_buffer.data, GRADIENTS)
+                if group.model_weight_buffer is not None:
+                    data = group.model_weight_buffer.data
+                    add(data, PARAMETERS, rebuilder if data.dtype in _HALF else None)
+            continue
         for buffer in list(chunk.buffers) + list(chunk.expert_parallel_buffers):
             add(buffer.grad_data, GRADIENTS)
             if buffer.param_data is not None:
@@ -160,6 +230,59 @@ def storages(chunks, rebuilders) -> list[ModelStorage]:
             if not param.requires_grad:
                 add(param, PARAMETERS)
     return list(found.values())
+
+
+def release_gathered(chunks) -> int:
+    """Give back the unsharded parameters Megatron-FSDP gathered into its all-gather buckets
+    (after a step they wait for the next forward), through its own pipeline, which knows them
+    gathered no more: the next forward (or ``start_param_sync``) gathers them again. Returns
+    the bytes given back."""
+    freed = 0
+    for chunk in chunks:
+        if not is_megatron_fsdp_chunk(chunk):
+            continue
+        # No gather in flight into what is given back; the module holds the optimizer's
+        # DTensors after it, as after a step with overlapped gathers.
+        chunk.synchronize_param_gather()
+        pipeline = chunk.module.all_gather_pipeline
+        # The module's own parameters, which view the gathered buckets.
+        storages = {storage_key(p): p for p in chunk.module.raw_param.values()}
+        before = sum(p.untyped_storage().nbytes() for p in storages.values())
+        for bucket_id in range(pipeline.num_buckets):
+            pipeline.release_bucket(bucket_id, False)
+        freed += before - sum(p.untyped_storage().nbytes() for p in storages.values())
+    return freed
+
+
+def fsdp_sleep_refusal(wrapper) -> str | None:
+    """Why ``sleep()`` cannot give up the buffers of ``wrapper``'s Megatron-FSDP model, or
+    None (not a Megatron-FSDP optimizer, or one it serves)."""
+    config = getattr(wrapper, "ddp_config", None)
+    if not getattr(config, "use_megatron_fsdp", False):
+        return None
+    if getattr(config, "nccl_ub", False):
+        return (
+            "with NCCL user buffers (--use-nccl-ub) its buffers are in NCCL's registered pool, "
+            "where a released block frees nothing the rollout can use"
+        )
+    if getattr(config, "fsdp_double_buffer", False):
+        return "--fsdp-double-buffer keeps its all-gather buffers in pools of its own"
+    if getattr(config, "data_parallel_sharding_strategy", "no_shard") == "no_shard":
+        return "under no_shard its parameters are the module's own, outside its buffers"
+    if getattr(config, "outer_dp_sharding_strategy", "no_shard") != "no_shard":
+        return "hybrid sharding's outer buffers are not shown yet"
+    for chunk in chunks_of([wrapper]):
+        if any(g.transpose_weight_buffer is not None for g in fsdp_groups(chunk)):
+            return "FP8 parameters keep transposed copies in buffers of their own"
+    return None
+
+
+def gather_again(chunks) -> None:
+    """Megatron-FSDP's chunks gather their parameters again (``release_gathered`` gave them
+    back), as after a step; other chunks are left as they are."""
+    for chunk in chunks:
+        if is_megatron_fsdp_chunk(chunk):
+            chunk.start_param_sync(force_sync=True)
 
 
 def rebuild(rebuilders, chunks) -> None:

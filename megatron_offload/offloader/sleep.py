@@ -26,6 +26,10 @@ optimizer's data-parallel group before the all-gather, so that one rank's out-of
 every rank's ``DeviceMemoryError`` and nobody waits in a collective. The same call works again
 once the memory is free.
 
+Under Megatron-FSDP the parameters are its model weight buffers and the gradients its main
+gradient buffers; the unsharded parameters it gathered after the step are given back through
+its own all-gather pipeline and gathered again on wake (``model_buffers.release_gathered``).
+
 Under CUDA graphs (the model's ``cuda_graph_impl`` or ``enable_cuda_graph``) the graphs replay
 the addresses of the parameter and gradient buffers they captured: sleep keeps those buffers
 where they are, with their bytes, and moves only the optimizer states and masters (a warning
@@ -42,7 +46,7 @@ import weakref
 import torch
 
 from .. import rules
-from ..adapters import MASTER_WEIGHTS, OPTIMIZER_STATES, megatron_fsdp
+from ..adapters import MASTER_WEIGHTS, OPTIMIZER_STATES
 from ..adapters import model_buffers as buffers
 from ..adapters.megatron_wrappers import device_of
 from ..device import device_for
@@ -81,7 +85,13 @@ class Sleep:
         self._params: ModelMemory | None = None
         self._grads: ModelMemory | None = None
         self._figures = dict.fromkeys(
-            ("rebuilt_parameter_bytes", "copied_parameter_bytes", "dropped_gradient_bytes"), 0
+            (
+                "rebuilt_parameter_bytes",
+                "copied_parameter_bytes",
+                "dropped_gradient_bytes",
+                "released_gathered_bytes",
+            ),
+            0,
         )
 
     @property
@@ -93,7 +103,7 @@ class Sleep:
         chunks = [
             chunk
             for chunk in buffers.chunks_of(megatron_optimizers(self._offloader.optimizer))
-            if hasattr(chunk, "buffers")  # a DDP chunk
+            if hasattr(chunk, "buffers") or buffers.is_megatron_fsdp_chunk(chunk)
         ]
         # All or nothing; a weak reference: the model must not keep a dropped offloader alive
         # (its finalizers give its host memory back).
@@ -111,13 +121,14 @@ class Sleep:
                 f"sleep() inside {offloader.phase.current.value}: call it between steps."
             )
         found = megatron_optimizers(offloader.optimizer)
-        if any(map(megatron_fsdp.is_megatron_fsdp, found)):
-            rules.refuse_under_megatron_fsdp(
-                "sleep()",
-                "its parameters and gradients live in Megatron-FSDP's own buffers. Use "
-                "offloaded() around the rollout to move the optimizer states and master "
-                "weights only.",
-            )
+        for wrapper in found:
+            why = buffers.fsdp_sleep_refusal(wrapper)
+            if why is not None:
+                rules.refuse_under_megatron_fsdp(
+                    "sleep() here",
+                    f"{why}. Use offloaded() around the rollout to move the optimizer states "
+                    "and master weights only.",
+                )
         chunks = (
             buffers.model_chunks(found, model)
             if model is not None or not self._chunks
@@ -194,6 +205,8 @@ class Sleep:
         copied = [s for s in params if s.rebuilder is None]
         self._figures["copied_parameter_bytes"] = _nbytes(copied)
         self._figures["rebuilt_parameter_bytes"] = _nbytes(params) - _nbytes(copied)
+        # Megatron-FSDP's gathered parameters first: a gather in flight reads the buffers.
+        self._figures["released_gathered_bytes"] = buffers.release_gathered(chunks)
         if params:
             self._params.release(entries)
         self._rebuilders = rebuilders
@@ -277,7 +290,9 @@ class Sleep:
             for engine in offloader.engines:
                 engine.wait()  # ordered before the current stream, which casts and steps
             if self._rebuilders:
-                buffers.rebuild(self._rebuilders, self._chunks)
+                buffers.rebuild(self._rebuilders, self._chunks)  # the chunks gather too
+            else:
+                buffers.gather_again(self._chunks)
             for engine in borrowed:
                 # The cast only read them: released again without a copy (rule 6).
                 engine.offload((MASTER_WEIGHTS,), skip_unchanged=True, release=True)

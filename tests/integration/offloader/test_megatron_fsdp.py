@@ -474,6 +474,75 @@ def test_with_nccl_user_buffers_the_states_move_and_the_pooled_masters_stay(rank
         assert f"({off['buffer_bytes']:,} bytes on this rank)" in said and "NCCL" in said
 
 
+def _model_bytes(chunks, optimizer) -> dict:
+    """Device bytes of the model's buffers (each storage once): the model weights, the main
+    gradients, the unsharded parameters Megatron-FSDP gathered, and the states and masters."""
+    from tests.harness.megatron_fsdp import groups
+
+    def nbytes(tensors):
+        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
+        return sum(storages.values())
+
+    found = groups(chunks)
+    return {
+        "weights": nbytes([g.model_weight_buffer.data for g in found]),
+        "gradients": nbytes([g.main_grad_buffer.data for g in found]),
+        "gathered": nbytes(list(chunks[0].module.raw_param.values())),
+        "optimizer": held_bytes(chunks, optimizer),
+    }
+
+
+def sleep_job(sleeps: bool, strategy=None, woken_by="wake"):
+    """Attached; after two steps the model sleeps (or not) and wakes (``woken_by``: "wake",
+    or "forward": the next step's forward wakes it), then trains two more steps."""
+    import megatron_offload
+    from tests.harness import models
+
+    overrides = {**FSDP, **({"data_parallel_sharding_strategy": strategy} if strategy else {})}
+    chunks, optimizer, config = models.build("gpt", "bf16", ddp_overrides=overrides)
+    offloader = megatron_offload.attach(optimizer)
+    results = [models.train_step(chunks, optimizer, config, step) for step in range(2)]
+    out = {"awake": _model_bytes(chunks, optimizer)}
+    if sleeps:
+        offloader.sleep()
+        out["asleep"] = _model_bytes(chunks, optimizer)
+        out["figures"] = {
+            k: offloader.stats()[k]
+            for k in (
+                "rebuilt_parameter_bytes",
+                "copied_parameter_bytes",
+                "released_gathered_bytes",
+            )
+        }
+        if woken_by == "wake":
+            offloader.wake()
+    results += [models.train_step(chunks, optimizer, config, step) for step in (2, 3)]
+    offloader.reload()
+    offloader.wait()
+    out["results"], out["snapshot"] = results, snapshot(chunks, optimizer)
+    return out
+
+
+@pytest.mark.parametrize(
+    "strategy, woken_by",
+    [("optim_grads_params", "wake"), ("optim_grads_params", "forward"), ("optim", "wake")],
+)
+def test_sleep_gives_up_every_buffer_and_wakes_bitwise(rank_pool, strategy, woken_by):
+    reference = rank_pool.run(sleep_job, False, strategy)
+    slept = rank_pool.run(sleep_job, True, strategy, woken_by)
+    assert_bitwise_equal(
+        [{k: r[k] for k in ("results", "snapshot")} for r in reference],
+        [{k: r[k] for k in ("results", "snapshot")} for r in slept],
+    )
+    for ref, run in zip(reference, slept):
+        awake = ref["awake"]
+        assert awake["weights"] > 0 and awake["gradients"] > 0 and awake["gathered"] > 0, awake
+        assert run["asleep"] == dict.fromkeys(awake, 0), run["asleep"]
+        figures = run["figures"]
+        assert figures["rebuilt_parameter_bytes"] == awake["weights"], figures
+        assert figures["copied_parameter_bytes"] == 0, figures
+
+
 def refusal_job(what: str):
     """Under Megatron-FSDP, what stays refused is refused before anything is touched: the
     run goes on bitwise as one that never tried."""
@@ -483,7 +552,10 @@ def refusal_job(what: str):
     chunks, optimizer, config = models.build("gpt", "bf16", ddp_overrides=FSDP)
     results = [models.train_step(chunks, optimizer, config, 0)]
     refused = None
-    if what == "sleep":
+    flag = {"sleep-nccl-ub": "nccl_ub", "sleep-double-buffer": "fsdp_double_buffer"}[what]
+    for wrapper in models.megatron_optimizers(optimizer):
+        setattr(wrapper.ddp_config, flag, True)  # as megatron.training sets it on the config
+    if what.startswith("sleep"):
         offloader = megatron_offload.attach(optimizer)
         results.append(models.train_step(chunks, optimizer, config, 1))
         before = held_bytes(chunks, optimizer)
@@ -491,9 +563,11 @@ def refusal_job(what: str):
             offloader.sleep()
         except megatron_offload.OffloadArgumentError as error:
             refused = str(error)
-        attached = before == held_bytes(chunks, optimizer) == 0  # nothing moved
+        attached = before == held_bytes(chunks, optimizer)  # nothing moved
+    for wrapper in models.megatron_optimizers(optimizer):
+        setattr(wrapper.ddp_config, flag, False)
     results.append(models.train_step(chunks, optimizer, config, len(results)))
-    if what == "sleep":
+    if what.startswith("sleep"):
         offloader.reload()
         offloader.wait()
     return {
@@ -504,12 +578,13 @@ def refusal_job(what: str):
     }
 
 
-@pytest.mark.parametrize("what", ["sleep"])
+@pytest.mark.parametrize("what", ["sleep-nccl-ub", "sleep-double-buffer"])
 def test_what_stays_refused_under_megatron_fsdp_touches_nothing(rank_pool, what):
     reference = rank_pool.run(fsdp_job, False, steps=3)
     tried = rank_pool.run(refusal_job, what)
     for ref, run in zip(reference, tried):
         assert "Megatron-FSDP" in run["refused"] and "yet" in run["refused"], run["refused"]
+        assert ("NCCL" if what == "sleep-nccl-ub" else "double") in run["refused"]
         assert run["attached"]  # the offloaded states did not move
     assert_bitwise_equal(reference, tried)
 
