@@ -241,13 +241,14 @@ def release_gathered(chunks) -> int:
     for chunk in chunks:
         if not is_megatron_fsdp_chunk(chunk):
             continue
-        # No gather in flight into what is given back; the module holds the optimizer's
-        # DTensors after it, as after a step with overlapped gathers.
-        chunk.synchronize_param_gather()
-        pipeline = chunk.module.all_gather_pipeline
         # The module's own parameters, which view the gathered buckets.
         storages = {storage_key(p): p for p in chunk.module.raw_param.values()}
         before = sum(p.untyped_storage().nbytes() for p in storages.values())
+        # No gather in flight into what is given back (it gives the FSDP units' buckets back
+        # itself); the module holds the optimizer's DTensors after it, as after a step with
+        # overlapped gathers.
+        chunk.synchronize_param_gather()
+        pipeline = chunk.module.all_gather_pipeline
         for bucket_id in range(pipeline.num_buckets):
             pipeline.release_bucket(bucket_id, False)
         freed += before - sum(p.untyped_storage().nbytes() for p in storages.values())
@@ -265,8 +266,6 @@ def fsdp_sleep_refusal(wrapper) -> str | None:
             "with NCCL user buffers (--use-nccl-ub) its buffers are in NCCL's registered pool, "
             "where a released block frees nothing the rollout can use"
         )
-    if getattr(config, "fsdp_double_buffer", False):
-        return "--fsdp-double-buffer keeps its all-gather buffers in pools of its own"
     if getattr(config, "data_parallel_sharding_strategy", "no_shard") == "no_shard":
         return "under no_shard its parameters are the module's own, outside its buffers"
     if getattr(config, "outer_dp_sharding_strategy", "no_shard") != "no_shard":
@@ -275,6 +274,34 @@ def fsdp_sleep_refusal(wrapper) -> str | None:
         if any(g.transpose_weight_buffer is not None for g in fsdp_groups(chunk)):
             return "FP8 parameters keep transposed copies in buffers of their own"
     return None
+
+
+def fsdp_pools(chunks) -> list[torch.Tensor]:
+    """The pools of Megatron-FSDP's double buffer (``--fsdp-double-buffer``): the tensors of its
+    global memory buffer that its fixed-pool allocators (gathered parameters, gradient buckets)
+    hand out slices of, kept for the whole run. Idle between steps once every bucket is
+    released (``release_gathered``); empty without the double buffer."""
+    import importlib
+
+    names, pool = set(), None
+    for chunk in chunks:
+        if not is_megatron_fsdp_chunk(chunk):
+            continue
+        buffer = chunk.param_and_grad_buffer
+        for allocator in vars(buffer).values():
+            # A fixed-pool allocator (FixedPoolAllocator, MaxPoolAllocator) names its pools.
+            if hasattr(allocator, "fsdp_double_buffer_units") and isinstance(
+                getattr(allocator, "name", None), str
+            ):
+                names.add(allocator.name + "_")
+                pool = importlib.import_module(type(buffer).__module__).get_global_memory_buffer()
+    if pool is None:
+        return []
+    return [
+        tensor
+        for (name, _), tensor in pool.buffer.items()
+        if isinstance(name, str) and name.startswith(tuple(names)) and tensor.numel()
+    ]
 
 
 def gather_again(chunks) -> None:

@@ -84,6 +84,7 @@ class Sleep:
         self.sleeps = 0
         self._params: ModelMemory | None = None
         self._grads: ModelMemory | None = None
+        self._pools: ModelMemory | None = None  # Megatron-FSDP's double-buffer pools
         self._figures = dict.fromkeys(
             (
                 "rebuilt_parameter_bytes",
@@ -206,7 +207,16 @@ class Sleep:
         self._figures["copied_parameter_bytes"] = _nbytes(copied)
         self._figures["rebuilt_parameter_bytes"] = _nbytes(params) - _nbytes(copied)
         # Megatron-FSDP's gathered parameters first: a gather in flight reads the buffers.
-        self._figures["released_gathered_bytes"] = buffers.release_gathered(chunks)
+        gathered = buffers.release_gathered(chunks)
+        pools = buffers.fsdp_pools(chunks) if graphs is None else []
+        if pools:
+            # Idle now (every bucket released): given up without a copy, regrown on wake.
+            self._pools = self._pools or ModelMemory(
+                device or device_for(pools[0].device), name="wake()"
+            )
+            self._pools.release([(tensor, False, False) for tensor in pools])
+            gathered += self._pools.dropped_bytes
+        self._figures["released_gathered_bytes"] = gathered
         if params:
             self._params.release(entries)
         self._rebuilders = rebuilders
@@ -256,9 +266,10 @@ class Sleep:
         from), each step undone by ``undo`` if a later one fails; returns the engines whose
         masters were borrowed for the cast."""
         offloader = self._offloader
-        if self._params is not None:
-            self._params.regrow()  # the copied ones get their bytes back
-            undo.append(self._params.unregrow)
+        for memory in (self._params, self._pools):
+            if memory is not None:
+                memory.regrow()  # the copied ones get their bytes back
+                undo.append(memory.unregrow)
         # What the step cycle keeps on the host between steps stays there (the next step
         # brings it back); masters among it come back for the cast only.
         configured = offloader.configured_kinds if offloader.automatic else None
@@ -323,10 +334,10 @@ class Sleep:
         for chunk, owner in list(_OWNERS.items()):
             if owner() is self._offloader:
                 del _OWNERS[chunk]
-        for memory in (self._params, self._grads):
+        for memory in (self._params, self._grads, self._pools):
             if memory is not None:
                 memory.close()
-        self._params = self._grads = None
+        self._params = self._grads = self._pools = None
 
     # ------------------------------------------------------------------ internals
     def _watch_forward(self) -> None:
