@@ -16,6 +16,13 @@ still equal their masters cast (``matches_masters``), a 16-bit buffer can be giv
 a copy and made again from the masters. Not rebuildable, copied instead: fp32 parameters
 (their own masters), frozen parameters, buffers of optimizers that keep masters elsewhere
 (the precision-aware optimizer, FP8 parameters, the layer-wise optimizer, Float16Optimizer).
+
+Megatron-FSDP (``FullyShardedDataParallel`` chunks) keeps, per parameter group, the 16-bit
+weights in a model weight buffer (sharded under ``optim_grads_params``) and the gradients in a
+main gradient buffer; the unsharded parameters a forward uses are gathered from the weights
+into buckets of its own (with ``--fsdp-double-buffer``, slices of pools it keeps). After a step
+it casts the fp32 master shards into the weight buffers (``copy_main_weights_to_model_weights``)
+and gathers (``start_param_sync``): the same rebuild.
 """
 
 from __future__ import annotations
@@ -145,8 +152,8 @@ def _fsdp_shard_pairs(wrapper) -> list[tuple[torch.Tensor, torch.Tensor]]:
             found = items.get(id(getattr(master, "orig_param", None)))
             if found is None or found[0].model_weight_buffer is None:
                 continue
-            buffers, item_id = found
-            model, main = buffers.model_weight_buffer, buffers.main_weight_buffer
+            owner, item_id = found
+            model, main = owner.model_weight_buffer, owner.main_weight_buffer
             shard = model.is_data_distributed or (main is not None and main.is_data_distributed)
             # The buffer's item is flat, the DTensor's local tensor shaped: compared flat.
             pairs.append(

@@ -315,7 +315,9 @@ class OptimizerStateOffloader:
         Inside ``with offloader.host_view():`` every released state tensor and master weight
         is, where the optimizer keeps it (``optimizer.optimizer.state[p][...]``, the
         ``param_groups``, the wrapper's master lists), a CPU tensor viewing its host copy:
-        reading it copies nothing to the device. What the block writes into them reaches the
+        reading it copies nothing to the device. Under Megatron-FSDP the DTensors stay in
+        place and their local tensors are the host copies (a save built and written inside
+        the block reads only host memory). What the block writes into them reaches the
         next step (the prefetch copies the host copy in). Resident states are seen where they
         are; ``writes=True`` says the block may write those too (their host copies become
         stale). On exit the optimizer's own tensor objects are back in place; do not keep the

@@ -207,7 +207,8 @@ class Sleep:
         self._figures["copied_parameter_bytes"] = _nbytes(copied)
         self._figures["rebuilt_parameter_bytes"] = _nbytes(params) - _nbytes(copied)
         # Megatron-FSDP's gathered parameters first: a gather in flight reads the buffers.
-        gathered = buffers.release_gathered(chunks)
+        # Under CUDA graphs they stay, with the buffers the graphs captured.
+        gathered = buffers.release_gathered(chunks) if graphs is None else 0
         pools = buffers.fsdp_pools(chunks) if graphs is None else []
         if pools:
             # Idle now (every bucket released): given up without a copy, regrown on wake.
