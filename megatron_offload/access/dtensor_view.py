@@ -7,7 +7,9 @@ released keeps its identity, and its local tensor's ``data`` is pointed at the s
 the host copy for the block (torch's ``Tensor.data`` setter, which crosses devices as
 ``Module.to`` does), then back at its released device storage on exit. A save built from
 them (torch DCP writes the local tensors) reads the host copy and copies nothing to the
-device.
+device; a load writes it. The released master buffers themselves (``main_weight_buffer.data``,
+which megatron-core slices to copy the masters into the model weights after a load) are the
+host copy too for the block.
 
 megatron-core re-wraps slices of them for ``fsdp_dtensor`` checkpoints of gated linear units
 (SwiGLU) and Gated DeltaNet: ``fsdp_dtensor_checkpoint.make_fsdp_dtensor``, which calls
@@ -48,29 +50,42 @@ class DTensorView:
             self._host_storages.add(host.untyped_storage().data_ptr())
             self.device = tensor.device
         self._pointed: list[tuple[torch.Tensor, torch.Tensor]] = []  # (local, its own data)
+        self._buffers: list[tuple[object, torch.Tensor]] = []  # (buffer owner, its own data)
         self._rewrap = None
         try:
+            # Found before any local tensor is pointed: they are found through them.
+            owners = megatron_fsdp.master_buffer_owners(wrapper)
             for dtensor in megatron_fsdp.dtensors(wrapper):
-                self._point(megatron_fsdp.local_tensor(dtensor))
+                local = megatron_fsdp.local_tensor(dtensor)
+                host = self._host_of(local)
+                if host is not None:
+                    own = local.data  # an alias of its device storage, for close()
+                    local.data = host
+                    self._pointed.append((local, own))
+            # megatron-core also slices the master buffers themselves (a load's
+            # ``copy_main_weights_to_model_weights``): they are the host copy too.
+            for owner in owners:
+                host = self._host_of(owner.data)
+                if host is not None:
+                    self._buffers.append((owner, owner.data))
+                    owner.data = host
             if self._pointed:
                 self._install_rewrap()
         except BaseException:
             self.close()  # all or nothing
             raise
 
-    def _point(self, local: torch.Tensor) -> None:
-        if local.numel() == 0:
-            return
-        offset = local.storage_offset()
-        for start, numel, flat in self._hosts.get(megatron_fsdp.storage_key(local), ()):
-            if start <= offset and offset + local.numel() <= start + numel:
-                host = flat.as_strided(
-                    local.shape, local.stride(), flat.storage_offset() + offset - start
+    def _host_of(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The host copy of released ``tensor``, shaped like it (None: not served here)."""
+        if tensor.numel() == 0:
+            return None
+        offset = tensor.storage_offset()
+        for start, numel, flat in self._hosts.get(megatron_fsdp.storage_key(tensor), ()):
+            if start <= offset and offset + tensor.numel() <= start + numel:
+                return flat.as_strided(
+                    tensor.shape, tensor.stride(), flat.storage_offset() + offset - start
                 )
-                own = local.data  # an alias of its device storage, for close()
-                local.data = host
-                self._pointed.append((local, own))
-                return
+        return None
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` views the host copy this view serves."""
@@ -113,6 +128,9 @@ class DTensorView:
         if self._rewrap is not None:
             self._rewrap.remove()
             self._rewrap = None
+        buffers, self._buffers = self._buffers, []
+        for owner, own in reversed(buffers):
+            owner.data = own
         pointed, self._pointed = self._pointed, []
         for local, own in reversed(pointed):
             local.data = own

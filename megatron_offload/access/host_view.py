@@ -21,6 +21,7 @@ the arena (a host block, at a checkpoint only).
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 
 import torch
@@ -93,6 +94,23 @@ class HostView:
     def close(self) -> None:
         """Put the optimizer's own tensors back (what the block wrote is in the host copy)."""
         self._restore(self._writes)
+
+    @contextlib.contextmanager
+    def unserved(self, member):
+        """The block runs with ``member``'s own tensors in place (what was written through the
+        view so far is in the host copy), and the view serves ``member`` again after it, as its
+        pieces are then: a block may lay them out anew (the states a load makes)."""
+        index = next(
+            (i for i, served in enumerate(self._served) if served.engine is member.engine), None
+        )
+        if index is None:
+            yield
+            return
+        self._served.pop(index).restore(self._writes)
+        try:
+            yield
+        finally:
+            self._served.insert(index, _Served(member.engine, member.optimizer))
 
     # ------------------------------------------------------- torch's load hooks
     def before_load(self, inner, state_dict: dict) -> dict:

@@ -36,12 +36,21 @@ import collections
 import contextlib
 import enum
 import functools
+import inspect
 from typing import Iterator, Sequence
 
 import torch
 
-from ..adapters import inner_optimizers, megatron_fsdp, state_access
+from ..adapters import (
+    MASTER_WEIGHTS,
+    OPTIMIZER_STATES,
+    inner_optimizers,
+    megatron_fsdp,
+    state_access,
+)
 from ..adapters.model_buffers import chunks_of
+from ..engine import HostBuffers
+from ..engine.pieces import aligned_size
 from ..interceptions import Interceptions
 from ..phase import Phase, PhaseTracker
 from .host_view import HostView, HostViewFigures
@@ -162,6 +171,16 @@ class StateAccess:
                 view.close()
         finally:
             self._phase.leave(token)
+
+    def loads_in_view(self) -> bool:
+        """True if a checkpoint load can write the host copy inside a host view: every
+        Megatron-FSDP optimizer can have the states the load writes into made without an
+        update (``_load_without_update``)."""
+        return all(
+            megatron_fsdp.can_make_load_states(member.optimizer)
+            for member, policy in zip(self._members, self.policies)
+            if policy is Policy.HOST_VIEW
+        )
 
     def accessed(self, mapping: "GuardedState", writes: bool) -> None:
         """A ``GuardedState`` was accessed between steps: if its optimizer's states are off the
@@ -299,6 +318,8 @@ class StateAccess:
                 if served
                 else contextlib.nullcontext() as view
             ):
+                if name == "sharded_param_state_fsdp_dtensor" and writes and view is not None:
+                    args, kwargs = self._load_without_update(target, previous, args, kwargs)
                 result = previous(*args, **kwargs)
                 if loads:
                     self._after_load(target, name, args)
@@ -310,6 +331,74 @@ class StateAccess:
             return result
 
         return call
+
+    def _load_without_update(self, target, previous, args, kwargs):
+        """``sharded_param_state_fsdp_dtensor(is_loading=True)`` of Megatron-FSDP's
+        ``target`` in a host view: megatron-core would first step the inner optimizer on zero
+        gradients to make the states the load writes into, an update on the device that reads
+        and writes every state and master (the view refuses it). Here the parameters without
+        states get them from megatron-core's own initializer, one parameter at a time, each
+        copied to the host at once (``_make_load_states``), and the method then runs as for a
+        save: it hands out the DTensors the load writes, which the view points at the host
+        copy. Returns the arguments to call it with. An optimizer megatron-core built without
+        an initializer keeps its dummy step (refused in the view: its loads run resident)."""
+        members = [m for m in self._members if m.optimizer is target]
+        if not members or not megatron_fsdp.can_make_load_states(target):
+            return args, kwargs
+        for member in members:
+            if megatron_fsdp.params_without_states(target):
+                with self._view.unserved(member):
+                    self._make_load_states(member)
+        bound = inspect.signature(previous).bind(*args, **kwargs)
+        bound.arguments["is_loading"] = False
+        return bound.args, bound.kwargs
+
+    def _make_load_states(self, member) -> None:
+        """States for every parameter of ``member`` that has none (``make_load_states``), made
+        on the device one parameter at a time and staged to the host right after (one host
+        buffer for all), then laid out as released pieces: the device never holds more than
+        one parameter's states. All or nothing: a failure leaves no state made and no host
+        memory held."""
+        wrapper, engine, kinds = member.optimizer, member.engine, member.kinds
+        inner = wrapper.optimizer
+        params = megatron_fsdp.params_without_states(wrapper)
+        remaining = sum(
+            inner_optimizers.planned_state_bytes(
+                inner, p, moments=OPTIMIZER_STATES in kinds, masters=MASTER_WEIGHTS in kinds
+            )[0]
+            for p in params
+        )
+        staging = HostBuffers(
+            engine.device, budget=engine.budget, name=f"{engine.name}: states for a load"
+        )
+        made = []
+        try:
+            for param in params:
+                made.append(param)
+                megatron_fsdp.make_load_states(wrapper, param)
+                moving = [
+                    tensor
+                    for key, tensor in inner_optimizers.state_tensors(
+                        param, dict.get(inner.state, param) or {}
+                    )
+                    if (MASTER_WEIGHTS if inner_optimizers.is_master_key(key) else OPTIMIZER_STATES)
+                    in kinds
+                    and engine.stageable(tensor)
+                ]
+                if moving:
+                    engine.adopted.stage_out(moving, staging, hint=remaining)
+                    remaining -= sum(aligned_size(t.numel() * t.element_size()) for t in moving)
+            engine.invalidate()
+            engine.rescan()  # released pieces now: the view serves them, the next step loads them
+        except BaseException:
+            created = []
+            for param in made:
+                entries = dict.pop(inner.state, param, None) or {}
+                created += [tensor for _, tensor in inner_optimizers.state_tensors(param, entries)]
+            engine.adopted.disown(created)
+            staging.free()
+            engine.invalidate()
+            raise
 
     def _after_load(self, target, name: str, args) -> None:
         for member in self._members:

@@ -48,6 +48,12 @@ def master_buffers(wrapper) -> list[torch.Tensor]:
     masters ``wrapper``'s inner optimizer updates (its parameters' local tensors view that
     storage), in model chunk and group order; empty where ``wrapper`` is not a Megatron-FSDP
     optimizer, and under NCCL user buffers (they stay on the device: ``pooled_master_bytes``)."""
+    return [owner.data for owner in master_buffer_owners(wrapper)]
+
+
+def master_buffer_owners(wrapper) -> list:
+    """The ``main_weight_buffer`` objects whose ``data`` is ``master_buffers``: megatron-core
+    reads the masters there too (``copy_main_weights_to_model_weights`` slices ``data``)."""
     if uses_nccl_pool(wrapper):
         return []
     return _viewed_master_buffers(wrapper)
@@ -58,10 +64,14 @@ def pooled_master_bytes(wrapper) -> int:
     NCCL's registered pool (0 without ``--use-nccl-ub``)."""
     if not uses_nccl_pool(wrapper):
         return 0
-    return sum(b.numel() * b.element_size() for b in _viewed_master_buffers(wrapper))
+    return sum(
+        owner.data.numel() * owner.data.element_size() for owner in _viewed_master_buffers(wrapper)
+    )
 
 
-def _viewed_master_buffers(wrapper) -> list[torch.Tensor]:
+def _viewed_master_buffers(wrapper) -> list:
+    """The ``main_weight_buffer`` of every parameter group whose storage the optimizer's
+    parameters view."""
     if not is_megatron_fsdp(wrapper) or getattr(wrapper, "optimizer", None) is None:
         return []
     viewed = {
@@ -76,7 +86,7 @@ def _viewed_master_buffers(wrapper) -> list[torch.Tensor]:
         for group in groups:
             buffer = getattr(group.main_weight_buffer, "data", None)
             if buffer is not None and storage_key(buffer) in viewed:
-                buffers.append(buffer)
+                buffers.append(group.main_weight_buffer)
     return buffers
 
 
@@ -93,3 +103,58 @@ def dtensors(wrapper):
             for value in entries.values():
                 if isinstance(value, torch.Tensor) and local_tensor(value) is not value:
                     yield value
+
+
+# ------------------------------------------------------------------ states for a load
+def params_without_states(wrapper) -> list:
+    """The parameters of ``wrapper``'s inner optimizer that have no state yet. megatron-core's
+    ``fsdp_dtensor`` load makes states for every parameter (Transformer Engine's FusedAdam
+    makes them for every parameter, also one whose shard on this rank is empty), and every
+    rank must hold the same state keys: its metadata gather runs once per key."""
+    inner = wrapper.optimizer
+    return [
+        param
+        for group in inner.param_groups
+        for param in group["params"]
+        if not dict.get(inner.state, param)
+    ]
+
+
+def can_make_load_states(wrapper) -> bool:
+    """Whether ``make_load_states`` can give ``wrapper``'s parameters the states a load writes
+    into: megatron-core built it with a state initializer (``init_state_fn``: Adam, Lion), or
+    every parameter has its states already."""
+    return getattr(wrapper, "init_state_fn", None) is not None or not params_without_states(wrapper)
+
+
+def make_load_states(wrapper, param) -> None:
+    """Give ``param`` the states an ``fsdp_dtensor`` load writes into, without an update.
+
+    megatron-core makes them by stepping the inner optimizer on zero gradients, which reads and
+    writes the masters and every state on the device. This makes the same entries with its own
+    initializer instead (``wrapper.init_state_fn``, what its DistributedOptimizer loads use:
+    moments of zeros like the parameter, or TE's ``initialize_state`` with the precision-aware
+    optimizer), run for this parameter alone, on the parameter's device; torch's Adam keeps a
+    ``step`` in each parameter's state, which the initializer does not make, so it is added as
+    torch makes it (0: the load writes the saved count). The load overwrites every value.
+    """
+    inner = wrapper.optimizer
+    group = next(g for g in inner.param_groups if any(p is param for p in g["params"]))
+    groups, params = inner.param_groups, group["params"]
+    try:
+        group["params"] = [param]
+        inner.param_groups = [group]
+        wrapper.init_state_fn(inner, wrapper.config)
+    finally:
+        inner.param_groups = groups
+        group["params"] = params
+    if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+        entries = inner.state[param]
+        if "step" not in entries:
+            on_device = group.get("capturable") or group.get("fused")
+            wide = torch.get_default_dtype() == torch.float64 and not group.get("fused")
+            entries["step"] = torch.zeros(
+                (),
+                dtype=torch.float64 if wide else torch.float32,
+                device=param.device if on_device else "cpu",
+            )

@@ -31,11 +31,12 @@ def checkpoint_residency(optimizer, *, read_only: bool, args=None):
     Where the offloader serves checkpoints from the host copy (``servable``: every optimizer
     but Transformer Engine's with fp16 or FP8 moments, and none under Megatron-FSDP), nothing
     is done here: the optimizer's checkpoint methods read and write the host copy, and
-    nothing comes back to the device. A synchronous save under Megatron-FSDP runs in a host
-    view (``servable_in_view``): it reads the host copy too. Otherwise (loads under
-    Megatron-FSDP: megatron-core steps the inner optimizer on zero gradients to make its states
-    before the load, on the device) the states are on the device for the block and offloaded
-    again right after it (so the next iteration's forward and backward do not run with them).
+    nothing comes back to the device. Under Megatron-FSDP a synchronous save and a load run in
+    a host view (``servable_in_view``): the save reads the host copy, the load writes it (the
+    states it writes into are made on the host, ``StateAccess.loads_in_view``). Otherwise (an
+    optimizer megatron-core built without a state initializer) the states are on the device
+    for the block and offloaded again right after it (so the next iteration's forward and
+    backward do not run with them).
 
     For a save the host copy stays valid. A save whose writer may keep references after it
     returns (an asynchronous save other than megatron-core's own) is left to the offloader's
@@ -57,11 +58,14 @@ def checkpoint_residency(optimizer, *, read_only: bool, args=None):
         # The optimizer's checkpoint methods read and write the host copy themselves
         # (access/state.py): nothing comes back to the device.
         yield offloader
-    elif read_only and servable_in_view(offloader) and not getattr(args, "async_save", False):
-        # Megatron-FSDP: the whole save reads the host copy (the state dict holds the
-        # optimizer's own DTensors until the write). An asynchronous writer could read them
-        # after the view closed: its saves take the way below.
-        with offloader.host_view(writes=False):
+    elif servable_in_view(offloader) and (
+        not getattr(args, "async_save", False) if read_only else offloader.access.loads_in_view()
+    ):
+        # Megatron-FSDP: the whole save reads the host copy and the whole load writes it (the
+        # state dict holds the optimizer's own DTensors until torch DCP is done with them).
+        # An asynchronous writer could read them after the view closed: its saves take the
+        # way below.
+        with offloader.host_view(writes=not read_only):
             yield offloader
     elif read_only and args is not None and not save_is_staged_on_return(args):
         yield offloader

@@ -309,7 +309,11 @@ ASSIGNED_BY_DESIGN = {
     "undo refills the original with what it holds now)",
     ("megatron_offload/access/dtensor_view.py", "data"): "a host view points the local "
     "tensors of Megatron-FSDP's released DTensors at the host copy (torch's Tensor.data setter, "
-    "the objects stay, as megatron-core hands them out) and back when it closes, all or nothing",
+    "the objects stay, as megatron-core hands them out), and the released master buffers' "
+    "data attribute at the host copy, and back when it closes, all or nothing",
+    ("megatron_offload/adapters/megatron_fsdp.py", "param_groups"): "a load's states are made "
+    "one parameter at a time: megatron-core's initializer runs over the inner optimizer's groups "
+    "narrowed to that parameter, put back in a finally",
     ("megatron_offload/chunked/update.py", "param_groups"): "the chunked update points the "
     "inner optimizer at one chunk's groups for the length of its update call, on the step's "
     "path (a handle per chunk would cost there), and puts them back in a finally",

@@ -90,11 +90,72 @@ def _set_rng_states(states) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(states[1])
 
 
+def _params(optimizer) -> list:
+    return [p for group in optimizer.optimizer.param_groups for p in group["params"]]
+
+
+def _record_state_making(chunks, optimizer, host) -> list[int]:
+    """Device bytes of states and masters each time megatron-core's state initializer
+    (``init_state_fn``) returns: the offloader makes a load's states with it, one parameter
+    at a time (the plain load steps the inner optimizer instead and never calls it)."""
+    original, seen = optimizer.init_state_fn, []
+
+    def init_state_fn(*args, **kwargs):
+        original(*args, **kwargs)
+        seen.append(held_bytes(chunks, optimizer, besides=host.holds))
+
+    optimizer.init_state_fn = init_state_fn
+    return seen
+
+
+@contextlib.contextmanager
+def _zeros_like_fails_at(call: int):
+    """torch's ``zeros_like`` raises at its ``call``-th call in the block (megatron-core's state
+    initializer makes each moment with it)."""
+    original, calls = torch.zeros_like, [0]
+
+    def zeros_like(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == call:
+            raise RuntimeError("injected: out of device memory")
+        return original(*args, **kwargs)
+
+    torch.zeros_like = zeros_like
+    try:
+        yield
+    finally:
+        torch.zeros_like = original
+
+
+def _failed_load(chunks, optimizer, offloader, glu, call: int) -> dict:
+    """A load whose state making fails at ``zeros_like``'s ``call``-th call: what it left."""
+    before = offloader.stats()["host_bytes"]
+    try:
+        with offloader.host_view(writes=True), _zeros_like_fails_at(call):
+            _fsdp_dtensor_state(chunks[0].module, optimizer, glu, is_loading=True)
+        error = None
+    except RuntimeError as caught:
+        error = str(caught)
+    return {
+        "error": error,
+        "states": sum(bool(entries) for entries in dict.values(optimizer.optimizer.state)),
+        "host_bytes_grew": offloader.stats()["host_bytes"] - before,
+        "offloaded": offloader.is_offloaded,
+    }
+
+
 def fsdp_checkpoint_job(
-    offload: bool, directory: str, glu: bool, copy_every_local=False, strategy=DEFAULT_STRATEGY
+    offload: bool,
+    directory: str,
+    glu: bool,
+    copy_every_local=False,
+    strategy=DEFAULT_STRATEGY,
+    load_fault=0,
 ):
     """``copy_every_local``: the control, ``DTensor.from_local`` copies every tensor as if
-    all were host tensors, so the SwiGLU halves are loaded into copies."""
+    all were host tensors, so the SwiGLU halves are loaded into copies. ``load_fault``: a
+    first load fails at that call of ``zeros_like`` while its states are made, and is made
+    again."""
     from torch.distributed import checkpoint as dcp
 
     from tests.harness import models
@@ -129,14 +190,26 @@ def fsdp_checkpoint_job(
         chunks, optimizer, config, offloader = _build(offload, glu, host, strategy)
         if offloader is not None:
             offloader.offload()
-        raw, state = _fsdp_dtensor_state(chunks[0].module, optimizer, glu, is_loading=True)
-        dcp.load(state, checkpoint_id=where)
-        # load_checkpoint's order: the model (strict=False, as its fallback does: the
-        # DTensors were loaded in place above), then the optimizer, then the RNG states.
-        chunks[0].load_state_dict(raw["model"], strict=False)
-        optimizer.load_state_dict(raw["optimizer"])
+        if load_fault:
+            out["failed_load"] = _failed_load(chunks, optimizer, offloader, glu, load_fault)
+        making = _record_state_making(chunks, optimizer, host)
+        # The whole load in a host view (writes), as megatron.training's load runs it.
+        with (
+            offloader.host_view(writes=True) if offloader is not None else contextlib.nullcontext()
+        ):
+            raw, state = _fsdp_dtensor_state(chunks[0].module, optimizer, glu, is_loading=True)
+            out["held_at_load"] = held_bytes(chunks, optimizer, besides=host.holds)
+            dcp.load(state, checkpoint_id=where)
+            # load_checkpoint's order: the model (strict=False, as its fallback does: the
+            # DTensors were loaded in place above), then the optimizer, then the RNG states.
+            chunks[0].load_state_dict(raw["model"], strict=False)
+            optimizer.load_state_dict(raw["optimizer"])
+            out["held_after_load_calls"] = held_bytes(chunks, optimizer, besides=host.holds)
+            del raw, state
+        out["held_after_load"] = held_bytes(chunks, optimizer)
+        out["states_made"] = making
+        out["largest_states"] = max(2 * local(p).numel() * 4 for p in _params(optimizer))
         _set_rng_states(rng)
-        del raw, state
         resumed = [models.train_step(chunks, optimizer, config, s) for s in steps]
         out["resumed"] = {"results": first + resumed, **_final(chunks, optimizer, offloader)}
     out["host_tensors_copied"] = copied
@@ -154,14 +227,19 @@ PAIRS = {
     "optim-swiglu": ("optim", True),
     "no_shard-gelu": ("no_shard", False),
 }
-#: name: (offload, gated linear units, copy every local tensor, strategy); the control last.
+#: The call of ``zeros_like`` at which the faulted run's first load fails: its second
+#: parameter's first moment (one parameter's states made, staged and adopted by then).
+LOAD_FAULT = 3
+#: name: (offload, gated linear units, copy every local tensor, strategy, load fault); the
+#: control last.
 RUNS = {
     **{
-        f"{pair}{suffix}": (offload, glu, False, strategy)
+        f"{pair}{suffix}": (offload, glu, False, strategy, 0)
         for pair, (strategy, glu) in PAIRS.items()
         for offload, suffix in ((False, ""), (True, "-offloaded"))
     },
-    "control": (False, True, True, DEFAULT_STRATEGY),
+    "swiglu-offloaded-load-fault": (True, True, False, DEFAULT_STRATEGY, LOAD_FAULT),
+    "control": (False, True, True, DEFAULT_STRATEGY, 0),
 }
 
 
@@ -174,10 +252,10 @@ def fsdp_checkpoint_runs(directory: str) -> dict:
     from tests.harness.rank_pool import seed_everything
 
     out = {}
-    for name, (offload, glu, copy_every_local, strategy) in RUNS.items():
+    for name, (offload, glu, copy_every_local, strategy, load_fault) in RUNS.items():
         seed_everything()
         out[name] = fsdp_checkpoint_job(
-            offload, os.path.join(directory, name), glu, copy_every_local, strategy
+            offload, os.path.join(directory, name), glu, copy_every_local, strategy, load_fault
         )
     return out
 
@@ -202,9 +280,30 @@ def test_fsdp_dtensor_resume_while_offloaded_is_bitwise_the_uninterrupted_run(ru
     for ref, off in zip(reference, offloaded):
         assert ref["held_at_save"] > 0  # the measure sees the bytes
         assert off["held_at_save"] == off["held_after_save"] == 0
+        # The load: the states made for it one parameter at a time on the device (never more
+        # than the largest parameter's two moments), then only the host copy, written.
+        assert ref["held_at_load"] > 0 and ref["states_made"] == []
+        assert off["held_at_load"] == off["held_after_load_calls"] == off["held_after_load"] == 0
+        assert len(off["states_made"]) > 1
+        assert 0 < max(off["states_made"]) <= off["largest_states"]
         assert ref["served_locals"] == 0 and off["served_locals"] > 0
         assert off["uninterrupted"]["offloaded"] and off["resumed"]["offloaded"]
         assert off["host_buffers"] > 0 and off["host_tensors_copied"] == []
+
+
+def test_a_load_whose_state_making_fails_leaves_nothing_and_runs_again_bitwise(runs):
+    """A load fails while it makes the states it writes into (torch's ``zeros_like`` raising
+    for the second parameter, after the first one's states were staged to the host): it
+    raises, leaves no state, no host memory and everything offloaded; the same load made
+    again resumes bitwise as the run whose load never failed."""
+    faulted, clean = runs["swiglu-offloaded-load-fault"], runs["swiglu-offloaded"]
+    for rank in faulted:
+        failed = rank["failed_load"]
+        assert failed["error"] == "injected: out of device memory"
+        assert failed["states"] == 0 and failed["host_bytes_grew"] == 0 and failed["offloaded"]
+        assert rank["held_after_load"] == 0 and len(rank["states_made"]) > 1
+    for phase in ("uninterrupted", "resumed"):
+        assert_bitwise_equal([r[phase] for r in clean], [r[phase] for r in faulted])
 
 
 def test_the_resume_comparison_sees_a_load_written_into_copies(runs):

@@ -397,13 +397,12 @@ def test_asynchronous_saves_that_keep_references_are_left_to_the_guard(megatron_
     assert hooks.save_is_staged_on_return(argparse.Namespace())
 
 
-def test_megatron_fsdp_saves_run_in_a_host_view_and_its_loads_with_resident_states(
-    megatron_args,
-):
+def test_megatron_fsdp_saves_and_loads_run_in_a_host_view(megatron_args):
     """Under Megatron-FSDP (the policy ``HOST_VIEW``, with any ``HOST_COPY`` beside it) a
-    synchronous save runs whole in a host view; an asynchronous one, whose writer may read
-    after it returned, and a load (megatron-core steps on zero gradients first) have the
-    states resident."""
+    synchronous save runs whole in a host view, and so does a load (writing) where the states
+    it writes into can be made without an update (``loads_in_view``); an asynchronous save,
+    whose writer may read after it returned, and a load where they cannot (an optimizer built
+    without a state initializer) have the states resident."""
     events = []
     offloader = FakeOffloader(events)
 
@@ -413,18 +412,26 @@ def test_megatron_fsdp_saves_run_in_a_host_view_and_its_loads_with_resident_stat
         yield offloader
         events.append("view closed")
 
+    def access(*policies, loads_in_view=True):
+        return argparse.Namespace(policies=policies, loads_in_view=lambda: loads_in_view)
+
     offloader.host_view = host_view
-    offloader.access = argparse.Namespace(policies=(Policy.HOST_COPY, Policy.HOST_VIEW))
+    offloader.access = access(Policy.HOST_COPY, Policy.HOST_VIEW)
     optimizer = FakeOptimizer(offloader)
     save = hooks._wrap_checkpoint(lambda i, model, optimizer: events.append("save"), read_only=True)
     load = hooks._wrap_checkpoint(lambda model, optimizer: events.append("load"), read_only=False)
     save(1, [], optimizer)
+    load([], optimizer)
+    offloader.access = access(Policy.HOST_COPY, Policy.HOST_VIEW, loads_in_view=False)
     load([], optimizer)
     megatron_args.async_save, megatron_args.async_strategy = True, "mcore"
     save(2, [], optimizer)
     assert events == [
         ("host view", False),
         "save",
+        "view closed",
+        ("host view", True),
+        "load",
         "view closed",
         ("resident", False),
         "load",
@@ -437,9 +444,17 @@ def test_megatron_fsdp_saves_run_in_a_host_view_and_its_loads_with_resident_stat
     # no view: the states come back.
     events.clear()
     megatron_args.async_save = False
-    offloader.access = argparse.Namespace(policies=(Policy.DEVICE, Policy.HOST_VIEW))
+    offloader.access = access(Policy.DEVICE, Policy.HOST_VIEW)
     save(3, [], optimizer)
-    assert events == [("resident", True), "save", ("offloaded again", True)]
+    load([], optimizer)
+    assert events == [
+        ("resident", True),
+        "save",
+        ("offloaded again", True),
+        ("resident", False),
+        "load",
+        ("offloaded again", False),
+    ]
 
 
 def test_training_log_logs_at_each_log_interval(megatron_args, monkeypatch):
