@@ -16,7 +16,11 @@ It replaces a few module globals that megatron.training looks up at call time:
                                                      and after Megatron's own checks
 ``training.get_megatron_optimizer_config``           never enables Megatron's own offloader
                                                      (``coexistence``: only one offloader runs)
+``training.get_megatron_optimizer``                  ``attach`` to the optimizer it builds,
+                                                     before ``setup_model_and_optimizer``
+                                                     loads a checkpoint into it
 ``training.setup_model_and_optimizer``               ``attach`` to the optimizer it returns
+                                                     (where none was attached yet)
 ``training.train``                                   wraps ``config.finalize_model_grads_func``
                                                      (keeping one a builder set) so the reload
                                                      starts while the gradients are reduced
@@ -252,6 +256,24 @@ def _wrap_optimizer_config(original, module):
     return get_megatron_optimizer_config
 
 
+def _wrap_get_megatron_optimizer(original):
+    """Attach as soon as megatron.training has built the optimizer, as the source patch's
+    ``get_megatron_optimizer`` does: ``setup_model_and_optimizer`` then loads a resumed run's
+    checkpoint into an attached offloader, so the load writes the host copy (the masters are
+    offloaded at attach, the states it makes are made on the host) instead of holding the
+    optimizer memory of a run without offloading."""
+
+    @functools.wraps(original)
+    def get_megatron_optimizer(*args, **kwargs):
+        optimizer = original(*args, **kwargs)
+        megatron_args = _get_args()
+        if offload_enabled(megatron_args):
+            attach_for_training(optimizer, megatron_args)
+        return optimizer
+
+    return get_megatron_optimizer
+
+
 def _wrap_setup_model_and_optimizer(original):
     @functools.wraps(original)
     def setup_model_and_optimizer(*args, **kwargs):
@@ -373,6 +395,8 @@ def patch_megatron() -> None:
             "get_megatron_optimizer_config",
             lambda f: _wrap_optimizer_config(f, training_module),
         )
+    if hasattr(training_module, "get_megatron_optimizer"):
+        _replace(training_module, "get_megatron_optimizer", _wrap_get_megatron_optimizer)
     _replace(training_module, "setup_model_and_optimizer", _wrap_setup_model_and_optimizer)
     _replace(training_module, "train", lambda f: _wrap_train(f, training_module))
     _replace(training_module, "save_checkpoint", lambda f: _wrap_checkpoint(f, read_only=True))

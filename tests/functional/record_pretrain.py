@@ -93,10 +93,11 @@ def _state_storage_bytes(optimizer) -> int:
     return sum(storages.values())
 
 
-def _written_device_bytes(state_dict, optimizer) -> int:
-    """Bytes the storages of the local tensors of every DTensor a torch DCP save writes hold
-    outside the offloader's host copy (an fsdp_dtensor save: the masters and states, the
-    SwiGLU halves megatron-core re-wraps included), each storage once; reads no data."""
+def _dtensor_device_bytes(state_dict, optimizer) -> int:
+    """Bytes the storages of the local tensors of every DTensor a torch DCP save writes (or a
+    load reads into) hold outside the offloader's host copy (fsdp_dtensor: the masters and
+    states, the SwiGLU halves megatron-core re-wraps included), each storage once; reads no
+    data."""
     from torch.distributed.tensor import DTensor
 
     host = _host_storages(optimizer)
@@ -209,7 +210,7 @@ class Recorder:
             dcp_save = dcp.save
 
             def save(state_dict, *save_args, **save_kwargs):
-                written.append(_written_device_bytes(state_dict, optimizer))
+                written.append(_dtensor_device_bytes(state_dict, optimizer))
                 return dcp_save(state_dict, *save_args, **save_kwargs)
 
             dcp.save = save
@@ -234,22 +235,49 @@ class Recorder:
         return save_checkpoint
 
 
-def wrap_load_checkpoint(original):
+def wrap_load_checkpoint(original, recorder):
     """megatron-core (0.16-0.19) cannot load a ``torch_dist`` checkpoint into torch AdamW (the
     optimizer of this CPU environment: no TE, no apex) before it has states (``assert
     len(steps) == 1``), and after the load every parameter shares one stale ``step`` tensor.
     Both are megatron-core's own, with or without offloading: here the states are created
     first (as its TE/apex path expects) and, in a run without the offloader (which repairs the
-    steps itself), the steps are repaired by hand, so that a resumed run can be compared."""
+    steps itself), the steps are repaired by hand, so that a resumed run can be compared.
+    (``fsdp_dtensor`` loads make their states themselves.)
+
+    Each torch DCP load of it (``fsdp_dtensor``) records what the DTensors it reads into hold
+    on the device as it begins (``read_device_bytes``), and the optimizer's state storages
+    right after the load."""
 
     @functools.wraps(original)
     def load_checkpoint(ddp_model, optimizer, *args, **kwargs):
-        for dopt in chain_members(optimizer) if optimizer is not None else ():
-            if hasattr(dopt, "_init_optimizer_states_with_dummy_values") and not len(
-                dopt.optimizer.state
-            ):
-                dopt._init_optimizer_states_with_dummy_values()
-        result = original(ddp_model, optimizer, *args, **kwargs)
+        import torch.distributed.checkpoint as dcp
+        from megatron.training.global_vars import get_args
+
+        if get_args().ckpt_format != "fsdp_dtensor":
+            for dopt in chain_members(optimizer) if optimizer is not None else ():
+                if hasattr(dopt, "_init_optimizer_states_with_dummy_values") and not len(
+                    dopt.optimizer.state
+                ):
+                    dopt._init_optimizer_states_with_dummy_values()
+        read = []
+        dcp_load = dcp.load_state_dict
+
+        def load_state_dict(state_dict, *load_args, **load_kwargs):
+            read.append(_dtensor_device_bytes(state_dict, optimizer))
+            return dcp_load(state_dict, *load_args, **load_kwargs)
+
+        dcp.load_state_dict = load_state_dict
+        try:
+            result = original(ddp_model, optimizer, *args, **kwargs)
+        finally:
+            dcp.load_state_dict = dcp_load
+        recorder.data.setdefault("loads", []).append(
+            {
+                "read_device_bytes": read,
+                "after": _state_storage_bytes(optimizer) if optimizer is not None else None,
+            }
+        )
+        recorder.flush()
         if optimizer is not None and find_offloader(optimizer) is None:
             from megatron_offload.access.methods import restore_step_tensors
 
@@ -284,7 +312,7 @@ def main(argv: list[str]) -> None:
     recorder.data["megatron_training_file"] = training.__file__
     training.train_step = recorder.wrap_train_step(training.train_step)
     training.save_checkpoint = recorder.wrap_save_checkpoint(training.save_checkpoint)
-    training.load_checkpoint = wrap_load_checkpoint(training.load_checkpoint)
+    training.load_checkpoint = wrap_load_checkpoint(training.load_checkpoint, recorder)
     if route == "launch":
         from megatron_offload import launch
 

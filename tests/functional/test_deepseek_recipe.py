@@ -181,6 +181,13 @@ def test_a_resume_trains_on_bitwise_as_the_plain_scripts_resume(runs, tmp_path):
         assert len(on.ranks[rank]["iterations"]) == ITERATIONS - SAVE_INTERVAL
         assert _values(on, rank) == _values(off, rank), (way, rank)
         assert all(e["held_at_start"] == 0 for e in on.ranks[rank]["iterations"]), (way, rank)
+        # The load wrote the host copy (the offloader attached before it): nothing of the
+        # states and masters on the device in the DTensors torch DCP read into, nor after
+        # it, where the plain load holds them all.
+        (load_on,) = on.ranks[rank]["loads"]
+        (load_off,) = off.ranks[rank]["loads"]
+        assert load_on["read_device_bytes"] == [0] and load_on["after"] == 0, (rank, load_on)
+        assert load_off["read_device_bytes"][0] > 0 and load_off["after"] > 0, (rank, load_off)
     assert _params_norms(on) == _params_norms(off), way
 
 

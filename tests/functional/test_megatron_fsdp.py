@@ -125,10 +125,11 @@ def test_a_resume_from_its_checkpoint_trains_on_bitwise(saved, tmp_path):
         assert len(resumed.ranks[rank]["iterations"]) == case.train_iters - SAVE_INTERVAL
         assert _values(resumed, rank) == _values(on, rank)[SAVE_INTERVAL:], rank
         assert all(e["offloader"]["is_offloaded"] for e in resumed.ranks[rank]["iterations"])
-    print(
-        [e["held_at_start"] for e in on.ranks[0]["iterations"]],
-        [e["held_at_start"] for e in resumed.ranks[0]["iterations"]],
-    )
+        # The offloader attached before setup_model_and_optimizer loaded the checkpoint: the
+        # load wrote the host copy, with no byte of states and masters on the device in the
+        # DTensors torch DCP read into, nor after it.
+        (load,) = resumed.ranks[rank]["loads"]
+        assert load["read_device_bytes"] == [0] and load["after"] == 0, load
 
 
 def test_the_stock_script_streams_the_states_with_the_chunked_update(saved, tmp_path):
