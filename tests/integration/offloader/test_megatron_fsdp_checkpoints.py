@@ -55,7 +55,7 @@ def _fsdp_dtensor_state(module, optimizer, glu: bool, is_loading: bool = False):
     return raw, state
 
 
-def _build(offload: bool, glu: bool, host, strategy: str):
+def _build(offload: bool, glu: bool, host, strategy: str, options=None):
     import megatron_offload
     from tests.harness import models
 
@@ -65,7 +65,11 @@ def _build(offload: bool, glu: bool, host, strategy: str):
         ddp_overrides={**FSDP, "data_parallel_sharding_strategy": strategy},
         transformer_overrides=SWIGLU if glu else None,
     )
-    offloader = megatron_offload.attach(optimizer, device_factory=host) if offload else None
+    offloader = (
+        megatron_offload.attach(optimizer, device_factory=host, **(options or {}))
+        if offload
+        else None
+    )
     return chunks, optimizer, config, offloader
 
 
@@ -151,11 +155,12 @@ def fsdp_checkpoint_job(
     copy_every_local=False,
     strategy=DEFAULT_STRATEGY,
     load_fault=0,
+    options=None,
 ):
     """``copy_every_local``: the control, ``DTensor.from_local`` copies every tensor as if
     all were host tensors, so the SwiGLU halves are loaded into copies. ``load_fault``: a
     first load fails at that call of ``zeros_like`` while its states are made, and is made
-    again."""
+    again. ``options``: ``attach``'s."""
     from torch.distributed import checkpoint as dcp
 
     from tests.harness import models
@@ -167,7 +172,7 @@ def fsdp_checkpoint_job(
     out = {}
     is_host = (lambda tensor: True) if copy_every_local else host.holds
     with host_copies_are_copied(is_host) as copied:
-        chunks, optimizer, config, offloader = _build(offload, glu, host, strategy)
+        chunks, optimizer, config, offloader = _build(offload, glu, host, strategy, options)
         first = [models.train_step(chunks, optimizer, config, s) for s in range(SAVE_AFTER)]
         # The whole save in a host view, as megatron.training's synchronous save runs it.
         with offloader.host_view() if offloader is not None else contextlib.nullcontext():
@@ -187,7 +192,7 @@ def fsdp_checkpoint_job(
         out["uninterrupted"] = {"results": first + rest, **_final(chunks, optimizer, offloader)}
 
         torch.manual_seed(99)  # another initialization: everything must come from the checkpoint
-        chunks, optimizer, config, offloader = _build(offload, glu, host, strategy)
+        chunks, optimizer, config, offloader = _build(offload, glu, host, strategy, options)
         if offloader is not None:
             offloader.offload()
         if load_fault:
@@ -230,16 +235,19 @@ PAIRS = {
 #: The call of ``zeros_like`` at which the faulted run's first load fails: its second
 #: parameter's first moment (one parameter's states made, staged and adopted by then).
 LOAD_FAULT = 3
-#: name: (offload, gated linear units, copy every local tensor, strategy, load fault); the
-#: control last.
+#: A chunked update's budget under one update's states (about 574 KB of moments on each rank
+#: here), above the two slots the largest shard needs (512 KiB).
+CHUNKED = {"chunked_update_bytes": 540 * 1024}
+#: name: ``fsdp_checkpoint_job``'s arguments; the control last.
 RUNS = {
     **{
-        f"{pair}{suffix}": (offload, glu, False, strategy, 0)
+        f"{pair}{suffix}": {"offload": offload, "glu": glu, "strategy": strategy}
         for pair, (strategy, glu) in PAIRS.items()
         for offload, suffix in ((False, ""), (True, "-offloaded"))
     },
-    "swiglu-offloaded-load-fault": (True, True, False, DEFAULT_STRATEGY, LOAD_FAULT),
-    "control": (False, True, True, DEFAULT_STRATEGY, 0),
+    "swiglu-offloaded-load-fault": {"offload": True, "glu": True, "load_fault": LOAD_FAULT},
+    "swiglu-offloaded-chunked": {"offload": True, "glu": True, "options": CHUNKED},
+    "control": {"offload": False, "glu": True, "copy_every_local": True},
 }
 
 
@@ -252,11 +260,9 @@ def fsdp_checkpoint_runs(directory: str) -> dict:
     from tests.harness.rank_pool import seed_everything
 
     out = {}
-    for name, (offload, glu, copy_every_local, strategy, load_fault) in RUNS.items():
+    for name, arguments in RUNS.items():
         seed_everything()
-        out[name] = fsdp_checkpoint_job(
-            offload, os.path.join(directory, name), glu, copy_every_local, strategy, load_fault
-        )
+        out[name] = fsdp_checkpoint_job(directory=os.path.join(directory, name), **arguments)
     return out
 
 
@@ -304,6 +310,20 @@ def test_a_load_whose_state_making_fails_leaves_nothing_and_runs_again_bitwise(r
         assert rank["held_after_load"] == 0 and len(rank["states_made"]) > 1
     for phase in ("uninterrupted", "resumed"):
         assert_bitwise_equal([r[phase] for r in clean], [r[phase] for r in faulted])
+
+
+def test_with_the_chunked_update_the_load_is_written_into_the_host_copy_too(runs):
+    """The chunked update streams the states a load made on the host like any others: the
+    save and the load hold nothing on the device, and both runs are bitwise the plain ones."""
+    reference, chunked = runs["swiglu"], runs["swiglu-offloaded-chunked"]
+    for phase in ("uninterrupted", "resumed"):
+        assert_bitwise_equal([r[phase] for r in reference], [r[phase] for r in chunked])
+    for ref, rank in zip(reference, chunked):
+        # The budget is under one update's states (two fp32 moments beside the fp32 masters,
+        # all on the device at the plain run's save): the update streams them in chunks.
+        assert ref["held_at_save"] * 2 // 3 > CHUNKED["chunked_update_bytes"]
+        assert rank["held_at_save"] == rank["held_at_load"] == rank["held_after_load"] == 0
+        assert rank["resumed"]["offloaded"] and len(rank["states_made"]) > 1
 
 
 def test_the_resume_comparison_sees_a_load_written_into_copies(runs):
