@@ -90,21 +90,32 @@ def snapshot(chunks, optimizer) -> dict:
 
 
 class HostRecordingDevice:
-    """A ``device_factory`` whose CPU devices record the host buffers they hand out."""
+    """A ``device_factory`` whose CPU devices record the host buffers they hand out, until
+    they are given back: the address range of a buffer given back is unmapped, and the
+    allocator may hand it to anything next (a later model's main weight buffer, which would
+    then pass for host memory)."""
 
     def __init__(self) -> None:
-        self.ranges: list[tuple[int, int]] = []
+        self.ranges: list[tuple[int, int]] = []  # the buffers held now
+        self.made = 0  # buffers handed out in all
 
     def __call__(self, torch_device):
         from megatron_offload.device.cpu import CPUDevice
 
-        ranges = self.ranges
+        recording = self
 
         class Recording(CPUDevice):
             def host_buffer(self, nbytes):
                 buffer = super().host_buffer(nbytes)
-                ranges.append((buffer.data_ptr(), buffer.data_ptr() + nbytes))
+                recording.ranges.append((buffer.data_ptr(), buffer.data_ptr() + nbytes))
+                recording.made += 1
                 return buffer
+
+            def free_host_buffer(self, buffer):
+                super().free_host_buffer(buffer)
+                span = (buffer.data_ptr(), buffer.data_ptr() + buffer.numel())
+                if span in recording.ranges:
+                    recording.ranges.remove(span)
 
         return Recording()
 
