@@ -16,6 +16,7 @@ megatron.training (``train_step``, ``save_checkpoint``), never from the log text
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -116,6 +117,26 @@ def _dtensor_device_bytes(state_dict, optimizer) -> int:
     return sum(storages.values())
 
 
+@contextlib.contextmanager
+def _measuring_dcp(name: str, optimizer, into: list):
+    """For the block, torch DCP's ``name`` (``save``, ``load_state_dict``) first appends to
+    ``into`` the device bytes of the DTensors in the state dict it is handed."""
+    import torch.distributed.checkpoint as dcp
+
+    original = getattr(dcp, name)
+
+    @functools.wraps(original)
+    def measured(state_dict, *args, **kwargs):
+        into.append(_dtensor_device_bytes(state_dict, optimizer))
+        return original(state_dict, *args, **kwargs)
+
+    setattr(dcp, name, measured)
+    try:
+        yield
+    finally:
+        setattr(dcp, name, original)
+
+
 def _state_digest(optimizer) -> str:
     import torch
 
@@ -197,27 +218,16 @@ class Recorder:
         @functools.wraps(original)
         def save_checkpoint(iteration, model, optimizer, *args, **kwargs):
             # The digest reads the states as the save does: from the host copy while offloaded.
-            import contextlib
-
             offloader = find_offloader(optimizer)
             stored = _state_storage_bytes(optimizer)
             with offloader.host_view() if offloader is not None else contextlib.nullcontext():
                 digest = _state_digest(optimizer)
             self.data["saves"].append({"iteration": iteration, "state_sha256": digest})
-            import torch.distributed.checkpoint as dcp
-
             written = []
-            dcp_save = dcp.save
-
-            def save(state_dict, *save_args, **save_kwargs):
-                written.append(_dtensor_device_bytes(state_dict, optimizer))
-                return dcp_save(state_dict, *save_args, **save_kwargs)
-
-            dcp.save = save
             try:
-                return original(iteration, model, optimizer, *args, **kwargs)
+                with _measuring_dcp("save", optimizer, written):
+                    return original(iteration, model, optimizer, *args, **kwargs)
             finally:
-                dcp.save = dcp_save
                 # Device bytes of the optimizer's own state tensors (their storages) before
                 # and right after the save: what a save brought back to the device.
                 self.data.setdefault("save_storage_bytes", []).append(
@@ -250,7 +260,6 @@ def wrap_load_checkpoint(original, recorder):
 
     @functools.wraps(original)
     def load_checkpoint(ddp_model, optimizer, *args, **kwargs):
-        import torch.distributed.checkpoint as dcp
         from megatron.training.global_vars import get_args
 
         if get_args().ckpt_format != "fsdp_dtensor":
@@ -260,17 +269,8 @@ def wrap_load_checkpoint(original, recorder):
                 ):
                     dopt._init_optimizer_states_with_dummy_values()
         read = []
-        dcp_load = dcp.load_state_dict
-
-        def load_state_dict(state_dict, *load_args, **load_kwargs):
-            read.append(_dtensor_device_bytes(state_dict, optimizer))
-            return dcp_load(state_dict, *load_args, **load_kwargs)
-
-        dcp.load_state_dict = load_state_dict
-        try:
+        with _measuring_dcp("load_state_dict", optimizer, read):
             result = original(ddp_model, optimizer, *args, **kwargs)
-        finally:
-            dcp.load_state_dict = dcp_load
         recorder.data.setdefault("loads", []).append(
             {
                 "read_device_bytes": read,
