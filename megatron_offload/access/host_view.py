@@ -95,17 +95,17 @@ class HostView:
         """Put the optimizer's own tensors back (what the block wrote is in the host copy)."""
         self._restore(self._writes)
 
+    def serves(self, member) -> bool:
+        """Whether this view serves ``member`` (an optimizer of the offloader)."""
+        return any(served.engine is member.engine for served in self._served)
+
     @contextlib.contextmanager
     def unserved(self, member):
         """The block runs with ``member``'s own tensors in place (what was written through the
         view so far is in the host copy), and the view serves ``member`` again after it, as its
-        pieces are then: a block may lay them out anew (the states a load makes)."""
-        index = next(
-            (i for i, served in enumerate(self._served) if served.engine is member.engine), None
-        )
-        if index is None:
-            yield
-            return
+        pieces are then: a block may lay them out anew (the states a load makes). ``member``
+        must be served (``serves``)."""
+        index = next(i for i, served in enumerate(self._served) if served.engine is member.engine)
         self._served.pop(index).restore(self._writes)
         try:
             yield

@@ -343,10 +343,14 @@ class StateAccess:
         copy. Returns the arguments to call it with. An optimizer megatron-core built without
         an initializer keeps its dummy step (refused in the view: its loads run resident)."""
         members = [m for m in self._members if m.optimizer is target]
-        if not members or not megatron_fsdp.can_make_load_states(target):
+        if (
+            not members
+            or not all(self._view.serves(m) for m in members)  # its states came back instead
+            or not megatron_fsdp.can_make_load_states(target)
+        ):
             return args, kwargs
         for member in members:
-            if megatron_fsdp.params_without_states(target):
+            if megatron_fsdp.params_without_states(member.optimizer):
                 with self._view.unserved(member):
                     self._make_load_states(member)
         bound = inspect.signature(previous).bind(*args, **kwargs)
