@@ -7,6 +7,7 @@ refusal names both, so it reads the same from ``attach`` and from the command li
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
@@ -55,6 +56,16 @@ class OffloadConfig:
     before any host memory is allocated; exceeding it raises ``HostMemoryBudgetError`` naming
     the need. Whatever the budget, attach also refuses a node whose ranks need more host
     memory together than it can give (``offloader/node_memory.py``)."""
+
+    offload_disk_dir: str | None = None
+    """A directory on a local disk (NVMe) for what ``host_memory_budget`` cannot hold: the
+    pieces that do not fit the budget keep their host copies in a file there instead (the
+    largest first), allocated in full at attach and unlinked from the start, so nothing is
+    left behind. The cycle is unchanged: the states and masters still leave the device after
+    the step and come back before the next, bitwise; the copies of the pieces on disk go
+    through the page cache, which is written back and dropped after each copy (at most one
+    piece of it stays in host memory). Needs a ``host_memory_budget`` in bytes. tmpfs is
+    refused (its files are host memory). See docs/disk-tier.md."""
 
     prefetch: str | float = "gradients"
     """When the copy back of the states starts. ``"gradients"`` (the default): when the
@@ -174,6 +185,19 @@ class OffloadConfig:
                 f"OffloadConfig.{_named('host_memory_budget')} must be a number of bytes "
                 f'(int >= 0), "auto" or None, got {budget!r}.'
             )
+        disk_dir = self.offload_disk_dir
+        if disk_dir is not None:
+            if not isinstance(disk_dir, (str, os.PathLike)) or not os.fspath(disk_dir):
+                raise TypeError(
+                    f"OffloadConfig.{_named('offload_disk_dir')} must be a directory path or "
+                    f"None, got {disk_dir!r}."
+                )
+            if budget is None or budget == "auto":
+                raise ValueError(
+                    f"OffloadConfig.{_named('offload_disk_dir')} needs "
+                    f"{_named('host_memory_budget')} in bytes: the disk tier holds what that "
+                    f"budget cannot (got host_memory_budget={budget!r})."
+                )
         prefetch = self.prefetch
         if prefetch not in PREFETCH_POINTS and (_not_number(prefetch) or not 0 < prefetch < 1):
             raise ValueError(

@@ -126,6 +126,23 @@ def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.3f} GiB ({nbytes} bytes)"
 
 
+class DiskTierError(OffloadError, OSError):
+    """A file of the disk tier could not be made, written or read (a full disk, an I/O error,
+    a file cut short), or its directory is not a disk (``engine/disk.py``). The message names
+    the operation and the directory; ``errno`` is the system's. Raised before the copy that
+    needed the file lost anything: the device copy (after a failed write) or the file (after
+    a failed read) is still the whole copy, and the same call can be made again."""
+
+    same_on_every_rank = False
+
+    def __init__(self, message: str, *, errno_: int | None = None, path: str = "") -> None:
+        super().__init__(errno_, message)
+        self.path = path
+
+    def __str__(self) -> str:
+        return self.strerror or ""
+
+
 class SlotSizeError(OffloadError, ValueError):
     """One parameter's states do not fit in a slot of the chunked update."""
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..device import Device
+from .disk import DiskFile, DiskTier
 from .labels import HOST_FREE_AFTER_COPIES
 
 #: A layout reuses the arena if the arena is at most 1/REUSE_SLACK larger than it needs.
@@ -45,9 +46,21 @@ class HostBudget:
     by one offloader's engines.
     """
 
-    def __init__(self, limit: int | None) -> None:
+    def __init__(self, limit: int | None, disk: DiskTier | None = None) -> None:
         self.limit = limit
+        #: Where the host copies ``limit`` cannot hold go (``offload_disk_dir``; None: they
+        #: are refused). Only the engines' arenas spill there (``HostArena.lay_out``).
+        self.disk = disk
         self._buffers: dict[int, torch.Tensor] = {}  # id -> the buffer, until given back
+        self._files: dict[int, DiskFile] = {}  # id of a buffer -> its file, when spilled
+
+    def files(self) -> list[DiskFile]:
+        """The disk tier's files of the buffers ``allocate`` spilled."""
+        return list(self._files.values())
+
+    def room(self) -> int | None:
+        """Bytes still free under ``limit`` (None: no limit)."""
+        return None if self.limit is None else max(self.limit - self.held, 0)
 
     @property
     def held(self) -> int:
@@ -79,9 +92,22 @@ class HostBudget:
                 "less: offload_fraction, per_optimizer, or offload_master_weights=False."
             )
 
-    def allocate(self, device: Device, nbytes: int, name: str, *, relayout: bool = False):
+    @property
+    def spilled(self) -> int:
+        """Bytes of the buffers ``allocate`` put in the disk tier, not given back."""
+        return sum(file.nbytes for file in self._files.values())
+
+    def allocate(
+        self, device: Device, nbytes: int, name: str, *, relayout: bool = False, spill=False
+    ):
         """A host buffer of ``nbytes`` from ``device`` (pinned on accelerators), checked
-        first (``check``) and counted until ``free``."""
+        first (``check``) and counted until ``free``. ``spill``: where the limit cannot hold
+        it and there is a disk tier, a file of the disk tier instead (not counted in
+        ``held``: in ``spilled``)."""
+        if spill and self.disk is not None and self.room() is not None and nbytes > self.room():
+            file = self.disk.file(nbytes)
+            self._files[id(file.buffer)] = file
+            return file.buffer
         self.check(nbytes, name, relayout=relayout)
         buffer = device.host_buffer(nbytes)
         self._buffers[id(buffer)] = buffer
@@ -89,18 +115,34 @@ class HostBudget:
 
     def free(self, device: Device, buffer: torch.Tensor) -> None:
         """Give ``buffer`` back (the caller has waited for every copy into or out of it)."""
+        file = self._files.pop(id(buffer), None)
+        if file is not None:
+            file.close()
+            return
         device.free_host_buffer(buffer)
         self._buffers.pop(id(buffer), None)
 
 
+def disk_file_of(tensor: torch.Tensor, files) -> DiskFile | None:
+    """The one of ``files`` (``DiskFile`` or None each) whose mapping ``tensor`` is in."""
+    for file in files:
+        if file is not None and file.owns(tensor):
+            return file
+    return None
+
+
 class HostArena:
-    """The engine's one host buffer, and the newest copy using it on each side stream."""
+    """The engine's one host buffer, and the newest copy using it on each side stream; with a
+    disk tier (``budget.disk``), also the file holding the pieces the budget cannot."""
 
     def __init__(self, device: Device, budget: HostBudget | None = None) -> None:
         self.device = device
         self.budget = budget if budget is not None else HostBudget(None)
         self.buffer: torch.Tensor | None = None
         self.retired: torch.Tensor | None = None  # the previous buffer, while its bytes move
+        #: The disk tier's file for the pieces host memory cannot hold (None: none spilled).
+        self.disk: DiskFile | None = None
+        self.retired_disk: DiskFile | None = None  # the previous file, while its bytes move
         # Bytes ``reserve`` allocated for a layout still to come, until a layout that large is
         # laid out: the smaller layouts before it (the masters alone, offloaded at attach
         # before the first step makes the states) reuse the buffer instead of replacing it.
@@ -113,6 +155,11 @@ class HostArena:
     def nbytes(self) -> int:
         return 0 if self.buffer is None else self.buffer.numel()
 
+    @property
+    def disk_nbytes(self) -> int:
+        """Bytes of the disk tier's file (0: none)."""
+        return 0 if self.disk is None else self.disk.nbytes
+
     def fits(self, nbytes: int) -> bool:
         """True if a layout of ``nbytes`` should reuse the current buffer: it is large
         enough, and not so much larger that keeping it would hold memory for nothing."""
@@ -124,51 +171,135 @@ class HostArena:
         """Allocate a buffer of ``nbytes`` now, for a layout to come (only when the arena has
         none); True if one was allocated. A budget that cannot hold it is refused here,
         before anything is allocated (``HostMemoryBudgetError``), not at the first offload,
-        which runs inside a training step."""
+        which runs inside a training step. With a disk tier, what the budget cannot hold is
+        a file allocated now instead (a full disk raises ``DiskTierError`` here)."""
         if self.buffer is not None or nbytes <= 0:
             return False
-        self.replace(nbytes, name)
-        self.reserved_for = nbytes
+        room = self.budget.room() if self.budget.disk is not None else None
+        on_host = nbytes if room is None else min(nbytes, room)
+        if on_host < nbytes:
+            self.disk = self.budget.disk.file(nbytes - on_host)
+        try:
+            if on_host:
+                self.replace(on_host, name)
+        except BaseException:
+            if self.disk is not None:
+                self.disk.close()
+                self.disk = None
+            raise
+        self.reserved_for = on_host
         return True
 
+    def spill(self, pieces) -> list:
+        """The pieces whose host copies go to the disk tier: none without one or while the
+        budget holds them all; otherwise the largest first, until the rest fit the budget
+        (the largest, since a file is read and written fastest in long runs). The arena's
+        own bytes count as room when the arena can be reused for the rest."""
+        need = sum(g.host_nbytes for g in pieces)
+        if self.budget.disk is None or self.budget.limit is None:
+            return []
+        largest = sorted(pieces, key=lambda g: g.host_nbytes, reverse=True)
+        for room in (self.budget.room() + self.nbytes, self.budget.room()):
+            spilled, left = [], need
+            for piece in largest:
+                if left <= room:
+                    break
+                spilled.append(piece)
+                left -= piece.host_nbytes
+            if room == self.budget.room() or self.fits(left):
+                return spilled
+        return spilled
+
     def lay_out(self, pieces, carried, sources: dict, *, name: str) -> None:
-        """Give every piece its range of the arena, in order; the pieces in ``carried`` keep
-        their host bytes, found in ``sources`` (``{id(tensor): host tensor}``: the old arena
-        or buffers handed over; their copies are complete).
+        """Give every piece its range of the arena (or, spilled, of the disk tier's file), in
+        order; the pieces in ``carried`` keep their host bytes, found in ``sources``
+        (``{id(tensor): host tensor}``: the old arena or file, or buffers handed over; their
+        copies are complete).
 
         The arena is reused when the layout fits it (the carried bytes set aside first: their
         new places may overlap their old ones); otherwise a new one is allocated while the old
         one still holds the bytes to carry. Either way the peak is checked against the budget
-        before anything is freed or allocated.
+        before anything is freed or allocated. A file is reused when the spilled pieces fit
+        it and nothing carried is read from it; otherwise a new one is allocated first.
         """
-        need = sum(g.host_nbytes for g in pieces)
-        reuse = self.fits(need)
-        if need >= self.reserved_for:
-            self.reserved_for = 0  # the layout the reservation was for has come
-        if reuse:
-            # The carried bytes are set aside (copies) for a moment: checked before any.
-            self.budget.check(0, name, moving=sum(g.nbytes for g in carried))
-            # Rule 5: the host rewrites the arena below, while a copy of the old layout may
-            # still read or write it.
-            self._synchronize()
-            arena = self.buffer
-            base = arena.untyped_storage().data_ptr()
-            for piece in carried:
-                for tensor in piece.tensors:
-                    host = sources[id(tensor)]
-                    if host.untyped_storage().data_ptr() == base:
-                        sources[id(tensor)] = host.clone()
-        else:
-            # Allocated while the old arena still holds the bytes to carry: both are counted.
-            arena = self.replace(need, name, relayout=self.buffer is not None)
-        offset = 0
-        for piece in pieces:
-            piece.host = arena[offset : offset + piece.nbytes].view(piece.dtype)
-            offset += piece.host_nbytes
+        spilled = {id(g) for g in self.spill(pieces)}
+        need = sum(g.host_nbytes for g in pieces if id(g) not in spilled)
+        disk_need = sum(g.host_nbytes for g in pieces if id(g) in spilled)
+        disk = self._file_for(disk_need, carried, sources)
+        try:
+            reuse = self.fits(need)
+            if need >= self.reserved_for:
+                self.reserved_for = 0  # the layout the reservation was for has come
+            if reuse:
+                arena = self.buffer
+                self._place(pieces, spilled, arena, disk)
+                base = arena.untyped_storage().data_ptr()
+                # Carried bytes whose new place is not their old one are set aside (copies)
+                # for a moment, since the places may overlap: checked before any.
+                aside = [
+                    tensor
+                    for piece in carried
+                    for tensor, host in piece.host_slices()
+                    if sources[id(tensor)].untyped_storage().data_ptr() == base
+                    and sources[id(tensor)].data_ptr() != host.data_ptr()
+                ]
+                moving = sum(t.numel() * t.element_size() for t in aside)
+                self.budget.check(0, name, moving=moving)
+                # Rule 5: the host rewrites the arena below, while a copy of the old layout
+                # may still read or write it.
+                self._synchronize()
+                for tensor in aside:
+                    sources[id(tensor)] = sources[id(tensor)].clone()
+            else:
+                # Allocated while the old arena still holds the bytes to carry: both counted.
+                arena = self.replace(need, name, relayout=self.buffer is not None) if need else None
+                if arena is None:  # every piece spilled: the arena goes once carried from
+                    self.free_retired()
+                    self.retired, self.buffer = self.buffer, None
+                self._place(pieces, spilled, arena, disk)
+        except BaseException:
+            if disk is not None and disk is not self.disk:
+                disk.close()
+            raise
+        if disk is not self.disk:
+            self.retired_disk, self.disk = self.disk, disk
         for piece in carried:
             for tensor, host in piece.host_slices():
-                host.copy_(sources[id(tensor)])
+                source = sources[id(tensor)]
+                files = (self.retired_disk, self.disk, *self.budget.files())
+                read_from = disk_file_of(source, files)
+                if read_from is not None:
+                    read_from.check_readable(source)  # an I/O error raises, not a SIGBUS
+                if source.data_ptr() != host.data_ptr():  # else already in place
+                    host.copy_(source)
+            if piece.disk is not None:
+                piece.disk.write_back(piece.host)  # the file holds the only copy from now on
         self.free_retired()
+
+    @staticmethod
+    def _place(pieces, spilled: set, arena, disk) -> None:
+        """Give each piece its range: of ``disk`` (a ``DiskFile``) for the ids in ``spilled``,
+        of ``arena`` for the others, each in layout order."""
+        offset = disk_offset = 0
+        for piece in pieces:
+            if id(piece) in spilled:
+                piece.host = disk.buffer[disk_offset : disk_offset + piece.nbytes].view(piece.dtype)
+                piece.disk = disk
+                disk_offset += piece.host_nbytes
+            else:
+                piece.host = arena[offset : offset + piece.nbytes].view(piece.dtype)
+                piece.disk = None
+                offset += piece.host_nbytes
+
+    def _file_for(self, nbytes: int, carried, sources: dict) -> DiskFile | None:
+        """The disk tier's file for ``nbytes`` of spilled pieces: the current one when they
+        fit it and no carried bytes are read from it, else a new one (None for 0 bytes)."""
+        if not nbytes:
+            return None
+        if self.disk is not None and nbytes <= self.disk.nbytes:
+            if not any(self.disk.owns(sources[id(t)]) for piece in carried for t in piece.tensors):
+                return self.disk
+        return self.budget.disk.file(nbytes)
 
     def replace(self, nbytes: int, name: str, *, relayout: bool = False) -> torch.Tensor:
         """A new buffer of ``nbytes``; the old one stays readable until ``free_retired``."""
@@ -178,12 +309,16 @@ class HostArena:
         return self.buffer
 
     def free_retired(self) -> None:
-        """Give back the buffer ``replace`` retired."""
-        if self.retired is None:
+        """Give back the buffer ``replace`` retired, and the file a layout replaced."""
+        if self.retired is None and self.retired_disk is None:
             return
         self._synchronize()
-        self.budget.free(self.device, self.retired)
-        self.retired = None
+        if self.retired is not None:
+            self.budget.free(self.device, self.retired)
+            self.retired = None
+        if self.retired_disk is not None:
+            self.retired_disk.close()
+            self.retired_disk = None
 
     def _synchronize(self) -> None:
         # Rule 5: copies into or out of the arena may still be queued even when the device
@@ -196,11 +331,15 @@ class HostArena:
     def free(self) -> None:
         self.free_retired()
         self.reserved_for = 0
-        if self.buffer is None:
+        if self.buffer is None and self.disk is None:
             return
         self._synchronize()
-        self.budget.free(self.device, self.buffer)
-        self.buffer = None
+        if self.buffer is not None:
+            self.budget.free(self.device, self.buffer)
+            self.buffer = None
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None
 
 
 class HostBuffers:
@@ -286,4 +425,4 @@ class HostBuffers:
         self._index = self._used = self._taken = 0
 
     def _allocate(self, nbytes: int) -> None:
-        self._buffers.append(self.budget.allocate(self.device, nbytes, self.name))
+        self._buffers.append(self.budget.allocate(self.device, nbytes, self.name, spill=True))

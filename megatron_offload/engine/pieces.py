@@ -133,6 +133,7 @@ class Piece:
     itemsize: int = 0  # bytes per element of ``dtype`` (set from it)
     nbytes: int = 0  # bytes of the piece's storage, alignment padding included (set)
     host: torch.Tensor | None = None  # this piece's slice of the host arena, as ``dtype``
+    disk: Any = None  # the disk tier's ``DiskFile`` ``host`` is in (None: host memory)
     flat: torch.Tensor | None = None  # the consolidated device tensor (after the first reload)
     place: Place = Place.RESIDENT
     host_valid: bool = False  # host copy equals the device contents (as of the last copy)

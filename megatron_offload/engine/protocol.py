@@ -180,6 +180,13 @@ class CopyProtocol:
                 # Rule 5: the arena is not given back before this copy is done, even if a
                 # later piece's release raises before the loop ends.
                 self.host.last_d2h = event
+                if piece.disk is not None:
+                    # The file will hold the only copy: the host waits for the copy, then its
+                    # pages go to the disk (an I/O error raises here, the device copy whole,
+                    # the piece still resident) and out of host memory (disk.py).
+                    piece.host_valid = False
+                    self.device.synchronize_event(event, label=HOST_READ_AFTER_D2H)
+                    piece.disk.write_back(piece.host)
                 piece.d2h_event = event
                 piece.host_valid = True
                 piece.place = Place.OFFLOADING
@@ -200,6 +207,8 @@ class CopyProtocol:
                 piece.place = Place.OFFLOADING
                 if release:
                     self._release_group(piece)
+            if piece.disk is not None and piece not in to_copy:
+                piece.disk.drop(piece.host)  # read since (a step, a save): out of host memory
         if all(g.place is Place.RELEASED for g in self.pieces):
             self._users = []  # nothing left on the device for them to have written
         self.last.offload_seconds = time.perf_counter() - start
@@ -282,6 +291,11 @@ class CopyProtocol:
         home = self._home_stream if self._home_stream is not None else current
         grown, issued = [], []
         side = self._h2d_stream if self._h2d_stream is not None else self.side_stream("h2d")
+        for piece in released:
+            if piece.disk is not None:
+                # Read with pread before anything is allocated: an I/O error or a file cut
+                # short raises here, where through the mapping it would be a SIGBUS.
+                piece.disk.check_readable(piece.host)
         try:  # all or nothing: a failure (out of memory, an interrupt) gives back what it made
             with self.device.use_stream(home):
                 for piece in released:
@@ -316,6 +330,10 @@ class CopyProtocol:
         for piece in released:
             piece.alloc_stream = home
             piece.used_on = []
+            if piece.disk is not None:
+                # Copied from (pageable memory is read before the copy call returns): its
+                # pages leave host memory; dropping never loses data (disk.py).
+                piece.disk.drop(piece.host)
         self.host.last_h2d = released[-1].h2d_event
         self.times.pending["h2d"].append((timed, released[-1].h2d_event, self.last.h2d_bytes))
         for piece in released:

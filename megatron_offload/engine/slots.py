@@ -41,6 +41,7 @@ from .labels import (
     D2H_RECORD_STREAM,
     H2D_AFTER_ALLOCATION,
     H2D_AFTER_D2H,
+    HOST_READ_AFTER_D2H,
     SLOT_REUSE_AFTER_D2H,
     USE_AFTER_H2D,
     WRITE_AFTER_D2H,
@@ -259,6 +260,13 @@ class SlotStream:
                 slot[s.slot_offset : s.slot_offset + s.nbytes].view(s.piece.dtype)
                 for s in chunks[index].segments
             ]
+            for segment in chunks[index].segments:
+                if segment.piece.disk is not None:
+                    # Read with pread first: an I/O error raises, where through the mapping
+                    # it would be a SIGBUS (disk.py).
+                    segment.piece.disk.check_readable(
+                        segment.piece.host[segment.start : segment.end]
+                    )
             with device.use_stream(h2d):
                 h2d_issued = True
                 try:
@@ -325,6 +333,16 @@ class SlotStream:
                         # Even when a copy raised: the next reader of the host copies (and
                         # of the slot) must wait for the copies queued before it.
                         last_d2h = d2h_events[index % count] = device.record_event(d2h)
+                on_disk = [s for s in chunk.segments if s.piece.disk is not None]
+                if on_disk:
+                    # The disk tier's file holds the only copy: the host waits for this
+                    # chunk's copy, then its pages go to the disk and out of host memory, so
+                    # the page cache holds at most a chunk (an I/O error raises here).
+                    device.synchronize_event(last_d2h, label=HOST_READ_AFTER_D2H)
+                    for segment in on_disk:
+                        segment.piece.disk.write_back(
+                            segment.piece.host[segment.start : segment.end]
+                        )
                 if failure is not None:
                     try:
                         raise failure

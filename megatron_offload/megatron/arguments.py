@@ -105,6 +105,11 @@ _FIELD_FLAGS = {
         "Most host bytes the offloader may hold, or 'auto': this rank's part of what its node "
         "and container can give. Refused at start-up if too small.",
     ),
+    "offload_disk_dir": (
+        dict(type=str, default=None, metavar="PATH"),
+        "A directory on a local disk (NVMe) for the optimizer states and master weights that "
+        "--offload-host-memory-budget cannot hold (needs it in bytes); not tmpfs.",
+    ),
     "prefetch": (
         dict(type=_prefetch, default=None, metavar="gradients|step|F"),
         "When the copy back starts: 'gradients' (default; during the gradient reduction), "

@@ -21,6 +21,7 @@ from ..adapters import megatron_wrappers as wrappers
 from ..config import OffloadConfig
 from ..device import device_for
 from ..engine import HostBudget, OffloadEngine
+from ..engine.disk import DiskTier
 from ..errors import OffloadStateError
 from . import node_memory
 
@@ -122,7 +123,10 @@ def members(optimizer, config: OffloadConfig, undo: contextlib.ExitStack) -> lis
     for wrapper in found:
         refuse_unsupported(wrapper)
     served = [(index, wrapper) for index, wrapper in enumerate(found) if not is_stub(wrapper)]
-    budget = HostBudget(None)  # its limit is set once the node agreed, below
+    # Its limit is set once the node agreed, below; the disk tier's directory is checked now.
+    budget = HostBudget(
+        None, disk=DiskTier(config.offload_disk_dir) if config.offload_disk_dir else None
+    )
     factory = config.device_factory or functools.partial(
         device_for, stream_priority=config.stream_priority
     )
@@ -156,8 +160,11 @@ def members(optimizer, config: OffloadConfig, undo: contextlib.ExitStack) -> lis
         made.append(Member(index, wrapper, engine, config.kinds(index)))
     expected = [wrappers.expected(member.optimizer) for member in made]
     # Every rank of the node together, before any rank allocates (node_memory.py).
+    need = sum(m.engine.host_need(wanted) for m, wanted in zip(made, expected))
+    if budget.disk is not None:
+        need = min(need, config.host_memory_budget)  # the disk tier holds the rest
     budget.limit, pin = node_memory.agree(
-        sum(m.engine.host_need(wanted) for m, wanted in zip(made, expected)),
+        need,
         pins=any(m.engine.device.is_accelerator for m in made),
         budget=config.host_memory_budget,
         fallback=not config.require_pinned_memory,

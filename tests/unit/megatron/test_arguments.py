@@ -78,6 +78,10 @@ GIVEN = {
     "offload_fraction": (["--offload-fraction", "0.5"], 0.5),
     "host_memory_budget": (["--offload-host-memory-budget", "auto"], "auto"),
     "prefetch": (["--offload-prefetch", "0.25"], 0.25),
+    "offload_disk_dir": (
+        ["--offload-disk-dir", "/nvme/offload", "--offload-host-memory-budget", "1000"],
+        "/nvme/offload",
+    ),
     "chunked_update_bytes": ([CHUNKED_FLAG, "4096"], 4096),
     "chunked_update_slots": (["--offload-chunked-update-slots", "3"], 3),
     "chunked_update_undo": ([UNDO_FLAG, CHUNKED_FLAG, "4096"], True),
