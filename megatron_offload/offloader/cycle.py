@@ -34,7 +34,7 @@ from ..adapters import megatron_wrappers as wrappers
 from ..adapters.model_buffers import chunks_of, graph_capture
 from ..chunked.update import ChunkedUpdate
 from ..config import OffloadConfig
-from ..errors import OffloadArgumentError
+from ..errors import DiskTierError, OffloadArgumentError
 from ..phase import Phase
 from . import allocator_warnings
 from .members import is_stub, megatron_optimizers
@@ -275,15 +275,15 @@ class AutomaticCycle:
             offloader.phase.leave(token)
             try:
                 offloader.offload_after_step()
-            except (torch.OutOfMemoryError, MemoryError) as error:
-                # A new layout's host arena or scratch could not be had. A finished update
-                # happened: raising would invite the caller to apply it twice (a failed one
-                # raises its own error below). What could not be offloaded stays on the
-                # device, counted; the next offload tries again.
+            except (torch.OutOfMemoryError, MemoryError, DiskTierError) as error:
+                # A new layout's host arena or scratch could not be had, or the disk tier
+                # refused a write. A finished update happened: raising would invite the caller
+                # to apply it twice (a failed one raises its own error below). What could not
+                # be offloaded stays on the device, counted; the next offload tries again.
                 step = "finished: do not repeat it" if finished else "raised (its error follows)"
                 warnings.warn(
-                    "the offload after the step could not get the memory it needed "
-                    f"({getattr(error, 'operation', error)}). The step itself {step}. What "
+                    "the offload after the step could not get the memory it needed or write "
+                    f"to the disk tier ({getattr(error, 'operation', error)}). The step itself {step}. What "
                     "could not be offloaded stays on the device (stats()['resident_bytes']) "
                     "until the next offload, which tries again.",
                     RuntimeWarning,

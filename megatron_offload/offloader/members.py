@@ -172,8 +172,22 @@ def members(optimizer, config: OffloadConfig, undo: contextlib.ExitStack) -> lis
     if not pin:
         for member in made:
             member.engine.device.pinning = False  # over ulimit -l: pageable (warned)
-    for member, wanted in zip(made, expected):
-        member.engine.reserve_host(wanted)
+    failure = None
+    try:
+        for member, wanted in zip(made, expected):
+            member.engine.reserve_host(wanted)
+    except Exception as error:  # a budget, the system, a full disk: this rank's own
+        failure = error
+    # The ranks go on, or raise, together: a rank that attached would otherwise wait in its
+    # first collective for one that did not (``undo`` gives back what this rank reserved).
+    if not node_memory.every_rank(failure is None):
+        if failure is not None:
+            raise failure
+        raise OffloadStateError(
+            "attach: another rank could not reserve its host memory or its disk tier file, so "
+            "this rank gave back what it reserved (that rank's error says why). Nothing was "
+            "offloaded; attach again once that is fixed."
+        )
     return made
 
 

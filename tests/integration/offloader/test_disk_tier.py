@@ -149,3 +149,168 @@ def test_a_budget_under_half_trains_bitwise_with_the_rest_on_disk(
             assert figures["page_cache"] == figures["disk_resident_bytes"] == 0, figures
             assert figures["names"] == [], figures  # unlinked: no name, even for a moment
         assert run["left"] == []  # nothing open or mapped there after detach
+
+
+# ----------------------------------------------------------------------------- faults
+# Injected at the boundary with the OS (``os`` calls that fail, a file cut short with
+# ``ftruncate``), on every rank unless named.
+
+
+def _failing(name: str, code: int, *, times: int = 1, result=None):
+    """Make ``os.<name>`` fail with ``code`` for its next ``times`` calls (``result``: return
+    that instead of raising); returns the undo."""
+    import os
+
+    original, left = getattr(os, name), [times]
+
+    def failing(*args, **kwargs):
+        if left[0] > 0:
+            left[0] -= 1
+            if result is not None:
+                return result
+            raise OSError(code, os.strerror(code))
+        return original(*args, **kwargs)
+
+    setattr(os, name, failing)
+    return lambda: setattr(os, name, original)
+
+
+def fault_job(directory: str, fault: str, failing_rank: int | None = None):
+    import errno
+    import os
+    import warnings
+
+    import torch
+
+    import megatron_offload
+    from megatron_offload.errors import DiskTierError, OffloadError
+    from tests.harness import models
+
+    chunks, optimizer, config = models.build("gpt", "bf16")
+    probe = megatron_offload.attach(optimizer)
+    budget = int(probe.stats()["host_bytes"] * FRACTION)
+    probe.detach()
+    options = dict(host_memory_budget=budget, offload_disk_dir=directory, prefetch="step")
+    mine = failing_rank is None or torch.distributed.get_rank() == failing_rank
+    found, results = {}, []
+    if fault == "full disk":
+        before = _device_bytes(optimizer)
+        undo = _failing("posix_fallocate", errno.ENOSPC) if mine else (lambda: None)
+        try:
+            megatron_offload.attach(optimizer, **options)
+            found["raised"] = None
+        except OffloadError as error:
+            found["raised"] = (type(error).__name__, getattr(error, "errno", None), str(error))
+        finally:
+            undo()
+        found["kept"] = _device_bytes(optimizer) == before > 0
+        found["left"] = _held_in(directory)
+        found["attached"] = megatron_offload.find_offloader(optimizer) is not None
+    offloader = megatron_offload.attach(optimizer, **options)
+    results.append(models.train_step(chunks, optimizer, config, 0))
+    if fault == "write":
+        undo = _failing("fdatasync", errno.EIO)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            results.append(models.train_step(chunks, optimizer, config, 1))
+        undo()
+        found["warned"] = [str(w.message) for w in caught if "disk tier" in str(w.message)]
+        found["resident"] = (offloader.stats()["resident_bytes"], _device_bytes(optimizer))
+    if fault in ("read", "short read"):
+        # The step's copy back meets the error: ``optimizer.step()`` raises, and is called
+        # again (as a loop retrying it would; the forward and backward are not repeated).
+        released = _device_bytes(optimizer)
+        attached_step = optimizer.step
+
+        def failing_once():
+            undo = _failing("preadv", errno.EIO, result=0 if fault == "short read" else None)
+            try:
+                attached_step()
+                found["raised"] = None
+            except DiskTierError as error:
+                found["raised"] = (error.errno, str(error))
+            finally:
+                undo()
+            found["held"] = (_device_bytes(optimizer), released)
+            return attached_step()
+
+        optimizer.step = failing_once
+        results.append(models.train_step(chunks, optimizer, config, 1))
+        optimizer.step = attached_step
+    if fault == "cut short":
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                if os.readlink(f"/proc/self/fd/{fd}").startswith(directory):
+                    os.ftruncate(int(fd), 4096)
+            except OSError:
+                continue
+        try:
+            models.train_step(chunks, optimizer, config, len(results))
+            found["raised"] = None
+        except DiskTierError as error:
+            found["raised"] = (error.errno, str(error))
+        return found  # the states are lost: nothing to compare
+    while len(results) < STEPS:
+        results.append(models.train_step(chunks, optimizer, config, len(results)))
+    snapshot = models.final_snapshot(chunks, optimizer, offloader)
+    offloader.detach()
+    return {"results": results, "snapshot": snapshot, **found}
+
+
+def _same_updates(reference: dict, run: dict) -> bool:
+    """The same parameters and states, and the same step results (those that returned)."""
+    from tests.harness.compare import differences
+
+    return not differences(reference, run)
+
+
+@pytest.mark.parametrize("failing", ["every rank", "rank 1"])
+def test_a_full_disk_at_attach_refuses_on_every_rank_leaving_nothing(
+    rank_pool, tmp_path_factory, failing
+):
+    directory = disk_directory(tmp_path_factory)
+    plain = rank_pool.run(disk_job, None, False)
+    runs = rank_pool.run(fault_job, directory, "full disk", None if failing == "every rank" else 1)
+    for rank, (reference, run) in enumerate(zip(plain, runs, strict=True)):
+        kind, code, message = run["raised"]
+        if failing == "every rank" or rank == 1:
+            assert kind == "DiskTierError" and code == 28 and directory in message, run["raised"]
+        else:
+            assert kind == "OffloadStateError" and "another rank" in message, run["raised"]
+        assert run["kept"] and run["left"] == [] and not run["attached"], run
+        assert _same_updates(reference, run)  # attached again after it: bitwise
+
+
+def test_a_write_error_after_the_step_keeps_the_device_copy_and_trains_on(
+    rank_pool, tmp_path_factory
+):
+    directory = disk_directory(tmp_path_factory)
+    plain = rank_pool.run(disk_job, None, False)
+    runs = rank_pool.run(fault_job, directory, "write")
+    for reference, run in zip(plain, runs, strict=True):
+        assert len(run["warned"]) == 1 and "do not repeat it" in run["warned"][0], run["warned"]
+        counted, device = run["resident"]
+        assert counted == device > 0, run["resident"]  # kept on the device, and counted
+        assert _same_updates(reference, run)
+
+
+@pytest.mark.parametrize("fault", ["read", "short read"])
+def test_a_read_error_raises_before_anything_is_regrown_and_the_step_works_again(
+    rank_pool, tmp_path_factory, fault
+):
+    directory = disk_directory(tmp_path_factory)
+    plain = rank_pool.run(disk_job, None, False)
+    runs = rank_pool.run(fault_job, directory, fault)
+    for reference, run in zip(plain, runs, strict=True):
+        code, message = run["raised"]
+        assert code == 5 and directory in message and "Nothing was copied" in message, message
+        held, released = run["held"]
+        assert held == released == 0, run["held"]
+        assert _same_updates(reference, run)  # the same step, made again
+
+
+def test_a_file_cut_short_is_a_clear_error_not_a_sigbus(rank_pool, tmp_path_factory):
+    directory = disk_directory(tmp_path_factory)
+    for run in rank_pool.run(fault_job, directory, "cut short"):
+        code, message = run["raised"]
+        assert code == 5 and "cut short" in message and "last checkpoint" in message, message

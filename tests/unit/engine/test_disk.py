@@ -1,0 +1,212 @@
+"""The disk tier's files (``engine/disk.py``), against the real OS: faults are injected at the
+boundary with it (``os`` calls that fail, a file cut short with ``ftruncate``, a process
+killed with SIGKILL) or are real (a file larger than the disk's free space).
+
+* a directory on tmpfs is refused, one that is not a directory too;
+* a file the disk cannot hold is refused at allocation with ENOSPC and nothing is left;
+* no name ever appears in the directory (``O_TMPFILE``, or created and removed at once), even
+  in a process killed while writing;
+* bytes written through the mapping come back bitwise after their pages left host memory
+  (``write_back`` / ``drop``), and ``resident_bytes`` (mincore) says they left;
+* a write error, a read error, a short read and a file cut short each raise ``DiskTierError``
+  naming the directory, never a SIGBUS.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from megatron_offload.engine.disk import MEMORY_FILESYSTEMS, DiskTier, filesystem_type
+from megatron_offload.errors import DiskTierError, OffloadError
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def directory(tmp_path):
+    path = str(tmp_path)
+    if filesystem_type(path) in MEMORY_FILESYSTEMS:  # pytest's directory on tmpfs: use the checkout
+        path = os.path.abspath(os.path.join(".disk-tier-tests", os.path.basename(path)))
+        os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _open_in(directory: str) -> list[str]:
+    """This process's open files and mappings under ``directory``."""
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(directory):
+            held.append(target)
+    with open("/proc/self/maps") as maps:
+        held += [line for line in maps if directory in line]
+    return held
+
+
+def _memory_mount() -> str:
+    """A writable directory on a filesystem held in memory (this machine's /dev/shm, or any
+    tmpfs mount)."""
+    with open("/proc/self/mountinfo") as mounts:
+        for line in mounts:
+            fields = line.split()
+            point, kind = fields[4], fields[fields.index("-") + 1]
+            if kind in MEMORY_FILESYSTEMS and os.access(point, os.W_OK) and os.path.isdir(point):
+                return point
+    raise AssertionError("no writable tmpfs mount on this machine to test the refusal with")
+
+
+def test_a_directory_held_in_memory_or_missing_is_refused(directory):
+    with pytest.raises(DiskTierError, match="host memory: it is not a disk tier"):
+        DiskTier(_memory_mount())
+    with pytest.raises(DiskTierError, match="is not a directory"):
+        DiskTier(os.path.join(directory, "missing"))
+    assert issubclass(DiskTierError, OffloadError) and issubclass(DiskTierError, OSError)
+    assert DiskTier(directory).filesystem not in MEMORY_FILESYSTEMS
+
+
+def test_a_file_the_disk_cannot_hold_is_refused_at_allocation_leaving_nothing(directory):
+    tier = DiskTier(directory)
+    figures = os.statvfs(directory)
+    too_large = figures.f_bavail * figures.f_frsize + (1 << 30)
+    with pytest.raises(DiskTierError) as raised:
+        tier.file(too_large)
+    assert raised.value.errno == errno.ENOSPC, raised.value
+    assert directory in str(raised.value) and "Nothing was moved" in str(raised.value)
+    assert os.listdir(directory) == [] and _open_in(directory) == []
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["O_TMPFILE", "created and removed"])
+def test_bytes_come_back_bitwise_after_leaving_host_memory(directory, monkeypatch, named):
+    if named:  # a filesystem without O_TMPFILE
+        monkeypatch.delattr(os, "O_TMPFILE")
+    tier = DiskTier(directory)
+    file = tier.file(8 * MIB + 100)
+    assert os.listdir(directory) == []  # no name, even for a file in use
+    data = torch.randn(2 * MIB, generator=torch.Generator().manual_seed(0))
+    view = file.buffer[100 : 100 + data.numel() * 4].view(torch.float32)
+    view.copy_(data)
+    assert file.resident_bytes() >= data.numel() * 4  # written: in the page cache
+    file.write_back(view)
+    assert file.resident_bytes() == 0
+    file.check_readable(view)  # read with pread: cached again, for the copy that follows
+    assert file.resident_bytes() >= data.numel() * 4
+    assert torch.equal(view, data)
+    file.drop()
+    assert file.resident_bytes() == 0
+    assert torch.equal(view, data)  # read back from the disk
+    del view
+    file.close()
+    assert _open_in(directory) == [] and os.listdir(directory) == []
+
+
+def test_a_write_error_names_the_directory_and_keeps_the_pages(directory, monkeypatch):
+    file = DiskTier(directory).file(MIB)
+    file.buffer.fill_(7)
+
+    def failing(fd):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "fdatasync", failing)
+    with pytest.raises(DiskTierError) as raised:
+        file.write_back(file.buffer)
+    assert raised.value.errno == errno.EIO and directory in str(raised.value)
+    assert "device copy is kept" in str(raised.value)
+    assert file.resident_bytes() == MIB  # not dropped: the pages may be all there is
+    monkeypatch.undo()
+    file.write_back(file.buffer)  # the same call again, with the disk sound
+    assert file.resident_bytes() == 0 and bool((file.buffer == 7).all())
+    file.close()
+
+
+def test_read_errors_and_short_reads_raise_instead_of_a_sigbus(directory, monkeypatch):
+    file = DiskTier(directory).file(4 * MIB)
+    file.buffer.fill_(3)
+    file.write_back(file.buffer)
+    calls = []
+
+    def eio(fd, buffers, offset):
+        calls.append(offset)
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "preadv", eio)
+    with pytest.raises(DiskTierError, match="failed at byte") as raised:
+        file.check_readable(file.buffer)
+    assert raised.value.errno == errno.EIO and calls == [0]
+    monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: 0)
+    with pytest.raises(DiskTierError, match="returned short"):
+        file.check_readable(file.buffer)
+    monkeypatch.undo()
+    file.check_readable(file.buffer)
+    assert bool((file.buffer == 3).all())
+    file.close()
+
+
+CUT_SHORT = """
+import os, sys, torch
+from megatron_offload.engine.disk import DiskTier
+from megatron_offload.errors import DiskTierError
+directory = sys.argv[1]
+file = DiskTier(directory).file(1 << 20)
+file.buffer.fill_(1)
+file.write_back(file.buffer)
+def target(fd):
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:  # the directory listing's own descriptor, closed since
+        return ""
+# The file's descriptors (Python's mmap keeps a duplicate of its own): the same file.
+fd = [int(fd) for fd in os.listdir("/proc/self/fd") if target(fd).startswith(directory)][0]
+os.ftruncate(fd, 1 << 19)  # the file cut short under the mapping
+try:
+    file.check_readable(file.buffer)
+except DiskTierError as error:
+    print("raised:", error)
+"""
+
+
+def test_a_file_cut_short_raises_before_anything_reads_it(directory):
+    # In a process of its own: a read through the mapping past the end would be a SIGBUS.
+    done = subprocess.run(
+        [sys.executable, "-c", CUT_SHORT, directory], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "raised:" in done.stdout and "cut short to 524,288 bytes" in done.stdout, done.stdout
+
+
+KILLED = """
+import os, sys, torch
+from megatron_offload.engine.disk import DiskTier
+if sys.argv[2] == "named":
+    del os.O_TMPFILE
+file = DiskTier(sys.argv[1]).file(64 << 20)
+print("writing", flush=True)
+while True:
+    file.buffer.add_(1)
+    file.write_back(file.buffer)
+"""
+
+
+@pytest.mark.parametrize("named", ["O_TMPFILE", "named"])
+def test_a_process_killed_while_writing_leaves_no_file(directory, named):
+    process = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(KILLED), directory, named],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout.readline().strip() == "writing"
+    finally:
+        process.kill()
+        process.wait(timeout=60)
+    assert process.returncode == -9
+    assert os.listdir(directory) == []
