@@ -85,6 +85,7 @@ class HostView:
         start = time.perf_counter()
         try:
             for member in self._members:
+                member.engine.check_disk()  # read before the block reads the file's mapping
                 self._served.append(_Served(member.engine, member.optimizer))
         except BaseException:
             self.close()
@@ -191,6 +192,8 @@ class HostView:
         for served in reversed(self._served):
             try:
                 served.restore(writes)
+                if writes:
+                    served.engine.settle_disk()  # on the disk, and out of host memory
             except BaseException as error:  # restore the others before raising
                 errors.append(error)
             figures.load_bytes += served.written_bytes

@@ -167,16 +167,16 @@ class DiskFile:
         start = tensor.untyped_storage().data_ptr()
         return self._address <= start < self._address + self.nbytes
 
-    def write_back(self, tensor: torch.Tensor) -> None:
+    def write_back(self, tensor: torch.Tensor | None = None, *, then: str = "") -> None:
         """Write the file's dirty pages to the disk, then drop ``tensor``'s (a range of
-        ``buffer``) from host memory. Raises ``DiskTierError`` if the disk refuses them: the
-        caller still has the bytes it copied from."""
+        ``buffer``; None: the whole file) from host memory. Raises ``DiskTierError`` if the
+        disk refuses them, with ``then`` (what the caller's user is left with) in the
+        message; the pages are kept (they may be the only copy)."""
         try:
             os.fdatasync(self._fd)
         except OSError as error:
             raise DiskTierError(
-                f"writing to {self.where} failed: {error.strerror}. The device copy is kept "
-                "(nothing was released); the same call can be made again once the disk is sound.",
+                f"writing to {self.where} failed: {error.strerror}. {then}".strip(),
                 errno_=error.errno,
                 path=self.tier.directory,
             ) from error

@@ -251,6 +251,25 @@ class OffloadEngine:
         copies.update(self.adopted.copies())
         return copies
 
+    def check_disk(self) -> None:
+        """Read the released pieces in the disk tier's file with ``pread`` before something
+        reads them through the mapping (a checkpoint served from the host copy): an I/O
+        error raises ``DiskTierError`` here, where through the mapping it is a SIGBUS."""
+        for piece in self.pieces:
+            if piece.disk is not None and piece.place is Place.RELEASED:
+                piece.disk.check_readable(piece.host)
+
+    def settle_disk(self) -> None:
+        """After the host copies were written through the mapping (a load served into them):
+        the disk tier's file written back and its pages dropped from host memory. (Pages only
+        read stay cached until the next offload drops them: a state dict served from the host
+        copy is read by its writer after the view closed.)"""
+        if self.host.disk is not None:
+            self.host.disk.write_back(
+                then="What was written into the host copies may not be on the disk: make "
+                "the same call again (a load: load the checkpoint again)."
+            )
+
     def host_need(self, expected) -> int:
         """The host bytes ``reserve_host(expected)`` would allocate (``Layout.host_need``),
         allocating nothing: what a node-wide check adds up before any rank allocates."""

@@ -273,7 +273,11 @@ class HostArena:
                 if source.data_ptr() != host.data_ptr():  # else already in place
                     host.copy_(source)
             if piece.disk is not None:
-                piece.disk.write_back(piece.host)  # the file holds the only copy from now on
+                # The file holds the only copy from now on.
+                piece.disk.write_back(
+                    piece.host,
+                    then="The host copies laid out anew may be lost: load the last checkpoint.",
+                )
         self.free_retired()
 
     @staticmethod

@@ -46,6 +46,11 @@ from .labels import (
 from .pieces import Piece, Place, release_separate_storages
 
 _NEVER = object()
+#: What a write error of the disk tier leaves, where it happens before the release.
+KEPT_ON_DEVICE = (
+    "The device copy is kept (nothing was released): the next offload tries again once the "
+    "disk is sound."
+)
 
 
 class CopyProtocol:
@@ -136,6 +141,11 @@ class CopyProtocol:
             self._relayout()
             self._last_fingerprint = fingerprint  # only once laid out (see ``rescan``)
         pieces = self.pieces if kinds is None else self._select(kinds)
+        for piece in self.pieces:
+            if piece.disk is not None and piece.place is Place.RELEASED:
+                # Read through the mapping since (a checkpoint served from the host copy):
+                # out of host memory, once per step (dropping never loses data, disk.py).
+                piece.disk.drop(piece.host)
         if release:
             # Copied out before and not released (an offload without ``release``, or one an
             # out-of-memory stopped): only the release is left.
@@ -186,7 +196,7 @@ class CopyProtocol:
                     # the piece still resident) and out of host memory (disk.py).
                     piece.host_valid = False
                     self.device.synchronize_event(event, label=HOST_READ_AFTER_D2H)
-                    piece.disk.write_back(piece.host)
+                    piece.disk.write_back(piece.host, then=KEPT_ON_DEVICE)
                 piece.d2h_event = event
                 piece.host_valid = True
                 piece.place = Place.OFFLOADING
@@ -207,8 +217,6 @@ class CopyProtocol:
                 piece.place = Place.OFFLOADING
                 if release:
                     self._release_group(piece)
-            if piece.disk is not None and piece not in to_copy:
-                piece.disk.drop(piece.host)  # read since (a step, a save): out of host memory
         if all(g.place is Place.RELEASED for g in self.pieces):
             self._users = []  # nothing left on the device for them to have written
         self.last.offload_seconds = time.perf_counter() - start

@@ -341,7 +341,9 @@ class SlotStream:
                     device.synchronize_event(last_d2h, label=HOST_READ_AFTER_D2H)
                     for segment in on_disk:
                         segment.piece.disk.write_back(
-                            segment.piece.host[segment.start : segment.end]
+                            segment.piece.host[segment.start : segment.end],
+                            then="The updated states of this chunk may be in host memory "
+                            "only: save a checkpoint now, or load the last one.",
                         )
                 if failure is not None:
                     try:

@@ -26,13 +26,40 @@ from tests.harness.checkpoints import (
 STEPS, SAVE_AFTER = 6, 3
 
 
-def checkpoint_job(offload, dtype, async_save, directory, checked=False, chunked=False):
+def _attach(optimizer, options, disk):
+    """``attach`` with ``options``; with ``disk`` (a directory), a host budget of 40% of the
+    host copies and the rest in the disk tier there."""
+    import megatron_offload
+
+    if disk is None:
+        return megatron_offload.attach(optimizer, **options)
+    probe = megatron_offload.attach(optimizer, **options)
+    budget = int(probe.stats()["host_bytes"] * 0.4)
+    probe.detach()
+    return megatron_offload.attach(
+        optimizer, **options, host_memory_budget=budget, offload_disk_dir=disk
+    )
+
+
+def _disk_figures(offloader) -> dict:
+    """What is in the disk tier, and how much of it is in host memory (mincore, apart from
+    ``stats()``)."""
+    from tests.integration.offloader.test_disk_tier import _page_cache_bytes
+
+    files = [e.host.disk.buffer for e in offloader.engines if e.host.disk is not None]
+    return {
+        "disk_bytes": offloader.stats()["disk_bytes"],
+        "page_cache": sum(_page_cache_bytes(buffer) for buffer in files),
+    }
+
+
+def checkpoint_job(offload, dtype, async_save, directory, checked=False, chunked=False, disk=None):
     """Phase 1: train STEPS steps, saving after SAVE_AFTER (states offloaded at that point).
     Phase 2: a fresh model+optimizer loads the checkpoint and trains the remaining steps.
     Phase 3: a third one trains 2 steps of its own (offloaded), then loads the checkpoint
     into the running optimizer and trains the remaining steps.
-    chunked: with the chunked update (states on the host during the steps too)."""
-    import megatron_offload
+    chunked: with the chunked update (states on the host during the steps too). disk: a
+    directory for the disk tier, which then holds 60% of the host copies."""
     from tests.harness import models
     from tests.harness.checked import check_devices, checked_device_options
 
@@ -43,7 +70,7 @@ def checkpoint_job(offload, dtype, async_save, directory, checked=False, chunked
     chunks, optimizer, config = models.build("mlp", dtype)
     if chunked:
         options = chunked_options(optimizer, options)
-    offloader = megatron_offload.attach(optimizer, **options) if offload else None
+    offloader = _attach(optimizer, options, disk) if offload else None
     results, pending = [], None
     for step in range(STEPS):
         results.append(models.train_step(chunks, optimizer, config, step))
@@ -55,6 +82,8 @@ def checkpoint_job(offload, dtype, async_save, directory, checked=False, chunked
             if offloader:  # served from the host copy: nothing came back, nothing is stale
                 out["save"] = watch.figures()
                 out["offloaded_after_save"] = all_released(offloader)
+        if step == SAVE_AFTER and offloader:  # the step after the save offloaded again
+            out["disk_after_save"] = _disk_figures(offloader)
     if pending is not None:
         out["written_while_training"] = writing(pending)  # the steps after the save ran meanwhile
         pending.maybe_finalize_async_calls(blocking=True)
@@ -66,7 +95,7 @@ def checkpoint_job(offload, dtype, async_save, directory, checked=False, chunked
     chunks, optimizer, config = models.build("mlp", dtype)
     if chunked:
         options = chunked_options(optimizer, options)
-    offloader = megatron_offload.attach(optimizer, **options) if offload else None
+    offloader = _attach(optimizer, options, disk) if offload else None
     load(chunks, optimizer, directory, offload)
     out["resumed"] = [
         models.train_step(chunks, optimizer, config, s) for s in range(SAVE_AFTER, STEPS)
@@ -78,7 +107,7 @@ def checkpoint_job(offload, dtype, async_save, directory, checked=False, chunked
     chunks, optimizer, config = models.build("mlp", dtype)
     if chunked:
         options = chunked_options(optimizer, options)
-    offloader = megatron_offload.attach(optimizer, **options) if offload else None
+    offloader = _attach(optimizer, options, disk) if offload else None
     for step in range(2):
         models.train_step(chunks, optimizer, config, 100 + step)
     if offloader:
@@ -88,12 +117,14 @@ def checkpoint_job(offload, dtype, async_save, directory, checked=False, chunked
     if offloader:
         out["load"] = watch.figures()
         out["offloaded_after_load"] = all_released(offloader)
+        out["disk_after_load"] = _disk_figures(offloader)
     out["loaded_running"] = [
         models.train_step(chunks, optimizer, config, s) for s in range(SAVE_AFTER, STEPS)
     ]
     out["loaded_running_snapshot"] = offloaded_snapshot(chunks, optimizer, offloader)
     if offloader:
         stats = offloader.stats()
+        out["sizes"] = (stats["host_bytes"], stats["disk_bytes"], stats["tracked_bytes"])
         out["host_equals_tracked"] = stats["host_bytes"] == stats["tracked_bytes"]
         out["update_chunks"] = stats["update_chunks"]
         for engine in offloader.engines:  # the last offload's D2H has nothing after it to order it
@@ -153,3 +184,32 @@ def test_save_while_offloaded_then_resume_is_bitwise(
                 assert tensors_equal(
                     off["uninterrupted_snapshot"][section], off[phase + "_snapshot"][section]
                 ), phase
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_save_and_load_with_states_in_the_disk_tier_resume_bitwise(
+    rank_pool, tmp_path, tmp_path_factory, async_save
+):
+    """60% of the host copies in the disk tier: saved from its file and loaded into it with no
+    device bytes, its pages out of host memory after each, and the same resumes."""
+    from tests.integration.offloader.test_disk_tier import disk_directory
+
+    disk = disk_directory(tmp_path_factory)
+    reference = rank_pool.run(checkpoint_job, False, "bf16", async_save, str(tmp_path / "ref"))
+    tiered = rank_pool.run(
+        checkpoint_job, True, "bf16", async_save, str(tmp_path / "off"), disk=disk
+    )
+    for ref, off in zip(reference, tiered):
+        assert off["offloaded_at_save"] and off["offloaded_after_save"]
+        assert off["offloaded_before_load"] and off["offloaded_after_load"]
+        host, disk_bytes, tracked = off["sizes"]
+        # The arena reserved at attach (up to the budget, 40%) holds the pieces that fit it.
+        assert host <= 0.4 * tracked and host + disk_bytes >= tracked, off["sizes"]
+        for call in ("save", "load"):
+            assert off[call]["probes"] > 2 and off[call]["peak_state_bytes"] == 0, (call, off[call])
+            assert off[call]["allocations"] == off[call]["copies"] == 0, (call, off[call])
+            figures = off[f"disk_after_{call}"]
+            assert figures["disk_bytes"] > 0 and figures["page_cache"] == 0, (call, figures)
+        assert_phases_equal(ref, off, ("uninterrupted", "resumed", "loaded_running"))
+        assert off["resumed"] == off["uninterrupted"][SAVE_AFTER:]
+        assert off["loaded_running"] == off["uninterrupted"][SAVE_AFTER:]

@@ -52,6 +52,12 @@ class _Engine:
     def stats(self) -> dict:
         return {"resident_bytes": 0}
 
+    def check_disk(self) -> None:  # no disk tier here
+        pass
+
+    def settle_disk(self) -> None:
+        pass
+
 
 class _Wrapper:
     """A Megatron optimizer stand-in: one inner torch AdamW and one state method."""
