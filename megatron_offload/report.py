@@ -56,6 +56,7 @@ def combine(
     if sleep is not None:  # what the last sleep did with the model's own tensors
         total.update(sleep)
         total["host_bytes"] = total.get("host_bytes", 0) + sleep["sleep_host_bytes"]
+        total["disk_bytes"] = total.get("disk_bytes", 0) + sleep["sleep_disk_bytes"]
     total["per_optimizer"] = per
     return total
 

@@ -54,8 +54,14 @@ class Adopted:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the host buffers the adopted tensors live in."""
-        return sum(self._buffers_by_id().values())
+        """Bytes of the host buffers the adopted tensors live in (in host memory)."""
+        return sum(self._buffers_by_id().values()) - self.disk_nbytes
+
+    @property
+    def disk_nbytes(self) -> int:
+        """Bytes of those buffers the budget put in the disk tier instead."""
+        spilled = {id(file.buffer) for file in self.budget.files()}
+        return sum(n for key, n in self._buffers_by_id().items() if key in spilled)
 
     def _buffers_by_id(self) -> dict[int, int]:
         return {id(b): b.numel() for *_, b in self._items.values()}

@@ -170,7 +170,7 @@ class OffloadEngine:
             "host_bytes": self.host.nbytes + self.adopted.nbytes,
             # The disk tier's file (``offload_disk_dir``), and how much of it is in the page
             # cache now (host memory too, bounded by one piece between copies).
-            "disk_bytes": self.host.disk_nbytes,
+            "disk_bytes": self.host.disk_nbytes + self.adopted.disk_nbytes,
             "disk_resident_bytes": 0 if self.host.disk is None else self.host.disk.resident_bytes(),
             "kept_resident_bytes": kept,
             # Tensors a layout that failed (out of memory) left on the device, untracked.

@@ -413,6 +413,10 @@ class HostBuffers:
             self._allocate(merge_to)
         self._index = self._used = self._taken = 0
 
+    def files(self) -> list[DiskFile]:
+        """The disk tier's files of the buffers held that the budget spilled there."""
+        return [f for f in self.budget.files() if any(f.buffer is b for b in self._buffers)]
+
     def hand_over(self, buffers) -> None:
         """Someone else gives ``buffers`` back from now on (the engine adopted states in them;
         the budget counts them until then, once); what is left of them is still carved."""

@@ -59,8 +59,13 @@ class ModelMemory:
 
     @property
     def host_bytes(self) -> int:
-        """Bytes of the host buffer held for copied storages."""
-        return self._host.nbytes
+        """Bytes of the host buffers held for copied storages (in host memory)."""
+        return self._host.nbytes - self.disk_bytes
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes of those buffers the budget put in the disk tier instead."""
+        return sum(file.nbytes for file in self._host.files())
 
     @staticmethod
     def host_need(entries) -> int:
@@ -111,6 +116,10 @@ class ModelMemory:
             self.device.synchronize_event(
                 self.device.record_event(current), label=HOST_READ_AFTER_D2H
             )
+        for file in self._host.files():
+            # Copies the budget could not hold are in the disk tier: on the disk (a write
+            # error raises here, nothing given up yet) and out of host memory.
+            file.write_back(then="Nothing was given up; the same call works once it can write.")
         for entry in held:
             self.device.release(entry.tensor)
         self._held, self._regrown = held, []
@@ -122,6 +131,11 @@ class ModelMemory:
         with nothing regrown when one cannot be); then copied ones get their bytes back and
         dropped ones are zeroed where asked (else left for their owner to write)."""
         held = self._held
+        files = self._host.files()
+        for entry in held:
+            for file in files:
+                if entry.copied and file.owns(entry.host):
+                    file.check_readable(entry.host)  # an I/O error raises here, not a SIGBUS
         grown = []
         try:
             for entry in held:
@@ -136,6 +150,8 @@ class ModelMemory:
                 self.device.copy(entry.tensor, entry.host)
             elif entry.zeroed:
                 entry.tensor.zero_()
+        for file in files:
+            file.drop()  # copied from (pageable: read when the copy call returns)
         self._held, self._regrown = [], held
 
     def unregrow(self) -> None:

@@ -322,12 +322,13 @@ class Sleep:
     # ------------------------------------------------------------------ figures
     def figures(self) -> dict:
         """What the last sleep did with the model, for ``stats()``."""
-        held = [m.host_bytes for m in (self._params, self._grads) if m is not None]
+        held = [m for m in (self._params, self._grads) if m is not None]
         return {
             "asleep": self.asleep,
             "sleeps": self.sleeps,
             **self._figures,
-            "sleep_host_bytes": sum(held),
+            "sleep_host_bytes": sum(m.host_bytes for m in held),
+            "sleep_disk_bytes": sum(m.disk_bytes for m in held),
         }
 
     def close(self) -> None:

@@ -314,3 +314,68 @@ def test_a_file_cut_short_is_a_clear_error_not_a_sigbus(rank_pool, tmp_path_fact
     for run in rank_pool.run(fault_job, directory, "cut short"):
         code, message = run["raised"]
         assert code == 5 and "cut short" in message and "last checkpoint" in message, message
+
+
+# ----------------------------------------------------------------------------- sleep
+def sleep_job(directory: str | None, refit: bool):
+    """Steps with a sleep and a wake after each (``directory`` None: the plain run, no
+    sleep). ``refit``: the parameters are changed after each step without the optimizer (a
+    weight load), so sleep cannot rebuild them from the masters and copies them; those
+    copies do not fit the budget either and go to the disk tier too."""
+    import megatron_offload
+    from tests.harness import models
+    from tests.integration.offloader.test_sleep import _device_bytes as model_device_bytes
+    from tests.integration.offloader.test_sleep import _load_weights, _rollout_block
+
+    chunks, optimizer, config = models.build("gpt", "bf16")
+    offloader = None
+    if directory is not None:
+        probe = megatron_offload.attach(optimizer)
+        budget = int(probe.stats()["host_bytes"] * FRACTION)
+        probe.detach()
+        offloader = megatron_offload.attach(
+            optimizer, host_memory_budget=budget, offload_disk_dir=directory
+        )
+    results, asleep = [], []
+    for step in range(STEPS):
+        results.append(models.train_step(chunks, optimizer, config, step))
+        if refit:
+            _load_weights(chunks)
+        if offloader is None:
+            continue
+        offloader.sleep()
+        engines = [e.host.disk.buffer for e in offloader.engines if e.host.disk is not None]
+        spilled = [f.buffer for f in offloader.engines[0].budget.files()]
+        stats = offloader.stats()
+        asleep.append(
+            {
+                "device": model_device_bytes(chunks, optimizer),
+                "page_cache": sum(_page_cache_bytes(b) for b in engines + spilled),
+                "spilled": sum(b.numel() for b in spilled),
+                "host_bytes": stats["host_bytes"],
+                "disk_bytes": (stats["disk_bytes"], stats["sleep_disk_bytes"]),
+                "budget": budget,
+            }
+        )
+        _rollout_block()
+        offloader.wake()
+    snapshot = models.final_snapshot(chunks, optimizer, offloader)
+    if offloader is not None:
+        offloader.detach()
+    return {"results": results, "snapshot": snapshot, "asleep": asleep}
+
+
+@pytest.mark.parametrize("refit", [False, True], ids=["rebuilt", "copied parameters"])
+def test_sleep_and_wake_with_the_rest_on_disk_train_bitwise(rank_pool, tmp_path_factory, refit):
+    directory = disk_directory(tmp_path_factory)
+    plain = rank_pool.run(sleep_job, None, refit)
+    runs = rank_pool.run(sleep_job, directory, refit)
+    for reference, run in zip(plain, runs, strict=True):
+        assert not differences(reference, run)
+        for figures in run["asleep"]:
+            device = figures["device"]
+            assert device["states"] == device["masters"] == device["parameters"] == 0, figures
+            assert figures["page_cache"] == 0, figures
+            assert (figures["spilled"] > 0) == refit, figures  # the copies, in the disk tier
+            assert figures["disk_bytes"][1] == figures["spilled"], figures  # and counted there
+            assert figures["host_bytes"] <= figures["budget"], figures
