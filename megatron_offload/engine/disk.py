@@ -40,10 +40,12 @@ import mmap
 import os
 import tempfile
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from ..errors import DiskTierError
+from .labels import HOST_READ_AFTER_D2H
 
 #: Filesystems whose files live in host memory: not a disk tier.
 MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs", "devtmpfs"})
@@ -51,6 +53,10 @@ MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs", "devtmpfs"})
 NETWORK_FILESYSTEMS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "9p", "lustre"})
 #: ``check_readable`` reads this many bytes per ``pread`` (a scratch buffer of this size).
 READ_CHUNK = 8 << 20
+#: A staging buffer is this many parts, each of (at most) ``STAGING_PART`` bytes: the I/O
+#: thread reads or writes one part while the others are copied (``staging_bytes``).
+PARTS = 4
+STAGING_PART = 16 << 20
 
 
 def page_size() -> int:
@@ -160,6 +166,14 @@ class DiskFile:
         #: The file's bytes: a 1-D uint8 tensor over the shared mapping.
         self.buffer: torch.Tensor | None = torch.frombuffer(self._mapping, dtype=torch.uint8)
         self._address = self.buffer.data_ptr()
+        #: The same file opened for direct I/O (``O_DIRECT``: no page cache at all), which
+        #: ``write`` uses; None where the filesystem has none.
+        self.direct = _open_again(self._fd, os.O_DIRECT)
+        #: The same file opened again, with the kernel's readahead (off on the mapping's
+        #: descriptor), which ``read`` uses: each chunk read is dropped once copied.
+        self._stream = _open_again(self._fd, 0)
+        if self._stream is not None:
+            os.posix_fadvise(self._stream, 0, 0, os.POSIX_FADV_SEQUENTIAL)
 
     # ------------------------------------------------------------------ I/O
     def owns(self, tensor: torch.Tensor) -> bool:
@@ -182,11 +196,117 @@ class DiskFile:
             ) from error
         self.drop(tensor)
 
-    def check_readable(self, tensor: torch.Tensor) -> None:
-        """Read ``tensor``'s range of the file with ``pread`` before it is copied from the
-        mapping, so that an I/O error or a file cut short raises ``DiskTierError`` here (through
-        the mapping it would be a SIGBUS). The pages read stay cached for the copy."""
-        offset, nbytes = self._range(tensor)
+    def write(self, host: torch.Tensor, source: torch.Tensor, staging: torch.Tensor, device):
+        """``source`` (a contiguous device tensor) into ``host`` (its range of ``buffer``, as
+        long), through ``staging`` (a host buffer of ``staging_bytes``, in ``PARTS`` parts):
+        each chunk is copied out on the current stream into a part, the host waits for that
+        copy, and the I/O thread writes the part while the next chunks are copied out. Then
+        the file is written back and the range dropped where the writes went through the page
+        cache (without direct I/O). Faster than copying through the mapping, whose page
+        faults read every page before it is overwritten. Raises ``DiskTierError`` on a write
+        error, ``source`` untouched."""
+        offset, nbytes = self._range(host)
+        source = source.reshape(-1).view(torch.uint8)
+        parts = _parts(staging)
+        step = len(parts[0])
+        pending: list = [None] * len(parts)
+        try:
+            for index, start in enumerate(range(0, nbytes, step)):
+                slot = index % len(parts)
+                size = min(step, nbytes - start)
+                if pending[slot] is not None:  # the part's last write must be done: refill it
+                    error = pending[slot].exception()
+                    if error is not None:
+                        raise self._failed("writing", error, KEPT) from error
+                device.copy(parts[slot][:size], source[start : start + size])
+                # The I/O thread reads the part: the copy into it must be complete.
+                device.synchronize_event(
+                    device.record_event(device.current_stream()), label=HOST_READ_AFTER_D2H
+                )
+                pending[slot] = _io().submit(self._pwrite, parts[slot], size, offset + start)
+        finally:
+            # Every write is waited for, even after an error: none may read the staging later.
+            errors = [f.exception() for f in pending if f is not None]
+        for error in errors:
+            if error is not None:
+                raise self._failed("writing", error, KEPT) from error
+        if self.direct is None or not self._aligned(offset, staging):
+            self.write_back(host, then=KEPT)  # through the page cache: out of it again
+
+    def read(self, destination: torch.Tensor, host: torch.Tensor, staging: torch.Tensor, device):
+        """``host`` (a range of ``buffer``) into ``destination`` (a contiguous device tensor
+        as long), through ``staging``: the I/O thread reads the chunks with ``pread`` into the
+        parts, up to ``PARTS`` ahead, while the chunks read are copied in on the current
+        stream; a part is refilled once the host saw its copy in complete. Raises
+        ``DiskTierError`` on a read error or a short read (``destination`` then holds part of
+        the bytes)."""
+        offset, nbytes = self._range(host)
+        destination = destination.reshape(-1).view(torch.uint8)
+        parts = _parts(staging)
+        step = len(parts[0])
+        starts = list(range(0, nbytes, step))
+        reads: dict = {}
+
+        def submit(index: int) -> None:
+            size = min(step, nbytes - starts[index])
+            part = parts[index % len(parts)]
+            reads[index] = _io().submit(self._pread, part, size, offset + starts[index])
+
+        try:
+            for index in range(min(len(parts), len(starts))):
+                submit(index)
+            for index, start in enumerate(starts):
+                try:
+                    reads.pop(index).result()
+                except OSError as error:
+                    self._check_length(offset, nbytes)  # a file cut short: say so
+                    raise self._failed("reading", error, NOT_COPIED) from error
+                size = min(step, nbytes - start)
+                device.copy(destination[start : start + size], parts[index % len(parts)][:size])
+                following = index + len(parts)
+                if following < len(starts) or index == len(starts) - 1:
+                    # The part is refilled next (or, after the last chunk, the staging is free
+                    # for the next piece): the copies in must have read it. On a stream, in
+                    # order, so the last one covers those before it.
+                    device.synchronize_event(
+                        device.record_event(device.current_stream()), label=HOST_READ_AFTER_D2H
+                    )
+                if following < len(starts):
+                    submit(following)
+        finally:
+            for future in reads.values():
+                future.exception()  # none may write the staging later
+            # Pages read ahead past the range, out of host memory too (dropping never loses
+            # data).
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def _aligned(self, offset: int, part: torch.Tensor) -> bool:
+        """True if direct I/O can move a chunk at ``offset`` through ``part``: both on a page
+        boundary (chunks are whole pages long, the file's pieces page-aligned, ``host.py``)."""
+        page = page_size()
+        return offset % page == 0 and part.data_ptr() % page == 0
+
+    def _pwrite(self, part: torch.Tensor, size: int, offset: int) -> None:
+        if self.direct is not None and self._aligned(offset, part):
+            # Whole pages: the piece's range in the file is padded to them.
+            view = _bytes_of(part)[: -(-size // page_size()) * page_size()]
+            _all(os.pwrite, self.direct, view, offset)
+            return
+        _all(os.pwrite, self._fd, _bytes_of(part)[:size], offset)
+        # Starts writing the pages back now, and drops those already clean.
+        os.posix_fadvise(self._fd, offset, size, os.POSIX_FADV_DONTNEED)
+
+    def _pread(self, part: torch.Tensor, size: int, offset: int) -> None:
+        # Buffered, with readahead: faster here than direct reads of a chunk at a time (the
+        # kernel reads ahead while the chunk is copied); the chunk's pages are dropped once
+        # read, and those read ahead when their chunk is (``read`` drops the rest).
+        fd = self._stream if self._stream is not None else self._fd
+        _all(_preadv, fd, _bytes_of(part)[:size], offset)
+        os.posix_fadvise(fd, offset, size, os.POSIX_FADV_DONTNEED)
+
+    def _check_length(self, offset: int, nbytes: int) -> None:
+        """Raise ``DiskTierError`` if the file no longer holds bytes ``offset`` to
+        ``offset + nbytes`` (something cut it short)."""
         size = os.fstat(self._fd).st_size
         if size < offset + nbytes:
             raise DiskTierError(
@@ -196,6 +316,21 @@ class DiskFile:
                 errno_=errno.EIO,
                 path=self.tier.directory,
             )
+
+    def _failed(self, operation: str, error: BaseException, then: str) -> DiskTierError:
+        reason = getattr(error, "strerror", None) or str(error)
+        return DiskTierError(
+            f"{operation} {self.where} failed: {reason}. {then}",
+            errno_=getattr(error, "errno", None) or errno.EIO,
+            path=self.tier.directory,
+        )
+
+    def check_readable(self, tensor: torch.Tensor) -> None:
+        """Read ``tensor``'s range of the file with ``pread`` before it is copied from the
+        mapping, so that an I/O error or a file cut short raises ``DiskTierError`` here (through
+        the mapping it would be a SIGBUS). The pages read stay cached for the copy."""
+        offset, nbytes = self._range(tensor)
+        self._check_length(offset, nbytes)
         scratch = memoryview(bytearray(min(READ_CHUNK, max(nbytes, 1))))
         done = 0
         while done < nbytes:
@@ -254,16 +389,88 @@ class DiskFile:
         if self.buffer is None:
             return
         self.buffer = self._mapping = None
+        for fd in (self.direct, self._stream):
+            if fd is not None:
+                os.close(fd)
         os.close(self._fd)
 
     def __repr__(self) -> str:
         return f"DiskFile({self.where})"
 
 
+#: What a failed write leaves: the device copy (the caller releases it only after).
+KEPT = (
+    "The device copy is kept (nothing was released): the next offload tries again once the "
+    "disk is sound."
+)
+#: What a failed read leaves.
+NOT_COPIED = (
+    "Nothing was copied to the device for good (what was regrown is given back); the same "
+    "call can be made again."
+)
+
+
+def staging_bytes(largest: int, limit: int | None = None) -> int:
+    """Bytes of the staging buffer for pieces of at most ``largest`` bytes under a host
+    budget of ``limit``: ``PARTS`` parts of ``STAGING_PART``, or less where the largest piece
+    (rounded up to a page) or an eighth of the budget is smaller; at least a page each."""
+    page = page_size()
+    part = min(STAGING_PART, -(-max(largest, 1) // page) * page)
+    if limit is not None:
+        part = min(part, limit // 8 // page * page)
+    return PARTS * max(part, page)
+
+
+def _parts(staging: torch.Tensor) -> list[torch.Tensor]:
+    part = staging.numel() // PARTS
+    return [staging[i * part : (i + 1) * part] for i in range(PARTS)]
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A writable memoryview of a contiguous uint8 host tensor's bytes (no copy)."""
+    return memoryview((ctypes.c_char * tensor.numel()).from_address(tensor.data_ptr())).cast("B")
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _io() -> ThreadPoolExecutor:
+    """The disk tier's I/O thread (one per process, made at its first use): the writes and
+    reads run there, off the thread that issues the copies."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-disk")
+    return _POOL
+
+
 # mincore(2) from the C library: int mincore(void *addr, size_t length, unsigned char *vec).
 _MINCORE = ctypes.CFUNCTYPE(
     ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte), use_errno=True
 )(("mincore", ctypes.CDLL(None, use_errno=True)))
+
+
+def _all(call, fd: int, view: memoryview, offset: int) -> None:
+    """``call`` (``os.pwrite`` or ``_preadv``) until all of ``view`` moved; a call that moves
+    nothing is a short read (EIO)."""
+    done = 0
+    while done < len(view):
+        moved = call(fd, view[done:], offset + done)
+        if moved <= 0:
+            raise OSError(errno.EIO, f"the transfer returned short at byte {offset + done:,}")
+        done += moved
+
+
+def _preadv(fd: int, view: memoryview, offset: int) -> int:
+    return os.preadv(fd, [view], offset)
+
+
+def _open_again(fd: int, flags: int) -> int | None:
+    """``fd``'s file opened again, with ``flags`` (through /proc: the file has no name), or
+    None where that is refused (``O_DIRECT`` on a filesystem without direct I/O)."""
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC | flags)
+    except (OSError, AttributeError):
+        return None
 
 
 def _open_unlinked(directory: str) -> int:

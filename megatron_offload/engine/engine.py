@@ -167,7 +167,7 @@ class OffloadEngine:
             + kept
             + self.unlaid_bytes,
             # The arena, and host buffers handed over with ``adopt`` until the arena takes them.
-            "host_bytes": self.host.nbytes + self.adopted.nbytes,
+            "host_bytes": self.host.nbytes + self.host.staging_nbytes + self.adopted.nbytes,
             # The disk tier's file (``offload_disk_dir``), and how much of it is in the page
             # cache now (host memory too, bounded by one piece between copies).
             "disk_bytes": self.host.disk_nbytes + self.adopted.disk_nbytes,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..device import Device
-from .disk import DiskFile, DiskTier
+from .disk import DiskFile, DiskTier, page_size, staging_bytes
 from .labels import HOST_FREE_AFTER_COPIES
 
 #: A layout reuses the arena if the arena is at most 1/REUSE_SLACK larger than it needs.
@@ -123,6 +123,13 @@ class HostBudget:
         self._buffers.pop(id(buffer), None)
 
 
+def disk_span(piece) -> int:
+    """Bytes of ``piece``'s range in a disk tier file: whole pages, so that every piece starts
+    on a page boundary, as direct I/O wants (``DiskFile.write``)."""
+    page = page_size()
+    return -(-piece.host_nbytes // page) * page
+
+
 def disk_file_of(tensor: torch.Tensor, files) -> DiskFile | None:
     """The one of ``files`` (``DiskFile`` or None each) whose mapping ``tensor`` is in."""
     for file in files:
@@ -143,6 +150,9 @@ class HostArena:
         #: The disk tier's file for the pieces host memory cannot hold (None: none spilled).
         self.disk: DiskFile | None = None
         self.retired_disk: DiskFile | None = None  # the previous file, while its bytes move
+        #: The host buffer the copies to and from ``disk`` go through (``DiskFile.write``),
+        #: counted against the budget; None while nothing is spilled.
+        self.staging: torch.Tensor | None = None
         # Bytes ``reserve`` allocated for a layout still to come, until a layout that large is
         # laid out: the smaller layouts before it (the masters alone, offloaded at attach
         # before the first step makes the states) reuse the buffer instead of replacing it.
@@ -177,12 +187,16 @@ class HostArena:
             return False
         room = self.budget.room() if self.budget.disk is not None else None
         on_host = nbytes if room is None else min(nbytes, room)
-        if on_host < nbytes:
+        if on_host < nbytes:  # the staging for the copies to disk comes out of the budget too
+            on_host = max(0, min(nbytes, room - staging_bytes(nbytes, self.budget.limit)))
             self.disk = self.budget.disk.file(nbytes - on_host)
         try:
+            if self.disk is not None:
+                self._stage(staging_bytes(nbytes, self.budget.limit), name)
             if on_host:
                 self.replace(on_host, name)
         except BaseException:
+            self._unstage()
             if self.disk is not None:
                 self.disk.close()
                 self.disk = None
@@ -192,23 +206,50 @@ class HostArena:
 
     def spill(self, pieces) -> list:
         """The pieces whose host copies go to the disk tier: none without one or while the
-        budget holds them all; otherwise the largest first, until the rest fit the budget
-        (the largest, since a file is read and written fastest in long runs). The arena's
-        own bytes count as room when the arena can be reused for the rest."""
-        need = sum(g.host_nbytes for g in pieces)
-        if self.budget.disk is None or self.budget.limit is None:
+        budget holds them all; otherwise the largest first, until the rest and the staging
+        the copies to disk go through fit the budget (the largest, since a file is read and
+        written fastest in long runs). The arena's own bytes count as room when the arena
+        can be reused for the rest, and so does a staging buffer held (kept or replaced)."""
+        if self.budget.disk is None or self.budget.limit is None or not pieces:
             return []
+        need = sum(g.host_nbytes for g in pieces)
         largest = sorted(pieces, key=lambda g: g.host_nbytes, reverse=True)
-        for room in (self.budget.room() + self.nbytes, self.budget.room()):
+        staging = max(staging_bytes(largest[0].host_nbytes, self.budget.limit), self.staging_nbytes)
+
+        def choose(room: int) -> tuple[list, int]:
             spilled, left = [], need
             for piece in largest:
                 if left <= room:
                     break
                 spilled.append(piece)
                 left -= piece.host_nbytes
-            if room == self.budget.room() or self.fits(left):
+            return spilled, left
+
+        free = self.budget.room() + self.staging_nbytes
+        for room in (free + self.nbytes, free):  # the arena reused, or a new one beside it
+            spilled, left = choose(room)
+            if spilled:
+                spilled, left = choose(max(room - staging, 0))
+            if room == free or self.fits(left):
                 return spilled
-        return spilled
+        return spilled  # pragma: no cover - the loop returns
+
+    @property
+    def staging_nbytes(self) -> int:
+        return 0 if self.staging is None else self.staging.numel()
+
+    def _stage(self, nbytes: int, name: str) -> None:
+        """Hold a staging buffer of at least ``nbytes`` (counted against the budget)."""
+        if self.staging_nbytes >= nbytes:
+            return
+        self._unstage()
+        self.staging = self.budget.allocate(self.device, nbytes, f"{name}: disk tier staging")
+
+    def _unstage(self) -> None:
+        if self.staging is not None:
+            self._synchronize()  # no copy uses it any more
+            self.budget.free(self.device, self.staging)
+            self.staging = None
 
     def lay_out(self, pieces, carried, sources: dict, *, name: str) -> None:
         """Give every piece its range of the arena (or, spilled, of the disk tier's file), in
@@ -224,9 +265,15 @@ class HostArena:
         """
         spilled = {id(g) for g in self.spill(pieces)}
         need = sum(g.host_nbytes for g in pieces if id(g) not in spilled)
-        disk_need = sum(g.host_nbytes for g in pieces if id(g) in spilled)
+        disk_need = sum(disk_span(g) for g in pieces if id(g) in spilled)
         disk = self._file_for(disk_need, carried, sources)
         try:
+            if disk is not None:
+                self._stage(
+                    staging_bytes(max(g.host_nbytes for g in pieces), self.budget.limit), name
+                )
+            else:
+                self._unstage()  # nothing spilled: its room may be the arena's now
             reuse = self.fits(need)
             if need >= self.reserved_for:
                 self.reserved_for = 0  # the layout the reservation was for has come
@@ -289,7 +336,7 @@ class HostArena:
             if id(piece) in spilled:
                 piece.host = disk.buffer[disk_offset : disk_offset + piece.nbytes].view(piece.dtype)
                 piece.disk = disk
-                disk_offset += piece.host_nbytes
+                disk_offset += disk_span(piece)
             else:
                 piece.host = arena[offset : offset + piece.nbytes].view(piece.dtype)
                 piece.disk = None
@@ -335,6 +382,7 @@ class HostArena:
     def free(self) -> None:
         self.free_retired()
         self.reserved_for = 0
+        self._unstage()
         if self.buffer is None and self.disk is None:
             return
         self._synchronize()

@@ -29,6 +29,7 @@ from typing import Callable, Iterable, Sequence
 
 from ..device import Device
 from ..errors import OffloadStateError, out_of_memory
+from .disk import KEPT
 from .figures import CopyTimes, CycleStats
 from .host import HostArena
 from .labels import (
@@ -46,11 +47,6 @@ from .labels import (
 from .pieces import Piece, Place, release_separate_storages
 
 _NEVER = object()
-#: What a write error of the disk tier leaves, where it happens before the release.
-KEPT_ON_DEVICE = (
-    "The device copy is kept (nothing was released): the next offload tries again once the "
-    "disk is sound."
-)
 
 
 class CopyProtocol:
@@ -177,7 +173,15 @@ class CopyProtocol:
                 with self.device.use_stream(side):
                     if timed is None:  # after the waits: the transfers alone are timed
                         timed = self.device.record_event(side, timing=True)
-                    if piece.flat is not None:
+                    if piece.flat is not None and piece.disk is not None:
+                        # Into the disk tier's file through the arena's staging, written back
+                        # before this returns: a write error raises here, the device copy
+                        # whole and the piece still resident (disk.py).
+                        piece.host_valid = False
+                        piece.disk.write(piece.host, piece.flat, self.host.staging, self.device)
+                        self.last.d2h_copies += 1
+                        self.last.d2h_bytes += piece.nbytes
+                    elif piece.flat is not None:
                         self.device.copy(piece.host, piece.flat)
                         self.last.d2h_copies += 1
                         self.last.d2h_bytes += piece.nbytes
@@ -190,13 +194,13 @@ class CopyProtocol:
                 # Rule 5: the arena is not given back before this copy is done, even if a
                 # later piece's release raises before the loop ends.
                 self.host.last_d2h = event
-                if piece.disk is not None:
-                    # The file will hold the only copy: the host waits for the copy, then its
-                    # pages go to the disk (an I/O error raises here, the device copy whole,
-                    # the piece still resident) and out of host memory (disk.py).
+                if piece.disk is not None and piece.flat is None:
+                    # The first cycle's copies went through the file's mapping, which will hold
+                    # the only copy: the host waits for them, then the pages go to the disk (an
+                    # I/O error raises here, the device copies whole) and out of host memory.
                     piece.host_valid = False
                     self.device.synchronize_event(event, label=HOST_READ_AFTER_D2H)
-                    piece.disk.write_back(piece.host, then=KEPT_ON_DEVICE)
+                    piece.disk.write_back(piece.host, then=KEPT)
                 piece.d2h_event = event
                 piece.host_valid = True
                 piece.place = Place.OFFLOADING
@@ -299,11 +303,6 @@ class CopyProtocol:
         home = self._home_stream if self._home_stream is not None else current
         grown, issued = [], []
         side = self._h2d_stream if self._h2d_stream is not None else self.side_stream("h2d")
-        for piece in released:
-            if piece.disk is not None:
-                # Read with pread before anything is allocated: an I/O error or a file cut
-                # short raises here, where through the mapping it would be a SIGBUS.
-                piece.disk.check_readable(piece.host)
         try:  # all or nothing: a failure (out of memory, an interrupt) gives back what it made
             with self.device.use_stream(home):
                 for piece in released:
@@ -321,8 +320,14 @@ class CopyProtocol:
             with self.device.use_stream(side):
                 timed = self.device.record_event(side, timing=True)  # after the waits
                 for piece in released:
-                    self.device.copy(piece.flat, piece.host)
-                    issued.append(piece)
+                    if piece.disk is not None:
+                        # From the disk tier's file, read through the arena's staging (a read
+                        # error raises here, and what was regrown is given back below).
+                        issued.append(piece)
+                        piece.disk.read(piece.flat, piece.host, self.host.staging, self.device)
+                    else:
+                        self.device.copy(piece.flat, piece.host)
+                        issued.append(piece)
                     self.last.h2d_copies += 1
                     self.last.h2d_bytes += piece.nbytes
                     # One event per piece: a reader waits for the pieces it uses.
@@ -338,10 +343,6 @@ class CopyProtocol:
         for piece in released:
             piece.alloc_stream = home
             piece.used_on = []
-            if piece.disk is not None:
-                # Copied from (pageable memory is read before the copy call returns): its
-                # pages leave host memory; dropping never loses data (disk.py).
-                piece.disk.drop(piece.host)
         self.host.last_h2d = released[-1].h2d_event
         self.times.pending["h2d"].append((timed, released[-1].h2d_event, self.last.h2d_bytes))
         for piece in released:

@@ -209,7 +209,7 @@ def fault_job(directory: str, fault: str, failing_rank: int | None = None):
     offloader = megatron_offload.attach(optimizer, **options)
     results.append(models.train_step(chunks, optimizer, config, 0))
     if fault == "write":
-        undo = _failing("fdatasync", errno.EIO)
+        undo = _failing("pwrite", errno.EIO)  # the copies out are written with pwrite
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             results.append(models.train_step(chunks, optimizer, config, 1))

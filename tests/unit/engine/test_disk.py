@@ -210,3 +210,63 @@ def test_a_process_killed_while_writing_leaves_no_file(directory, named):
         process.wait(timeout=60)
     assert process.returncode == -9
     assert os.listdir(directory) == []
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["O_DIRECT", "buffered"])
+def test_staged_writes_and_reads_are_bitwise_and_leave_no_page_cache(directory, direct):
+    from megatron_offload.device.cpu import CPUDevice
+    from megatron_offload.engine.disk import PARTS, staging_bytes
+
+    device = CPUDevice()
+    file = DiskTier(directory).file(8 * MIB)
+    if not direct:  # a filesystem without direct I/O
+        os.close(file.direct)
+        file.direct = None
+    elif file.direct is None:
+        raise AssertionError(f"{directory} refuses O_DIRECT: this test needs a disk that has it")
+    staging = device.host_buffer(staging_bytes(MIB))  # parts of a MiB: several chunks each way
+    assert staging.numel() == PARTS * MIB
+    source = torch.randn(7 * MIB // 4 + 3, generator=torch.Generator().manual_seed(1))
+    host = file.buffer[4096 : 4096 + source.numel() * 4].view(torch.float32)
+    file.write(host, source, staging, device)
+    assert file.resident_bytes() == 0  # nothing of it in the page cache
+    back = torch.empty_like(source)
+    file.read(back, host, staging, device)
+    assert file.resident_bytes() == 0
+    assert torch.equal(back, source) and torch.equal(host, source)  # the mapping sees it too
+    file.close()
+
+
+def test_a_staged_write_or_read_error_raises_and_leaves_the_source(directory, monkeypatch):
+    from megatron_offload.device.cpu import CPUDevice
+    from megatron_offload.engine.disk import staging_bytes
+
+    device = CPUDevice()
+    file = DiskTier(directory).file(4 * MIB)
+    staging = device.host_buffer(staging_bytes(MIB))
+    source = torch.arange(MIB, dtype=torch.float32)
+    before = source.clone()
+    host = file.buffer[: source.numel() * 4].view(torch.float32)
+    calls = []
+
+    def failing(fd, view, offset):
+        calls.append(offset)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return os.write(os.open(os.devnull, os.O_WRONLY), view)
+
+    monkeypatch.setattr(os, "pwrite", failing)
+    with pytest.raises(DiskTierError) as raised:
+        file.write(host, source, staging, device)
+    assert raised.value.errno == errno.ENOSPC and "device copy is kept" in str(raised.value)
+    assert torch.equal(source, before)
+    monkeypatch.undo()
+    file.write(host, source, staging, device)  # the same call again
+    monkeypatch.setattr(os, "preadv", lambda fd, views, offset: 0)
+    back = torch.zeros_like(source)
+    with pytest.raises(DiskTierError, match="returned short"):
+        file.read(back, host, staging, device)
+    monkeypatch.undo()
+    file.read(back, host, staging, device)
+    assert torch.equal(back, source)
+    file.close()

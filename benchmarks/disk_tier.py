@@ -1,0 +1,265 @@
+"""The disk tier's throughput per cycle against a plain sequential write and read of the same
+bytes to the same directory (the physical limit of that disk), in one run.
+
+    python -m benchmarks.disk_tier                       # 512 MiB, in ./.disk-tier-bench
+    python -m benchmarks.disk_tier --mib 2048 --dir /nvme/offload --repeats 7
+    python -m benchmarks.disk_tier --device cuda         # on a GPU: NOT EXERCISED here
+
+One ``OffloadEngine`` over synthetic optimizer state (``--mib`` MiB of fp32 tensors in pieces of
+``--piece-mib``) with a host budget of ``--host-fraction`` of it (at least the staging): the
+pieces it cannot hold live in the disk tier. Each repeat, interleaved so that both sides meet
+the same moment of a noisy disk:
+
+* **tier**: ``offload(release=True)`` (the copies out: written to the file) and
+  ``reload()`` + ``wait()`` (read back), timed apart; the bytes are checked bitwise once;
+* **plain**: the same bytes written with one ``pwrite`` and read with one ``preadv`` to and
+  from a file in the same directory, with the same durability as the tier's: the write with
+  ``O_DIRECT`` where the tier writes with it (else buffered, then ``fdatasync`` and dropped
+  from the page cache), the read buffered from a dropped cache, then dropped again (as the
+  tier reads);
+* **host tier**: the same cycle with a budget that holds everything (no disk).
+
+Reported: the medians of each (GB/s), the ratios tier / plain (the goal: at least 0.8 each
+way), the host memory the tier holds after an offload (the arena and staging, plus the page
+cache of its file by ``mincore``) against the budget, and the cycle time of the disk tier, of
+the host tier and of no offloading (0: nothing moves). ``--json PATH`` writes every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+GOAL = 0.8
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    import ctypes
+
+    return memoryview((ctypes.c_char * tensor.numel()).from_address(tensor.data_ptr())).cast("B")
+
+
+def _tensors(total: int, device: torch.device) -> list[torch.Tensor]:
+    """fp32 tensors of ``total`` bytes in all, sizes varying (an Adam state's shape)."""
+    generator = torch.Generator().manual_seed(0)
+    tensors, left, index = [], total, 0
+    while left > 0:
+        nbytes = min(left, (8 << 20) * (1 + index % 4))
+        tensors.append(torch.randn(nbytes // 4, generator=generator).to(device))
+        left -= nbytes
+        index += 1
+    return tensors
+
+
+def _engine(device, tensors, budget: int, directory: str | None, piece: int):
+    from megatron_offload.engine import HostBudget, OffloadEngine
+    from megatron_offload.engine.disk import DiskTier
+
+    tier = DiskTier(directory) if directory is not None else None
+    return OffloadEngine(
+        device,
+        lambda: [("optimizer_states", t) for t in tensors],
+        budget=HostBudget(budget, disk=tier),
+        max_piece_bytes=piece,
+    )
+
+
+def _cycle(engine, device) -> tuple[float, float]:
+    """Seconds of one offload (copies out, complete) and one reload (copies in, complete)."""
+    start = time.perf_counter()
+    engine.offload(release=True)
+    engine.synchronize_host()
+    device.synchronize()
+    middle = time.perf_counter()
+    engine.reload()
+    engine.wait()
+    device.synchronize()
+    return middle - start, time.perf_counter() - middle
+
+
+def _plain(directory: str, source: memoryview, direct: bool) -> tuple[float, float]:
+    """Seconds of one sequential write and one read of ``source`` to a new file there."""
+    nbytes = len(source)
+    fd = os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        writer = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_DIRECT) if direct else fd
+        start = time.perf_counter()
+        done = 0
+        while done < nbytes:
+            done += os.pwrite(writer, source[done:], done)
+        if not direct:
+            os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        middle = time.perf_counter()
+        _read_all(fd, source)
+        end = time.perf_counter()
+        # Into memory allocated for the read, as the tier reads into the device memory it
+        # regrew (on a CPU device, fresh pages the kernel faults in and zeroes as it copies).
+        fresh = torch.empty(nbytes, dtype=torch.uint8)
+        again = time.perf_counter()
+        _read_all(fd, _bytes_of(fresh))
+        fresh_end = time.perf_counter()
+        if direct:
+            os.close(writer)
+    finally:
+        os.close(fd)
+    return middle - start, end - middle, fresh_end - again
+
+
+def _read_all(fd: int, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        done += os.preadv(fd, [view[done:]], done)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def measure(
+    *,
+    mib: int,
+    directory: str,
+    repeats: int,
+    host_fraction: float,
+    piece_mib: int,
+    device_name: str = "cpu",
+) -> dict:
+    from megatron_offload.device import device_for
+    from megatron_offload.engine.disk import staging_bytes
+
+    torch_device = torch.device(device_name)
+    device = device_for(torch_device)
+    total = mib << 20
+    piece = piece_mib << 20
+    tensors = _tensors(total, torch_device)
+    reference = [t.clone() for t in tensors]
+    budget = int(total * host_fraction) + staging_bytes(piece)  # the staging comes out of it
+    disk = _engine(device, tensors, budget, directory, piece)
+    host = _engine(device, tensors, None, None, piece)
+    # The first cycles lay the pieces out (and consolidate them): not timed.
+    for engine in (disk, host):
+        _cycle(engine, device)
+    bitwise = all(torch.equal(a, b) for a, b in zip(tensors, reference))
+    disk.offload(release=True)
+    disk.synchronize_host()
+    stats = disk.stats()
+    held = {
+        "budget": budget,
+        "host_bytes": stats["host_bytes"],
+        "disk_bytes": stats["disk_bytes"],
+        "page_cache_after_offload": stats["disk_resident_bytes"],
+        "staging_bytes": disk.host.staging_nbytes,
+    }
+    disk.reload()
+    disk.wait()
+    on_disk = sum(g.nbytes for g in disk.pieces if g.disk is not None)
+    direct = disk.host.disk is not None and disk.host.disk.direct is not None
+    mapping = mmap.mmap(-1, on_disk)  # page-aligned, as direct I/O wants
+    torch.frombuffer(mapping, dtype=torch.uint8).random_(generator=torch.Generator().manual_seed(1))
+    source = memoryview(mapping)
+    rows = {"tier": [], "plain": [], "host": []}
+    for _ in range(repeats):
+        rows["tier"].append(_cycle(disk, device))
+        rows["plain"].append(_plain(directory, source, direct))
+        rows["host"].append(_cycle(host, device))
+    disk.close()
+    host.close()
+
+    def gbps(seconds: float, nbytes: int) -> float:
+        return nbytes / seconds / 1e9
+
+    figures = {"total_bytes": total, "disk_tier_bytes": on_disk, "direct_writes": direct}
+    # The tier's cycle also copies the pieces the budget holds (and, on a CPU, copies the
+    # staging to "device" memory): its bytes on disk over its whole time, those included.
+    for side, ways in (("tier", ("write", "read")), ("plain", ("write", "read", "read_fresh"))):
+        for index, way in enumerate(ways):
+            figures[f"{side}_{way}_gbps"] = statistics.median(
+                gbps(row[index], on_disk) for row in rows[side]
+            )
+    figures["tier_read_fresh_gbps"] = figures["tier_read_gbps"]
+    for way in ("write", "read", "read_fresh"):
+        figures[f"{way}_ratio"] = figures[f"tier_{way}_gbps"] / figures[f"plain_{way}_gbps"]
+    figures["cycle_ms"] = {
+        "disk tier": 1e3 * statistics.median(sum(row) for row in rows["tier"]),
+        "host tier": 1e3 * statistics.median(sum(row) for row in rows["host"]),
+        "no offloading": 0.0,
+    }
+    figures["held"] = held
+    figures["bitwise"] = bitwise
+    figures["met"] = (
+        bitwise
+        and figures["write_ratio"] >= GOAL
+        and figures["read_fresh_ratio"] >= GOAL
+        and held["host_bytes"] <= budget
+        and held["page_cache_after_offload"] == 0
+    )
+    return figures
+
+
+def report(figures: dict) -> str:
+    held = figures["held"]
+    lines = [
+        f"disk tier: {figures['disk_tier_bytes'] / 2**20:.0f} of "
+        f"{figures['total_bytes'] / 2**20:.0f} MiB in the file "
+        f"(writes {'O_DIRECT' if figures['direct_writes'] else 'buffered'}), bitwise: "
+        f"{figures['bitwise']}",
+        f"{'':8}{'tier GB/s':>12}{'plain GB/s':>12}{'ratio':>8}  (goal: ratio >= {GOAL})",
+    ]
+    names = {
+        "write": "write",
+        "read": "read (plain into a buffer it read into before)",
+        "read_fresh": "read (plain into a buffer allocated for it, as the tier's)",
+    }
+    for way, name in names.items():
+        lines.append(
+            f"{'':8}{figures[f'tier_{way}_gbps']:12.2f}{figures[f'plain_{way}_gbps']:12.2f}"
+            f"{figures[f'{way}_ratio']:8.2f}  {name}"
+        )
+    lines.append(
+        f"host memory after an offload: {held['host_bytes'] / 2**20:.1f} MiB held (staging "
+        f"{held['staging_bytes'] / 2**20:.1f} MiB) of a {held['budget'] / 2**20:.1f} MiB "
+        f"budget; page cache of the file {held['page_cache_after_offload']} bytes"
+    )
+    cycle = figures["cycle_ms"]
+    lines.append(
+        "cycle (offload + reload): "
+        + ", ".join(f"{name} {ms:.0f} ms" for name, ms in cycle.items())
+    )
+    lines.append(f"goals met: {figures['met']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mib", type=int, default=512, help="state size in MiB (default 512)")
+    parser.add_argument("--dir", default=".disk-tier-bench", help="the disk tier's directory")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--host-fraction", type=float, default=0.0)
+    parser.add_argument("--piece-mib", type=int, default=256)
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--json", help="write every figure to this file")
+    args = parser.parse_args(argv)
+    os.makedirs(args.dir, exist_ok=True)
+    figures = measure(
+        mib=args.mib,
+        directory=args.dir,
+        repeats=args.repeats,
+        host_fraction=args.host_fraction,
+        piece_mib=args.piece_mib,
+        device_name=args.device,
+    )
+    print(report(figures))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(figures, out, indent=2)
+    return 0 if figures["met"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

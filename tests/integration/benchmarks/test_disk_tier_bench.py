@@ -1,0 +1,36 @@
+"""``benchmarks/disk_tier.py`` at a small size: the tier's bytes come back bitwise, it holds
+no page cache after an offload and no more host memory than its budget, and every figure the
+report prints is measured (a GB/s for each side and way, the ratios between them). The ratio
+itself depends on the disk and its load at the moment: it is read from a full run
+(``python -m benchmarks.disk_tier``), not asserted here."""
+
+from __future__ import annotations
+
+
+def test_the_disk_tier_benchmark_measures_both_sides(tmp_path_factory):
+    from benchmarks.disk_tier import measure, report
+    from tests.integration.offloader.test_disk_tier import disk_directory
+
+    figures = measure(
+        mib=24,
+        directory=disk_directory(tmp_path_factory),
+        repeats=2,
+        host_fraction=0.25,
+        piece_mib=4,
+    )
+    assert figures["bitwise"]
+    held = figures["held"]
+    assert held["page_cache_after_offload"] == 0, held
+    assert 0 < held["host_bytes"] <= held["budget"], held
+    assert figures["disk_tier_bytes"] >= figures["total_bytes"] // 2, figures
+    for side in ("tier", "plain"):
+        for way in ("write", "read", "read_fresh"):
+            assert figures[f"{side}_{way}_gbps"] > 0, (side, way)
+    for way in ("write", "read", "read_fresh"):
+        assert figures[f"{way}_ratio"] == (
+            figures[f"tier_{way}_gbps"] / figures[f"plain_{way}_gbps"]
+        )
+    cycle = figures["cycle_ms"]
+    assert cycle["disk tier"] > 0 and cycle["host tier"] > 0 and cycle["no offloading"] == 0
+    printed = report(figures)
+    assert "ratio" in printed and "page cache of the file 0 bytes" in printed
