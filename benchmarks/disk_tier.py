@@ -139,7 +139,9 @@ def measure(
     piece = piece_mib << 20
     tensors = _tensors(total, torch_device)
     reference = [t.clone() for t in tensors]
-    budget = int(total * host_fraction) + staging_bytes(piece)  # the staging comes out of it
+    # The staging the copies go through comes out of the budget (at most a quarter of the
+    # state here, so that the rest spills).
+    budget = int(total * host_fraction) + staging_bytes(piece, total // 2)
     disk = _engine(device, tensors, budget, directory, piece)
     host = _engine(device, tensors, None, None, piece)
     # The first cycles lay the pieces out (and consolidate them): not timed.
@@ -159,6 +161,8 @@ def measure(
     disk.reload()
     disk.wait()
     on_disk = sum(g.nbytes for g in disk.pieces if g.disk is not None)
+    if not on_disk:
+        raise ValueError(f"--host-fraction {host_fraction} leaves nothing to the disk tier")
     direct = disk.host.disk is not None and disk.host.disk.direct is not None
     mapping = mmap.mmap(-1, on_disk)  # page-aligned, as direct I/O wants
     torch.frombuffer(mapping, dtype=torch.uint8).random_(generator=torch.Generator().manual_seed(1))

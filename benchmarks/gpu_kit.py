@@ -307,6 +307,30 @@ def checkpoint_figure(device, shape: dict, repeats: int = 3) -> dict:
     return out
 
 
+def disk_tier_figure(device, dry_run: bool) -> dict:
+    """``benchmarks.disk_tier`` on this device: the disk tier's cycle against a plain
+    sequential write and read of the same bytes, in a directory of the checkout (removed
+    after)."""
+    from benchmarks import disk_tier
+    from megatron_offload.errors import DiskTierError
+
+    directory = os.path.abspath(".disk-tier-bench")
+    os.makedirs(directory, exist_ok=True)
+    try:
+        return disk_tier.measure(
+            mib=64 if dry_run else 1024,
+            directory=directory,
+            repeats=3,
+            host_fraction=0.0,
+            piece_mib=16 if dry_run else 256,
+            device_name=device.type,
+        )
+    except DiskTierError as error:  # a checkout on tmpfs: no disk to measure
+        return {"error": str(error)}
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def mapping_private_bytes(address: int) -> int:
     """Private bytes of this process's mapping that holds ``address`` (from smaps)."""
     inside, total = False, 0
@@ -360,7 +384,11 @@ def fork_figure(arena: torch.Tensor, device) -> dict:
 def goals(fig: dict) -> list[tuple[str, str, bool]]:
     """(goal, what was measured, met) for the kit's figures; a missing figure misses."""
     rows = []
-    missing = [name for name in ("freed", "checkpoint", "micro_batch", "width") if name not in fig]
+    missing = [
+        name
+        for name in ("freed", "checkpoint", "disk_tier", "micro_batch", "width")
+        if name not in fig
+    ]
     if missing:
         rows.append(("every figure measured", f"not measured: {', '.join(missing)}", False))
     fig = {
@@ -416,6 +444,25 @@ def goals(fig: dict) -> list[tuple[str, str, bool]]:
             f"on {ckpt['on'] * 1e3:.1f} ms, off {ckpt['off'] * 1e3:.1f} ms ({_ratio(ratio)}); "
             f"still offloaded after: {ckpt.get('still_offloaded')}",
             ratio is not None and ratio <= SAVE_MAX_RATIO and bool(ckpt.get("still_offloaded")),
+        )
+    )
+    disk = fig.get("disk_tier") or {}
+    if "write_ratio" in disk:
+        measured = (
+            f"write {disk['tier_write_gbps']:.2f} vs {disk['plain_write_gbps']:.2f} GB/s "
+            f"({_ratio(disk['write_ratio'])}), read {disk['tier_read_gbps']:.2f} vs "
+            f"{disk['plain_read_fresh_gbps']:.2f} GB/s into fresh memory "
+            f"({_ratio(disk['read_fresh_ratio'])}) and {disk['plain_read_gbps']:.2f} into a "
+            f"reused buffer; bitwise {disk['bitwise']}, page cache after an offload "
+            f"{disk['held']['page_cache_after_offload']} B"
+        )
+    else:
+        measured = disk.get("error", "not measured")
+    rows.append(
+        (
+            "disk tier: write and read >= 0.8 x a plain sequential write and read",
+            measured,
+            bool(disk.get("met")),
         )
     )
     fork = freed["fork"] or {
@@ -479,6 +526,7 @@ def measure(args) -> int:
         parts = (
             ("freed", lambda: freed_figure(device, shape)),
             ("checkpoint", lambda: checkpoint_figure(device, shape)),
+            ("disk_tier", lambda: disk_tier_figure(device, args.dry_run)),
             ("micro_batch", lambda: micro_batch_figure(device, shape, args.max_micro_batch)),
             ("width", lambda: width_figure(device, shape, args.max_hidden)),
         )

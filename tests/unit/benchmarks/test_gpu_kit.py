@@ -87,7 +87,7 @@ def test_goals_of_parts_not_measured_are_not_met():
     rows = gpu_kit.goals({"skipped": ["width"]})
     assert rows[0] == (
         "every figure measured",
-        "not measured: freed, checkpoint, micro_batch, width",
+        "not measured: freed, checkpoint, disk_tier, micro_batch, width",
         False,
     )
     assert not any(ok for *_, ok in rows)
