@@ -44,12 +44,12 @@ def _attach(optimizer, options, disk):
 def _disk_figures(offloader) -> dict:
     """What is in the disk tier, and how much of it is in host memory (mincore, apart from
     ``stats()``)."""
-    from tests.integration.offloader.test_disk_tier import _page_cache_bytes
+    from tests.harness.disk import page_cache_bytes
 
     files = [e.host.disk.buffer for e in offloader.engines if e.host.disk is not None]
     return {
         "disk_bytes": offloader.stats()["disk_bytes"],
-        "page_cache": sum(_page_cache_bytes(buffer) for buffer in files),
+        "page_cache": sum(page_cache_bytes(buffer) for buffer in files),
     }
 
 
@@ -192,7 +192,7 @@ def test_save_and_load_with_states_in_the_disk_tier_resume_bitwise(
 ):
     """60% of the host copies in the disk tier: saved from its file and loaded into it with no
     device bytes, its pages out of host memory after each, and the same resumes."""
-    from tests.integration.offloader.test_disk_tier import disk_directory
+    from tests.harness.disk import disk_directory
 
     disk = disk_directory(tmp_path_factory)
     reference = rank_pool.run(checkpoint_job, False, "bf16", async_save, str(tmp_path / "ref"))

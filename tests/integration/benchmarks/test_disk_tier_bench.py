@@ -9,7 +9,7 @@ from __future__ import annotations
 
 def test_the_disk_tier_benchmark_measures_both_sides(tmp_path_factory):
     from benchmarks.disk_tier import measure, report
-    from tests.integration.offloader.test_disk_tier import disk_directory
+    from tests.harness.disk import disk_directory
 
     figures = measure(
         mib=24,

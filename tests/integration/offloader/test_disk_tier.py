@@ -17,37 +17,10 @@ from __future__ import annotations
 import pytest
 
 from tests.harness.compare import differences
+from tests.harness.disk import disk_directory, held_in, page_cache_bytes
 
 STEPS = 3
 FRACTION = 0.4  # of the states and masters the host budget holds
-
-
-def disk_directory(tmp_path_factory) -> str:
-    """A directory on a disk for the tier (pytest's temporary directory, unless that is
-    tmpfs, which the tier refuses: then one in the checkout)."""
-    import os
-
-    from megatron_offload.engine.disk import MEMORY_FILESYSTEMS, filesystem_type
-
-    directory = str(tmp_path_factory.mktemp("disk-tier"))
-    if filesystem_type(directory) in MEMORY_FILESYSTEMS:
-        directory = os.path.abspath(os.path.join(".disk-tier-tests", os.path.basename(directory)))
-        os.makedirs(directory, exist_ok=True)
-    return directory
-
-
-def _page_cache_bytes(buffer) -> int:
-    """Bytes of ``buffer``'s pages in the page cache, by ``mincore`` (apart from the package's
-    own figure)."""
-    import ctypes
-    import mmap
-
-    page = mmap.PAGESIZE
-    pages = -(-buffer.numel() // page)
-    vector = (ctypes.c_ubyte * pages)()
-    mincore = ctypes.CDLL(None).mincore
-    assert mincore(ctypes.c_void_p(buffer.data_ptr()), ctypes.c_size_t(buffer.numel()), vector) == 0
-    return sum(1 for byte in bytes(vector) if byte & 1) * page
 
 
 def _device_bytes(optimizer) -> int:
@@ -67,23 +40,6 @@ def _device_bytes(optimizer) -> int:
                 seen.add(storage.data_ptr())
                 total += storage.nbytes()
     return total
-
-
-def _held_in(directory: str) -> list[str]:
-    """This process's open files and mappings under ``directory``."""
-    import os
-
-    held = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(directory):
-            held.append(target)
-    with open("/proc/self/maps") as maps:
-        held += [line.split(None, 5)[-1].strip() for line in maps if directory in line]
-    return held
 
 
 def disk_job(directory: str | None, chunked: bool):
@@ -116,7 +72,7 @@ def disk_job(directory: str | None, chunked: bool):
                     "host_bytes": stats["host_bytes"],
                     "disk_bytes": stats["disk_bytes"],
                     "device_bytes": _device_bytes(optimizer),
-                    "page_cache": sum(_page_cache_bytes(b) for b in files),
+                    "page_cache": sum(page_cache_bytes(b) for b in files),
                     "disk_resident_bytes": stats["disk_resident_bytes"],
                     "names": os.listdir(directory),
                     "offloaded_bytes": stats["offloaded_bytes"],
@@ -128,7 +84,7 @@ def disk_job(directory: str | None, chunked: bool):
         offloader.detach()
         del files
         gc.collect()
-        left = _held_in(directory)
+        left = held_in(directory)
     return {"results": results, "snapshot": snapshot, "between": between, "left": left}
 
 
@@ -204,7 +160,7 @@ def fault_job(directory: str, fault: str, failing_rank: int | None = None):
         finally:
             undo()
         found["kept"] = _device_bytes(optimizer) == before > 0
-        found["left"] = _held_in(directory)
+        found["left"] = held_in(directory)
         found["attached"] = megatron_offload.find_offloader(optimizer) is not None
     offloader = megatron_offload.attach(optimizer, **options)
     results.append(models.train_step(chunks, optimizer, config, 0))
@@ -257,13 +213,6 @@ def fault_job(directory: str, fault: str, failing_rank: int | None = None):
     return {"results": results, "snapshot": snapshot, **found}
 
 
-def _same_updates(reference: dict, run: dict) -> bool:
-    """The same parameters and states, and the same step results (those that returned)."""
-    from tests.harness.compare import differences
-
-    return not differences(reference, run)
-
-
 @pytest.mark.parametrize("failing", ["every rank", "rank 1"])
 def test_a_full_disk_at_attach_refuses_on_every_rank_leaving_nothing(
     rank_pool, tmp_path_factory, failing
@@ -278,7 +227,7 @@ def test_a_full_disk_at_attach_refuses_on_every_rank_leaving_nothing(
         else:
             assert kind == "OffloadStateError" and "another rank" in message, run["raised"]
         assert run["kept"] and run["left"] == [] and not run["attached"], run
-        assert _same_updates(reference, run)  # attached again after it: bitwise
+        assert not differences(reference, run)  # attached again after it: bitwise
 
 
 def test_a_write_error_after_the_step_keeps_the_device_copy_and_trains_on(
@@ -291,7 +240,7 @@ def test_a_write_error_after_the_step_keeps_the_device_copy_and_trains_on(
         assert len(run["warned"]) == 1 and "do not repeat it" in run["warned"][0], run["warned"]
         counted, device = run["resident"]
         assert counted == device > 0, run["resident"]  # kept on the device, and counted
-        assert _same_updates(reference, run)
+        assert not differences(reference, run)
 
 
 @pytest.mark.parametrize("fault", ["read", "short read"])
@@ -306,7 +255,7 @@ def test_a_read_error_raises_before_anything_is_regrown_and_the_step_works_again
         assert code == 5 and directory in message and "Nothing was copied" in message, message
         held, released = run["held"]
         assert held == released == 0, run["held"]
-        assert _same_updates(reference, run)  # the same step, made again
+        assert not differences(reference, run)  # the same step, made again
 
 
 def test_a_file_cut_short_is_a_clear_error_not_a_sigbus(rank_pool, tmp_path_factory):
@@ -350,7 +299,7 @@ def sleep_job(directory: str | None, refit: bool):
         asleep.append(
             {
                 "device": model_device_bytes(chunks, optimizer),
-                "page_cache": sum(_page_cache_bytes(b) for b in engines + spilled),
+                "page_cache": sum(page_cache_bytes(b) for b in engines + spilled),
                 "spilled": sum(b.numel() for b in spilled),
                 "host_bytes": stats["host_bytes"],
                 "disk_bytes": (stats["disk_bytes"], stats["sleep_disk_bytes"]),

@@ -23,34 +23,16 @@ import textwrap
 import pytest
 import torch
 
-from megatron_offload.engine.disk import MEMORY_FILESYSTEMS, DiskTier, filesystem_type
+from megatron_offload.engine.disk import MEMORY_FILESYSTEMS, DiskTier
 from megatron_offload.errors import DiskTierError, OffloadError
+from tests.harness.disk import disk_directory, held_in
 
 MIB = 1 << 20
 
 
 @pytest.fixture
-def directory(tmp_path):
-    path = str(tmp_path)
-    if filesystem_type(path) in MEMORY_FILESYSTEMS:  # pytest's directory on tmpfs: use the checkout
-        path = os.path.abspath(os.path.join(".disk-tier-tests", os.path.basename(path)))
-        os.makedirs(path, exist_ok=True)
-    return path
-
-
-def _open_in(directory: str) -> list[str]:
-    """This process's open files and mappings under ``directory``."""
-    held = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(directory):
-            held.append(target)
-    with open("/proc/self/maps") as maps:
-        held += [line for line in maps if directory in line]
-    return held
+def directory(tmp_path_factory):
+    return disk_directory(tmp_path_factory)
 
 
 def _memory_mount() -> str:
@@ -82,7 +64,7 @@ def test_a_file_the_disk_cannot_hold_is_refused_at_allocation_leaving_nothing(di
         tier.file(too_large)
     assert raised.value.errno == errno.ENOSPC, raised.value
     assert directory in str(raised.value) and "Nothing was moved" in str(raised.value)
-    assert os.listdir(directory) == [] and _open_in(directory) == []
+    assert os.listdir(directory) == [] and held_in(directory) == []
 
 
 @pytest.mark.parametrize("named", [False, True], ids=["O_TMPFILE", "created and removed"])
@@ -106,7 +88,7 @@ def test_bytes_come_back_bitwise_after_leaving_host_memory(directory, monkeypatc
     assert torch.equal(view, data)  # read back from the disk
     del view
     file.close()
-    assert _open_in(directory) == [] and os.listdir(directory) == []
+    assert held_in(directory) == [] and os.listdir(directory) == []
 
 
 def test_a_write_error_names_the_directory_and_keeps_the_pages(directory, monkeypatch):
