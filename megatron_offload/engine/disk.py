@@ -431,16 +431,17 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * tensor.numel()).from_address(tensor.data_ptr())).cast("B")
 
 
-_POOL: ThreadPoolExecutor | None = None
+_POOL: tuple[int, ThreadPoolExecutor] | None = None  # (the process it was made in, the pool)
 
 
 def _io() -> ThreadPoolExecutor:
     """The disk tier's I/O thread (one per process, made at its first use): the writes and
-    reads run there, off the thread that issues the copies."""
+    reads run there, off the thread that issues the copies. A forked child (a DataLoader
+    worker, a checkpoint writer) has no thread behind its parent's pool: it makes its own."""
     global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-disk")
-    return _POOL
+    if _POOL is None or _POOL[0] != os.getpid():
+        _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-disk"))
+    return _POOL[1]
 
 
 # mincore(2) from the C library: int mincore(void *addr, size_t length, unsigned char *vec).

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -250,5 +251,34 @@ def test_a_staged_write_or_read_error_raises_and_leaves_the_source(directory, mo
         file.read(back, host, staging, device)
     monkeypatch.undo()
     file.read(back, host, staging, device)
+    assert torch.equal(back, source)
+    file.close()
+
+
+def test_a_forked_child_writes_and_reads_with_a_thread_of_its_own(directory):
+    from megatron_offload.device.cpu import CPUDevice
+    from megatron_offload.engine.disk import staging_bytes
+
+    device = CPUDevice()
+    staging = device.host_buffer(staging_bytes(MIB))
+    source = torch.arange(MIB // 4, dtype=torch.float32)
+    file = DiskTier(directory).file(MIB)
+    file.write(file.buffer.view(torch.float32), source, staging, device)  # the parent's thread
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's I/O thread is not here
+        signal.alarm(60)  # a write waiting for a thread that is not there ends the child
+        try:
+            child = DiskTier(directory).file(MIB)
+            host = child.buffer.view(torch.float32)
+            child.write(host, source * 2, staging, device)
+            back = torch.empty_like(source)
+            child.read(back, host, staging, device)
+            os._exit(0 if torch.equal(back, source * 2) else 3)
+        except BaseException:
+            os._exit(4)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    back = torch.empty_like(source)
+    file.read(back, file.buffer.view(torch.float32), staging, device)
     assert torch.equal(back, source)
     file.close()
