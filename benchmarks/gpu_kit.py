@@ -318,11 +318,11 @@ def disk_tier_figure(device, dry_run: bool) -> dict:
     os.makedirs(directory, exist_ok=True)
     try:
         return disk_tier.measure(
-            mib=64 if dry_run else 1024,
+            mib=16 if dry_run else 1024,
             directory=directory,
             repeats=3,
             host_fraction=0.0,
-            piece_mib=16 if dry_run else 256,
+            piece_mib=4 if dry_run else 256,
             device_name=device.type,
         )
     except DiskTierError as error:  # a checkout on tmpfs: no disk to measure
