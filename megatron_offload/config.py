@@ -55,17 +55,22 @@ class OffloadConfig:
     what its node and container can give, in proportion to its need). Checked at attach,
     before any host memory is allocated; exceeding it raises ``HostMemoryBudgetError`` naming
     the need. Whatever the budget, attach also refuses a node whose ranks need more host
-    memory together than it can give (``offloader/node_memory.py``)."""
+    memory together than it can give (``offloader/node_memory.py``), except with
+    ``offload_disk_dir`` and ``"auto"``: the rest then goes to the disk tier."""
 
     offload_disk_dir: str | None = None
     """A directory on a local disk (NVMe) for what ``host_memory_budget`` cannot hold: the
     pieces that do not fit the budget keep their host copies in a file there instead (the
     largest first), allocated in full at attach and unlinked from the start, so nothing is
     left behind. The cycle is unchanged: the states and masters still leave the device after
-    the step and come back before the next, bitwise; the copies of the pieces on disk go
-    through the page cache, which is written back and dropped after each copy (at most one
-    piece of it stays in host memory). Needs a ``host_memory_budget`` in bytes. tmpfs is
-    refused (its files are host memory). See docs/disk-tier.md."""
+    the step and come back before the next, bitwise. The copies of the pieces on disk go
+    through a staging buffer counted in the budget (written with direct I/O where the
+    filesystem has it, read with the page cache dropped as they go: no page of the file is
+    in host memory after an offload), and the host waits for the disk: 2 x bytes on disk /
+    disk rate per step. Needs a ``host_memory_budget``: bytes, or ``"auto"``
+    (this rank's part of what its node and container can give; the node check then spills
+    instead of refusing). tmpfs is refused (its files are host memory). See
+    docs/disk-tier.md."""
 
     prefetch: str | float = "gradients"
     """When the copy back of the states starts. ``"gradients"`` (the default): when the
@@ -192,11 +197,11 @@ class OffloadConfig:
                     f"OffloadConfig.{_named('offload_disk_dir')} must be a directory path or "
                     f"None, got {disk_dir!r}."
                 )
-            if budget is None or budget == "auto":
+            if budget is None:
                 raise ValueError(
                     f"OffloadConfig.{_named('offload_disk_dir')} needs "
-                    f"{_named('host_memory_budget')} in bytes: the disk tier holds what that "
-                    f"budget cannot (got host_memory_budget={budget!r})."
+                    f'{_named("host_memory_budget")}: bytes, or "auto" (this rank\'s part of '
+                    "what its node can give); the disk tier holds what that budget cannot."
                 )
         prefetch = self.prefetch
         if prefetch not in PREFETCH_POINTS and (_not_number(prefetch) or not 0 < prefetch < 1):

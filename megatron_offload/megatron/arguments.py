@@ -108,7 +108,7 @@ _FIELD_FLAGS = {
     "offload_disk_dir": (
         dict(type=str, default=None, metavar="PATH"),
         "A directory on a local disk (NVMe) for the optimizer states and master weights that "
-        "--offload-host-memory-budget cannot hold (needs it in bytes); not tmpfs.",
+        "--offload-host-memory-budget (bytes or auto, required) cannot hold; not tmpfs.",
     ),
     "prefetch": (
         dict(type=_prefetch, default=None, metavar="gradients|step|F"),

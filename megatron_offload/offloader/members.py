@@ -161,10 +161,13 @@ def members(optimizer, config: OffloadConfig, undo: contextlib.ExitStack) -> lis
     expected = [wrappers.expected(member.optimizer) for member in made]
     # Every rank of the node together, before any rank allocates (node_memory.py).
     need = sum(m.engine.host_need(wanted) for m, wanted in zip(made, expected))
-    if budget.disk is not None:
+    auto = config.host_memory_budget == "auto"
+    if budget.disk is not None and not auto:
         need = min(need, config.host_memory_budget)  # the disk tier holds the rest
     budget.limit, pin = node_memory.agree(
         need,
+        # "auto" with a disk tier: this rank's part of what the node can give, the rest on disk.
+        spill=budget.disk is not None and auto,
         pins=any(m.engine.device.is_accelerator for m in made),
         budget=config.host_memory_budget,
         fallback=not config.require_pinned_memory,

@@ -24,12 +24,19 @@ from ..errors import NodeMemoryError
 
 
 def agree(
-    need: int, *, pins: bool, budget: int | str | None, fallback: bool = False
+    need: int,
+    *,
+    pins: bool,
+    budget: int | str | None,
+    fallback: bool = False,
+    spill: bool = False,
 ) -> tuple[int | None, bool]:
     """Refuse an over-commit on every rank; return this rank's budget (``"auto"``: its part
     of what its node can give; otherwise ``budget`` as given) and whether it pins its host
     memory: a rank that would pin more than its ``ulimit -l`` is refused, or with
-    ``fallback`` uses pageable memory (one warning says what that costs)."""
+    ``fallback`` uses pageable memory (one warning says what that costs). ``spill``: what a
+    node cannot give goes to the disk tier, so a node whose ranks need more than it can give
+    is not refused; each rank then holds (and pins) its part of what the node can give."""
     limits = host_limits.read()
     mine = (
         socket.gethostname(),
@@ -46,7 +53,10 @@ def agree(
     for host, members in nodes.items():
         total = sum(member[1] for member in members)
         available = min((member[2] for member in members if member[2] is not None), default=None)
-        if available is not None and total > available:
+        if spill and available is not None and total > available:
+            # Each rank holds its part of what the node can give; the disk tier the rest.
+            members = [(m[0], available * m[1] // total, *m[2:]) for m in members]
+        elif available is not None and total > available:
             problems.append(
                 f"node {host}: its {len(members)} rank(s) need {total:,} bytes of host memory "
                 f"together (largest {max(m[1] for m in members):,}), but it can give {available:,} "
@@ -66,6 +76,11 @@ def agree(
             "offload_master_weights=False), run fewer ranks per node, give the container more "
             "memory, or raise the locked-memory limit (ulimit -l unlimited)."
         )
+    host = rows[rank][0]
+    available = min((m[2] for m in nodes[host] if m[2] is not None), default=None)
+    total = sum(m[1] for m in nodes[host])
+    if spill and available is not None and total > available:
+        need = available * need // total  # what this rank holds; the disk tier the rest
     memlock = limits.memlock if pins else None
     pin = memlock is None or need <= memlock
     if not pin:
@@ -80,12 +95,10 @@ def agree(
         )
     if budget != "auto":
         return budget, pin
-    host = rows[rank][0]
-    members = nodes[host]
-    available = min((member[2] for member in members if member[2] is not None), default=None)
     if available is None:
         return None, pin  # nothing limits this node
-    total = sum(member[1] for member in members)
+    if spill and total > available:
+        return need, pin  # already this rank's part
     return (available if total == 0 else available * need // total), pin
 
 

@@ -328,3 +328,60 @@ def test_sleep_and_wake_with_the_rest_on_disk_train_bitwise(rank_pool, tmp_path_
             assert (figures["spilled"] > 0) == refit, figures  # the copies, in the disk tier
             assert figures["disk_bytes"][1] == figures["spilled"], figures  # and counted there
             assert figures["host_bytes"] <= figures["budget"], figures
+
+
+# ------------------------------------------------------------- "auto" and the node check
+def auto_job(directory: str | None):
+    """``host_memory_budget="auto"`` on a node (fake limits, 2 ranks) that can give half of
+    what its ranks need: without a disk tier attach refuses on every rank; with one each rank
+    takes its part of the node and the disk tier the rest."""
+    import torch
+
+    import megatron_offload
+    from tests.harness import models
+    from tests.harness.faults import fake_host_limits
+
+    chunks, optimizer, config = models.build("gpt", "bf16")
+    if directory is None:
+        results = [models.train_step(chunks, optimizer, config, s) for s in range(STEPS)]
+        return {"results": results, "snapshot": models.final_snapshot(chunks, optimizer)}
+    probe = megatron_offload.attach(optimizer)
+    need = probe.stats()["host_bytes"]
+    probe.detach()
+    needs = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(needs, need)
+    available = sum(needs) // 2
+    found = {"share": available * need // sum(needs)}
+    restore = fake_host_limits(available)
+    try:
+        try:
+            megatron_offload.attach(optimizer, host_memory_budget="auto")
+            found["refused"] = None
+        except megatron_offload.HostMemoryBudgetError as error:
+            found["refused"] = type(error).__name__
+        offloader = megatron_offload.attach(
+            optimizer, host_memory_budget="auto", offload_disk_dir=directory
+        )
+    finally:
+        restore()
+    found["limit"] = offloader.engines[0].budget.limit
+    results = [models.train_step(chunks, optimizer, config, s) for s in range(STEPS)]
+    stats = offloader.stats()
+    found["held"] = (stats["host_bytes"], stats["disk_bytes"], stats["disk_resident_bytes"])
+    snapshot = models.final_snapshot(chunks, optimizer, offloader)
+    offloader.detach()
+    return {"results": results, "snapshot": snapshot, **found}
+
+
+def test_auto_with_a_disk_tier_takes_each_ranks_part_of_the_node_and_spills_the_rest(
+    rank_pool, tmp_path_factory
+):
+    directory = disk_directory(tmp_path_factory)
+    plain = rank_pool.run(auto_job, None)
+    runs = rank_pool.run(auto_job, directory)
+    for reference, run in zip(plain, runs, strict=True):
+        assert run["refused"] == "NodeMemoryError"  # the same node without a disk tier
+        assert run["limit"] == run["share"] > 0, run
+        host, disk, cached = run["held"]
+        assert host <= run["limit"] and disk > 0 and cached == 0, run["held"]
+        assert not differences(reference, run)
