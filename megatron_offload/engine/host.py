@@ -49,7 +49,8 @@ class HostBudget:
     def __init__(self, limit: int | None, disk: DiskTier | None = None) -> None:
         self.limit = limit
         #: Where the host copies ``limit`` cannot hold go (``offload_disk_dir``; None: they
-        #: are refused). Only the engines' arenas spill there (``HostArena.lay_out``).
+        #: are refused): the arenas' pieces (``HostArena.spill``) and the buffers allocated
+        #: with ``spill`` (``HostBuffers``: staging, sleep's copies).
         self.disk = disk
         self._buffers: dict[int, torch.Tensor] = {}  # id -> the buffer, until given back
         self._files: dict[int, DiskFile] = {}  # id of a buffer -> its file, when spilled
@@ -92,18 +93,13 @@ class HostBudget:
                 "less: offload_fraction, per_optimizer, or offload_master_weights=False."
             )
 
-    @property
-    def spilled(self) -> int:
-        """Bytes of the buffers ``allocate`` put in the disk tier, not given back."""
-        return sum(file.nbytes for file in self._files.values())
-
     def allocate(
         self, device: Device, nbytes: int, name: str, *, relayout: bool = False, spill=False
     ):
         """A host buffer of ``nbytes`` from ``device`` (pinned on accelerators), checked
         first (``check``) and counted until ``free``. ``spill``: where the limit cannot hold
         it and there is a disk tier, a file of the disk tier instead (not counted in
-        ``held``: in ``spilled``)."""
+        ``held``; ``files`` lists them)."""
         if spill and self.disk is not None and self.room() is not None and nbytes > self.room():
             file = self.disk.file(nbytes)
             self._files[id(file.buffer)] = file

@@ -119,7 +119,10 @@ class ModelMemory:
         for file in self._host.files():
             # Copies the budget could not hold are in the disk tier: on the disk (a write
             # error raises here, nothing given up yet) and out of host memory.
-            file.write_back(then="Nothing was given up; the same call works once it can write.")
+            file.write_back(
+                then="The storages were not given up; the same call works once the disk can "
+                "write (sleep() again)."
+            )
         for entry in held:
             self.device.release(entry.tensor)
         self._held, self._regrown = held, []

@@ -174,9 +174,9 @@ class CopyProtocol:
                     if timed is None:  # after the waits: the transfers alone are timed
                         timed = self.device.record_event(side, timing=True)
                     if piece.flat is not None and piece.disk is not None:
-                        # Into the disk tier's file through the arena's staging, written back
-                        # before this returns: a write error raises here, the device copy
-                        # whole and the piece still resident (disk.py).
+                        # Into the disk tier's file through the arena's staging, on the disk
+                        # when this returns: a write error raises here, the device copy whole
+                        # and the piece still resident (disk.py).
                         piece.host_valid = False
                         piece.disk.write(piece.host, piece.flat, self.host.staging, self.device)
                         self.last.d2h_copies += 1
