@@ -35,6 +35,7 @@ from ..engine import OffloadEngine, OffloadStateError
 from ..errors import no_attribute
 from ..interceptions import Interceptions
 from ..phase import Phase, PhaseTracker
+from . import node_memory
 from .gate import UpdateGate
 from .members import Member, master_weights_option, members, resident_selection, selection
 from .sleep import Sleep
@@ -189,8 +190,7 @@ class OptimizerStateOffloader:
         """
         self._check_attached()
         with self.phase.within(Phase.MOVING):
-            for engine in self.engines:
-                engine.reload()
+            self._reload(streamed=True)
 
     def prefetch(self) -> None:
         """Start reloading what the step needs whole (asynchronous): everything, except
@@ -198,10 +198,32 @@ class OptimizerStateOffloader:
         during the step. What ``attach``'s cycle and the training hooks call."""
         token = self.phase.enter(Phase.MOVING)
         try:
-            for member in self._members:
-                member.engine.reload(streamed=False)
+            self._reload(streamed=False)
         finally:
             self.phase.leave(token)
+
+    def _reload(self, *, streamed: bool) -> None:
+        failure = None
+        try:
+            for member in self._members:
+                member.engine.reload(streamed=streamed)
+        except Exception as error:  # a read from the disk tier, an out-of-memory: this rank's
+            failure = error
+        if self.config.offload_disk_dir is not None:
+            # A read from a disk can fail on one rank alone, whose step then raises while the
+            # others would go on into the gradient reduction and wait there for it: the ranks
+            # raise together (one gather per reload, with a disk tier only). What this rank
+            # regrew goes back; its host copies are still valid.
+            if not node_memory.every_rank(failure is None) and failure is None:
+                for member in self._members:
+                    member.engine.offload(skip_unchanged=True, release=True)
+                failure = OffloadStateError(
+                    "reloading the optimizer states: another rank could not read its states "
+                    "back (its error says why). Nothing was copied back here either; make the "
+                    "same call again."
+                )
+        if failure is not None:
+            raise failure
 
     def wait(self) -> None:
         """Order every pending copy-back before the current stream (no host block)."""

@@ -179,12 +179,16 @@ def fault_job(directory: str, fault: str, failing_rank: int | None = None):
         attached_step = optimizer.step
 
         def failing_once():
-            undo = _failing("preadv", errno.EIO, result=0 if fault == "short read" else None)
+            undo = (
+                _failing("preadv", errno.EIO, result=0 if fault == "short read" else None)
+                if mine
+                else (lambda: None)
+            )
             try:
                 attached_step()
                 found["raised"] = None
-            except DiskTierError as error:
-                found["raised"] = (error.errno, str(error))
+            except OffloadError as error:  # the failing rank's DiskTierError, or "another rank"
+                found["raised"] = (type(error).__name__, getattr(error, "errno", None), str(error))
             finally:
                 undo()
             found["held"] = (_device_bytes(optimizer), released)
@@ -243,16 +247,24 @@ def test_a_write_error_after_the_step_keeps_the_device_copy_and_trains_on(
         assert not differences(reference, run)
 
 
-@pytest.mark.parametrize("fault", ["read", "short read"])
+@pytest.mark.parametrize(
+    "fault,failing", [("read", None), ("short read", None), ("read", 1)], ids=str
+)
 def test_a_read_error_raises_before_anything_is_regrown_and_the_step_works_again(
-    rank_pool, tmp_path_factory, fault
+    rank_pool, tmp_path_factory, fault, failing
 ):
+    """On every rank, or on rank 1 alone: then rank 0 raises too (no rank goes on into the
+    gradient reduction to wait there), and gives back what it regrew."""
     directory = disk_directory(tmp_path_factory)
     plain = rank_pool.run(disk_job, None, False)
-    runs = rank_pool.run(fault_job, directory, fault)
-    for reference, run in zip(plain, runs, strict=True):
-        code, message = run["raised"]
-        assert code == 5 and directory in message and "Nothing was copied" in message, message
+    runs = rank_pool.run(fault_job, directory, fault, failing)
+    for rank, (reference, run) in enumerate(zip(plain, runs, strict=True)):
+        kind, code, message = run["raised"]
+        if failing is None or rank == failing:
+            assert kind == "DiskTierError" and code == 5 and directory in message, message
+            assert "Nothing was copied" in message, message
+        else:
+            assert kind == "OffloadStateError" and "another rank" in message, message
         held, released = run["held"]
         assert held == released == 0, run["held"]
         assert not differences(reference, run)  # the same step, made again
