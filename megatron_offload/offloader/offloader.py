@@ -190,7 +190,16 @@ class OptimizerStateOffloader:
         """
         self._check_attached()
         with self.phase.within(Phase.MOVING):
-            self._reload(streamed=True)
+            try:
+                for engine in self.engines:
+                    engine.reload()
+            except Exception as error:
+                if self.config.offload_disk_dir is None:
+                    raise
+                self._reloaded_together(error)
+            else:
+                if self.config.offload_disk_dir is not None:
+                    self._reloaded_together(None)
 
     def prefetch(self) -> None:
         """Start reloading what the step needs whole (asynchronous): everything, except
@@ -198,30 +207,32 @@ class OptimizerStateOffloader:
         during the step. What ``attach``'s cycle and the training hooks call."""
         token = self.phase.enter(Phase.MOVING)
         try:
-            self._reload(streamed=False)
+            for member in self._members:
+                member.engine.reload(streamed=False)
+        except Exception as error:
+            if self.config.offload_disk_dir is None:
+                raise
+            self._reloaded_together(error)
+        else:
+            if self.config.offload_disk_dir is not None:
+                self._reloaded_together(None)
         finally:
             self.phase.leave(token)
 
-    def _reload(self, *, streamed: bool) -> None:
-        failure = None
-        try:
+    def _reloaded_together(self, failure: Exception | None) -> None:
+        """With a disk tier, after a reload: a read from a disk can fail on one rank alone,
+        whose step then raises while the others would go on into the gradient reduction and
+        wait there for it. So the ranks raise together (one gather per reload): this rank's
+        ``failure``, or, where another rank failed, an ``OffloadStateError`` once what this
+        rank regrew went back (its host copies are still valid)."""
+        if not node_memory.every_rank(failure is None) and failure is None:
             for member in self._members:
-                member.engine.reload(streamed=streamed)
-        except Exception as error:  # a read from the disk tier, an out-of-memory: this rank's
-            failure = error
-        if self.config.offload_disk_dir is not None:
-            # A read from a disk can fail on one rank alone, whose step then raises while the
-            # others would go on into the gradient reduction and wait there for it: the ranks
-            # raise together (one gather per reload, with a disk tier only). What this rank
-            # regrew goes back; its host copies are still valid.
-            if not node_memory.every_rank(failure is None) and failure is None:
-                for member in self._members:
-                    member.engine.offload(skip_unchanged=True, release=True)
-                failure = OffloadStateError(
-                    "reloading the optimizer states: another rank could not read its states "
-                    "back (its error says why). Nothing was copied back here either; make the "
-                    "same call again."
-                )
+                member.engine.offload(skip_unchanged=True, release=True)
+            failure = OffloadStateError(
+                "reloading the optimizer states: another rank could not read its states back "
+                "(its error says why). Nothing was copied back here either; make the same call "
+                "again."
+            )
         if failure is not None:
             raise failure
 
