@@ -3,7 +3,8 @@ boundary with it (``os`` calls that fail, a file cut short with ``ftruncate``, a
 killed with SIGKILL) or are real (a file larger than the disk's free space).
 
 * a directory on tmpfs is refused, one that is not a directory too;
-* a file the disk cannot hold is refused at allocation with ENOSPC and nothing is left;
+* a file the disk cannot hold is refused at allocation (ENOSPC, injected: a real one would
+  fill the disk for every process meanwhile; EFBIG, real) and nothing is left;
 * no name ever appears in the directory (``O_TMPFILE``, or created and removed at once), even
   in a process killed while writing;
 * bytes written through the mapping come back bitwise after their pages left host memory
@@ -57,14 +58,28 @@ def test_a_directory_held_in_memory_or_missing_is_refused(directory):
     assert DiskTier(directory).filesystem not in MEMORY_FILESYSTEMS
 
 
-def test_a_file_the_disk_cannot_hold_is_refused_at_allocation_leaving_nothing(directory):
+def test_a_file_the_disk_cannot_hold_is_refused_at_allocation_leaving_nothing(
+    directory, monkeypatch
+):
+    # Not by asking the real disk for more than it has: the filesystem allocates what it can
+    # before it says ENOSPC, and the disk is full for everyone meanwhile (other processes on
+    # the machine then fail). The system's answer is injected (ENOSPC); a file over the
+    # filesystem's largest one is refused by the real system at once (EFBIG).
     tier = DiskTier(directory)
-    figures = os.statvfs(directory)
-    too_large = figures.f_bavail * figures.f_frsize + (1 << 30)
-    with pytest.raises(DiskTierError) as raised:
-        tier.file(too_large)
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "posix_fallocate", full)
+        with pytest.raises(DiskTierError) as raised:
+            tier.file(MIB)
     assert raised.value.errno == errno.ENOSPC, raised.value
     assert directory in str(raised.value) and "Nothing was moved" in str(raised.value)
+    assert os.listdir(directory) == [] and held_in(directory) == []
+    with pytest.raises(DiskTierError) as raised:
+        tier.file(1 << 62)
+    assert raised.value.errno == errno.EFBIG, raised.value
     assert os.listdir(directory) == [] and held_in(directory) == []
 
 
