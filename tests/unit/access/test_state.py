@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import pickle
-import statistics
 import time
 import types
 
@@ -249,10 +248,12 @@ def test_the_guarded_mapping_prints_copies_and_pickles_as_a_defaultdict():
 
 
 # ------------------------------------------------------------------ the cost in the step
-def measure_guard_cost(count=300, numel=64, steps=40):
-    """Step medians of torch AdamW with its plain defaultdict and with the mapping attach
+def measure_guard_cost(count=300, numel=64, steps=60):
+    """The fastest step of torch AdamW with its plain defaultdict and with the mapping attach
     installs, in the phase every step sees it (``STEPPING``), alternating step by step so that
-    both see the same machine load."""
+    both see the same machine load. The minimum, not the median: on a shared machine another
+    process only ever adds time, and a median of 40 steps moved by 27% under a second test
+    lane while the minimum is what the code itself costs."""
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(numel, generator=gen)) for _ in range(count)]
     for p in params:
@@ -273,7 +274,7 @@ def measure_guard_cost(count=300, numel=64, steps=40):
             start = time.perf_counter()
             optimizer.step()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()} | {"lookups": count}
+    return {name: min(values) for name, values in times.items()} | {"lookups": count}
 
 
 @pytest.mark.perf
