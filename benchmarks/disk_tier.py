@@ -8,7 +8,7 @@ bytes to the same directory (the physical limit of that disk), in one run.
 One ``OffloadEngine`` over synthetic optimizer state (``--mib`` MiB of fp32 tensors in pieces of
 ``--piece-mib``) with a host budget of ``--host-fraction`` of it (at least the staging): the
 pieces it cannot hold live in the disk tier. Each repeat, interleaved so that both sides meet
-the same moment of a noisy disk:
+the same moment of a noisy disk (which goes first alternates):
 
 * **tier**: ``offload(release=True)`` (the copies out: written to the file) and
   ``reload()`` + ``wait()`` (read back), timed apart; the bytes are checked bitwise once;
@@ -168,9 +168,15 @@ def measure(
     torch.frombuffer(mapping, dtype=torch.uint8).random_(generator=torch.Generator().manual_seed(1))
     source = memoryview(mapping)
     rows = {"tier": [], "plain": [], "host": []}
-    for _ in range(repeats):
-        rows["tier"].append(_cycle(disk, device))
-        rows["plain"].append(_plain(directory, source, direct))
+    for index in range(repeats):
+        # Which side goes first alternates: a write right after another one's is slowed by
+        # the disk still writing that one back (on a virtual disk, its host's cache).
+        sides = [
+            lambda: rows["tier"].append(_cycle(disk, device)),
+            lambda: rows["plain"].append(_plain(directory, source, direct)),
+        ]
+        for side in sides if index % 2 == 0 else sides[::-1]:
+            side()
         rows["host"].append(_cycle(host, device))
     disk.close()
     host.close()
@@ -243,7 +249,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=int, default=512, help="state size in MiB (default 512)")
     parser.add_argument("--dir", default=".disk-tier-bench", help="the disk tier's directory")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--host-fraction", type=float, default=0.0)
     parser.add_argument("--piece-mib", type=int, default=256)
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
