@@ -154,6 +154,7 @@ class Adopted:
                 finally:
                     # Even when a copy raised: the copies queued before it still run.
                     event = device.record_event(side)
+            self._write_back_spilled(places, event)
         except BaseException as error:
             # Staging memory goes back only once the copies into it ran (rule 5), which also
             # orders those reads of the states before whatever writes them next.
@@ -167,6 +168,21 @@ class Adopted:
             device.release(tensor)
         staging.hand_over(buffer for _, buffer in places)
         self.add((tensor, view, event, buffer) for tensor, (view, buffer) in zip(tensors, places))
+
+    def _write_back_spilled(self, places, event) -> None:
+        """Staging the budget put in the disk tier (a first chunked step's, over the host
+        budget): the bytes just copied into it are written back and dropped now, chunk by
+        chunk, so that the step holds about one chunk of its new states in the page cache
+        (host memory), not all of them. Raises ``DiskTierError`` before anything is released
+        or adopted."""
+        files = {id(file.buffer): file for file in self.budget.files()}
+        spilled = {id(buffer): files[id(buffer)] for _, buffer in places if id(buffer) in files}
+        if not spilled:
+            return
+        # The host writes the pages back: the copies into them must be complete.
+        self.device.synchronize_event(event, label=HOST_READ_AFTER_D2H)
+        for file in spilled.values():
+            file.write_back(then="The new states stay on the device; nothing was staged.")
 
     def from_host(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
         """Adopt the bytes of the CPU tensors ``values`` (states a load made on the host):

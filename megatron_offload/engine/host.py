@@ -315,6 +315,8 @@ class HostArena:
                     read_from.check_readable(source)  # an I/O error raises, not a SIGBUS
                 if source.data_ptr() != host.data_ptr():  # else already in place
                     host.copy_(source)
+                if read_from is not None:
+                    read_from.drop(source)  # read: out of host memory (dirty pages stay)
             if piece.disk is not None:
                 # The file holds the only copy from now on.
                 piece.disk.write_back(

@@ -6,7 +6,9 @@ offloading, whole and with the chunked update, while
   name in it (unlinked from the start) and nothing open or mapped there after ``detach``;
 * between steps, the optimizer states and masters hold 0 bytes of device memory, the arena
   holds at most the budget, and the page cache of the file (measured here with ``mincore``,
-  apart from ``stats()``) is 0: host memory stays within the budget, not the file's size.
+  apart from ``stats()``) is 0: host memory stays within the budget, not the file's size;
+* in the first step, where the chunked update stages the states it makes (to disk, over the
+  budget), each chunk's are written back and out of the page cache before the next chunk.
 
 Jobs run in rank processes (a touched released tensor kills the rank and fails the test with
 its exit code).
@@ -60,8 +62,22 @@ def disk_job(directory: str | None, chunked: bool):
         budget = int(need * FRACTION)
         options.update(host_memory_budget=budget, offload_disk_dir=directory)
         offloader = megatron_offload.attach(optimizer, **options)
+    inner = [d.optimizer for d in models.distributed_optimizers(optimizer)]
+    in_step, hooks = [], []
+    if offloader is not None:
+        # Sampled at every update of the first step (one per chunk when chunked): the page
+        # cache of every file of the disk tier, the staging of the new states included.
+        def sample(*_):
+            files = [e.host.disk.buffer for e in offloader.engines if e.host.disk is not None]
+            files += [f.buffer for e in offloader.engines for f in e.budget.files()]
+            in_step.append(sum(page_cache_bytes(b) for b in {id(b): b for b in files}.values()))
+
+        hooks = [o.register_step_post_hook(sample) for o in inner]
     for step in range(STEPS):
         results.append(models.train_step(chunks, optimizer, config, step))
+        for hook in hooks:
+            hook.remove()
+        hooks = []
         if offloader is not None:
             stats = offloader.stats()
             files = [e.host.disk.buffer for e in offloader.engines if e.host.disk is not None]
@@ -85,7 +101,13 @@ def disk_job(directory: str | None, chunked: bool):
         del files
         gc.collect()
         left = held_in(directory)
-    return {"results": results, "snapshot": snapshot, "between": between, "left": left}
+    return {
+        "results": results,
+        "snapshot": snapshot,
+        "between": between,
+        "left": left,
+        "in_first_step": in_step,
+    }
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
@@ -105,6 +127,11 @@ def test_a_budget_under_half_trains_bitwise_with_the_rest_on_disk(
             assert figures["page_cache"] == figures["disk_resident_bytes"] == 0, figures
             assert figures["names"] == [], figures  # unlinked: no name, even for a moment
         assert run["left"] == []  # nothing open or mapped there after detach
+        # At each update of the first step (with the chunked update, one per chunk, after
+        # the update and before its new states are staged), the new states staged so far
+        # are on disk and out of the page cache (before they were kept there: 438 KB of the
+        # 656 KB of states and masters by the last chunk, over the 262 KB chunk budget).
+        assert run["in_first_step"] and max(run["in_first_step"]) == 0, run["in_first_step"]
 
 
 # ----------------------------------------------------------------------------- faults
@@ -397,3 +424,77 @@ def test_auto_with_a_disk_tier_takes_each_ranks_part_of_the_node_and_spills_the_
         host, disk, cached = run["held"]
         assert host <= run["limit"] and disk > 0 and cached == 0, run["held"]
         assert not differences(reference, run)
+
+
+def first_chunked_step_fault_job(directory: str):
+    """The chunked update's first step with its new states staged to disk: the first write
+    back of that staging fails (``fdatasync``: EIO). The update undoes the failed step
+    (``chunked_update_undo``); training then goes on."""
+    import errno
+
+    import torch
+
+    import megatron_offload
+    from megatron_offload.errors import OffloadError
+    from tests.harness import models
+    from tests.harness.checkpoints import chunked_options
+
+    chunks, optimizer, config = models.build("gpt", "bf16")
+    options = chunked_options(optimizer, {"chunked_update_undo": True})
+    probe = megatron_offload.attach(optimizer, **options)
+    budget = int(probe.stats()["host_bytes"] * FRACTION)
+    probe.detach()
+    offloader = megatron_offload.attach(
+        optimizer, **options, host_memory_budget=budget, offload_disk_dir=directory
+    )
+    attached_step, found = optimizer.step, {}
+
+    def held():
+        stats = offloader.stats()
+        return (stats["host_bytes"], stats["disk_bytes"], _device_bytes(optimizer))
+
+    def failing_once():
+        before = [p.detach().clone() for c in chunks for p in c.parameters()]
+        found["held_before"] = held()
+        undo = _failing("fdatasync", errno.EIO)
+        try:
+            attached_step()
+            found["raised"] = None
+        except OffloadError as error:
+            found["raised"] = (type(error).__name__, getattr(error, "errno", None), str(error))
+        finally:
+            undo()
+        found["held_after"] = held()
+        after = [p.detach() for c in chunks for p in c.parameters()]
+        found["undone"] = all(torch.equal(a, b) for a, b in zip(before, after))
+        # Called again as a loop would (megatron-core's step clips the gradients in place
+        # first, so this is not the update a step without the fault makes).
+        return attached_step()
+
+    optimizer.step = failing_once
+    results = [models.train_step(chunks, optimizer, config, 0)]
+    optimizer.step = attached_step
+    while len(results) < STEPS:
+        results.append(models.train_step(chunks, optimizer, config, len(results)))
+    found["between"] = held()
+    found["losses"] = [r["loss"] for r in results]
+    offloader.detach()
+    found["left"] = held_in(directory)
+    return found
+
+
+def test_a_write_error_staging_the_first_chunked_steps_states_is_undone_and_clear(
+    rank_pool, tmp_path_factory
+):
+    directory = disk_directory(tmp_path_factory)
+    for run in rank_pool.run(first_chunked_step_fault_job, directory):
+        kind, code, message = run["raised"]
+        assert kind == "DiskTierError" and code == 5, run["raised"]
+        assert directory in message and "stay on the device" in message, message
+        # Undone: the parameters as before the step, and nothing it made held on the host or
+        # on disk (the masters the update streamed are off the device, as after any step).
+        assert run["undone"] and run["held_after"][:2] == run["held_before"][:2], run
+        assert run["held_after"][2] <= run["held_before"][2], run
+        host, disk, device = run["between"]  # trained on: the rest on disk between steps
+        assert disk > 0 and device == 0, run["between"]
+        assert all(loss == loss for loss in run["losses"]) and run["left"] == [], run
