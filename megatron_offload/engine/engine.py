@@ -251,6 +251,30 @@ class OffloadEngine:
         copies.update(self.adopted.copies())
         return copies
 
+    def place_on_disk(self, on_disk: bool) -> None:
+        """Lay the pieces out again with every host copy in the disk tier's file
+        (``on_disk``; the arena given back) or where the budget places them (the arena
+        allocated again), carrying the released pieces' bytes: ``sleep(to="disk")`` and its
+        wake. All or nothing: a refused file or arena leaves the layout as it was, and the
+        same call works again."""
+        if self.budget.disk is None:
+            raise OffloadStateError(
+                f"{self.name}: there is no disk tier to place the host copies in: pass "
+                "offload_disk_dir (--offload-disk-dir) to attach."
+            )
+        if self.host.everything_on_disk == on_disk:
+            return
+        current = self._layout.look() or self._layout.tracked
+        self.host.everything_on_disk = on_disk
+        try:
+            if current:
+                self._lay_out(current)
+        except BaseException as error:
+            self.host.everything_on_disk = not on_disk
+            needed = sum(t.numel() * t.element_size() for _, t in current)
+            where = "the disk tier" if on_disk else "host memory"
+            raise out_of_memory(error, self.device, f"{self.name}: moving to {where}", needed)
+
     def check_disk(self) -> None:
         """Read the released pieces in the disk tier's file with ``pread`` before something
         reads them through the mapping (a checkpoint served from the host copy): an I/O

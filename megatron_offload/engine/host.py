@@ -153,6 +153,9 @@ class HostArena:
         # laid out: the smaller layouts before it (the masters alone, offloaded at attach
         # before the first step makes the states) reuse the buffer instead of replacing it.
         self.reserved_for = 0
+        #: Every piece's host copy goes to the disk tier at the next layout, whatever the
+        #: budget holds (``sleep(to="disk")``: ``OffloadEngine.place_on_disk``).
+        self.everything_on_disk = False
         # Side streams run in order, so the newest event of each covers every earlier copy.
         self.last_d2h = None
         self.last_h2d = None
@@ -206,7 +209,11 @@ class HostArena:
         the copies to disk go through fit the budget (the largest, since a file is read and
         written fastest in long runs). The arena's own bytes count as room when the arena
         can be reused for the rest, and so does a staging buffer held (kept or replaced)."""
-        if self.budget.disk is None or self.budget.limit is None or not pieces:
+        if self.budget.disk is None or not pieces:
+            return []
+        if self.everything_on_disk:
+            return list(pieces)
+        if self.budget.limit is None:
             return []
         need = sum(g.host_nbytes for g in pieces)
         largest = sorted(pieces, key=lambda g: g.host_nbytes, reverse=True)
@@ -270,8 +277,9 @@ class HostArena:
                 )
             else:
                 self._unstage()  # nothing spilled: its room may be the arena's now
-            reuse = self.fits(need)
-            if need >= self.reserved_for:
+            # Nothing left for the arena (everything on disk): it goes, not reused.
+            reuse = need > 0 and self.fits(need)
+            if need >= self.reserved_for or not need:
                 self.reserved_for = 0  # the layout the reservation was for has come
             if reuse:
                 arena = self.buffer

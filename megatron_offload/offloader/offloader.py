@@ -361,20 +361,25 @@ class OptimizerStateOffloader:
         return self.access.host_view(writes=writes)
 
     # ------------------------------------------------------------- sleep and wake
-    def sleep(self, model=None, *, parameters: bool = True, gradients: bool = True) -> None:
+    def sleep(
+        self, model=None, *, parameters: bool = True, gradients: bool = True, to: str = "host"
+    ) -> None:
         """The training state off the device (RL rollouts; ``offloader/sleep.py``): states,
         masters and ``parameters``, the ``gradients``. ``model``: the DDP chunks (default:
-        the optimizer's). Every rank, between steps; idempotent; a forward wakes it."""
+        the optimizer's). ``to="disk"``: the host copies of the states and masters go on to
+        the disk tier and the host arena is given back until wake. Every rank, between
+        steps; idempotent; a forward wakes it."""
         self._check_attached()
-        self._sleep.sleep(model, parameters=parameters, gradients=gradients)
+        self._sleep.sleep(model, parameters=parameters, gradients=gradients, to=to)
 
     def wake(self, *, parameters: bool = True, gradients: bool = True) -> None:
         """Undo ``sleep()`` (the parts selected) on the current stream; every rank."""
         self._sleep.wake(parameters=parameters, gradients=gradients)
 
-    def asleep(self, model=None) -> contextlib.AbstractContextManager:
-        """Asleep for the block (``with offloader.asleep(): rollout()``); nests."""
-        return self._sleep.block(model)
+    def asleep(self, model=None, *, to: str = "host") -> contextlib.AbstractContextManager:
+        """Asleep for the block (``with offloader.asleep(): rollout()``); nests. ``to``: as
+        for ``sleep``."""
+        return self._sleep.block(model, to)
 
     sleeping = property(lambda self: self._sleep.sleeping, doc="Some part is asleep.")
 

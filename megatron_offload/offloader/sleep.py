@@ -26,6 +26,11 @@ optimizer's data-parallel group before the all-gather, so that one rank's out-of
 every rank's ``DeviceMemoryError`` and nobody waits in a collective. The same call works again
 once the memory is free.
 
+With a disk tier, ``sleep(to="disk")`` then lays the host copies of the states and masters
+out again in the tier's file and gives the host arena back; wake lays them out where the budget
+places them before anything else (every rank together, each move all or nothing:
+docs/disk-tier.md).
+
 Under Megatron-FSDP the parameters are its model weight buffers and the gradients its main
 gradient buffers; the unsharded parameters it gathered after the step are given back through
 its own all-gather pipeline and gathered again on wake (``model_buffers.release_gathered``).
@@ -81,6 +86,8 @@ class Sleep:
         self.asleep = False
         #: True while the gradient buffers are given up (with the parameters, or alone).
         self.gradients_dropped = False
+        #: True after ``sleep(to="disk")`` until wake moved the host copies back.
+        self.on_disk = False
         self.sleeps = 0
         self._params: ModelMemory | None = None
         self._grads: ModelMemory | None = None
@@ -111,8 +118,26 @@ class Sleep:
         _OWNERS.update(dict.fromkeys(chunks, weakref.ref(self._offloader)))
 
     # -------------------------------------------------------------------- the moves
-    def sleep(self, model=None, *, parameters: bool = True, gradients: bool = True) -> None:
+    def sleep(
+        self, model=None, *, parameters: bool = True, gradients: bool = True, to: str = "host"
+    ) -> None:
         offloader = self._offloader
+        if to not in ("host", "disk"):
+            raise ValueError(f'sleep(to={to!r}): to is "host" or "disk".')
+        if to == "disk":
+            if not parameters:
+                raise ValueError(
+                    'sleep(to="disk") moves the optimizer states and master weights, which '
+                    "leave with the parameters: call it with parameters=True."
+                )
+            if any(engine.budget.disk is None for engine in offloader.engines):
+                raise OffloadStateError(
+                    'sleep(to="disk") needs a disk tier: attach with offload_disk_dir '
+                    "(--offload-disk-dir) and a host_memory_budget."
+                )
+        if to == "disk" and self.asleep:
+            self._place_on_disk(True)  # asleep already: the host copies move on to disk
+            return
         parameters = parameters and not self.asleep
         gradients = gradients and not self.gradients_dropped
         if not (parameters or gradients):
@@ -224,12 +249,40 @@ class Sleep:
         self._watch_forward()
         self.asleep = True
         self.sleeps += 1
+        if to == "disk":
+            self._place_on_disk(True)
+
+    def _place_on_disk(self, on_disk: bool) -> None:
+        """Every engine's host copies into the disk tier's file (``on_disk``: the arenas given
+        back) or back where the budget places them, on every rank together (collective, as
+        sleep and wake are): a rank that cannot makes every rank raise, each engine left
+        where it was or where it went (asleep either way: wake brings everything back)."""
+        # Set on every rank before trying, cleared only once every rank moved back: wake
+        # (again) moves back whatever went, on any rank.
+        self.on_disk = self.on_disk or on_disk
+        failure = None
+        try:
+            for engine in self._offloader.engines:
+                engine.place_on_disk(on_disk)
+        except BaseException as error:
+            failure = error
+        if not node_memory.every_rank(failure is None):
+            where = "into the disk tier" if on_disk else "back into host memory"
+            raise failure or OffloadStateError(
+                f"moving the host copies of the optimizer states and master weights {where} "
+                "failed on another rank; this rank's moved. Every rank is asleep: wake() (or "
+                "the next forward) brings everything back."
+            )
+        self.on_disk = on_disk
 
     def wake(self, *, parameters: bool = True, gradients: bool = True) -> None:
         gradients = gradients and self.gradients_dropped
         parameters = parameters and self.asleep
         if not (parameters or gradients):
             return
+        if parameters and self.on_disk:
+            # The arenas again first, every rank together: refused, nothing else was touched.
+            self._place_on_disk(False)
         # Every allocation first, all or nothing; then the copies, the cast, the all-gather.
         undo = []
         try:
@@ -311,9 +364,9 @@ class Sleep:
         self.asleep = False
 
     @contextlib.contextmanager
-    def block(self, model=None):
+    def block(self, model=None, to: str = "host"):
         was = self.asleep, self.gradients_dropped
-        self._offloader.sleep(model)
+        self._offloader.sleep(model, to=to)
         try:
             yield self._offloader
         finally:

@@ -498,3 +498,143 @@ def test_a_write_error_staging_the_first_chunked_steps_states_is_undone_and_clea
         host, disk, device = run["between"]  # trained on: the rest on disk between steps
         assert disk > 0 and device == 0, run["between"]
         assert all(loss == loss for loss in run["losses"]) and run["left"] == [], run
+
+
+# ------------------------------------------------------------------ sleep(to="disk")
+def sleep_to_disk_job(directory: str, fault: str | None = None):
+    """Steps with ``sleep(to="disk")`` and a wake after each. ``fault`` (at the second sleep,
+    on rank 1 only): ``"full disk"`` (the file for the move, ``posix_fallocate``: ENOSPC) or
+    ``"no host memory"`` (the arena wake allocates again: ``mmap`` ENOMEM)."""
+    import errno
+    import gc
+
+    import torch
+
+    import megatron_offload
+    from megatron_offload.errors import OffloadError
+    from tests.harness import models
+    from tests.harness.faults import AllocationFaults
+    from tests.integration.offloader.test_sleep import _device_bytes as model_device_bytes
+    from tests.integration.offloader.test_sleep import _rollout_block
+
+    chunks, optimizer, config = models.build("gpt", "bf16")
+    probe = megatron_offload.attach(optimizer)
+    need = probe.stats()["host_bytes"]
+    probe.detach()
+    budget = int(need * FRACTION)
+    offloader = megatron_offload.attach(
+        optimizer, host_memory_budget=budget, offload_disk_dir=directory
+    )
+    failing = fault is not None and torch.distributed.get_rank() == 1
+    results, asleep, awake, raised = [], [], [], []
+
+    def attempt(call, step):
+        try:
+            call()
+        except OffloadError as error:
+            raised.append((step, type(error).__name__, str(error)))
+
+    for step in range(STEPS):
+        results.append(models.train_step(chunks, optimizer, config, step))
+        undo = lambda: None  # noqa: E731
+        if step == 1 and failing and fault == "full disk":
+            undo = _failing("posix_fallocate", errno.ENOSPC)
+        attempt(lambda: offloader.sleep(to="disk"), step)
+        undo()
+        stats = offloader.stats()
+        asleep.append(
+            {
+                "device": model_device_bytes(chunks, optimizer),
+                "host_bytes": stats["host_bytes"],
+                "staging": sum(e.host.staging_nbytes for e in offloader.engines),
+                "disk_bytes": stats["disk_bytes"],
+                "page_cache": sum(
+                    page_cache_bytes(e.host.disk.buffer)
+                    for e in offloader.engines
+                    if e.host.disk is not None
+                ),
+            }
+        )
+        _rollout_block()
+        if step == 1 and failing and fault == "no host memory":
+            with AllocationFaults(1, host=True, device=False):
+                attempt(offloader.wake, step)
+        elif step == 1 and fault == "no host memory":
+            attempt(offloader.wake, step)
+        offloader.wake()
+        awake.append((offloader.stats()["host_bytes"], offloader.sleeping))
+    snapshot = models.final_snapshot(chunks, optimizer, offloader)
+    offloader.detach()
+    gc.collect()
+    return {
+        "results": results,
+        "snapshot": snapshot,
+        "asleep": asleep,
+        "awake": awake,
+        "raised": raised,
+        "need": need,
+        "budget": budget,
+        "left": held_in(directory),
+    }
+
+
+@pytest.mark.parametrize("fault", [None, "full disk", "no host memory"])
+def test_sleep_to_disk_gives_the_host_arena_back_and_wakes_bitwise(
+    rank_pool, tmp_path_factory, fault
+):
+    directory = disk_directory(tmp_path_factory)
+    plain = rank_pool.run(disk_job, None, False)
+    runs = rank_pool.run(sleep_to_disk_job, directory, fault)
+    for rank, (reference, run) in enumerate(zip(plain, runs, strict=True)):
+        assert not differences(reference, run)  # bitwise with the run that never slept
+        for step, figures in enumerate(run["asleep"]):
+            device = figures["device"]
+            assert device["states"] == device["masters"] == device["parameters"] == 0, figures
+            assert figures["page_cache"] == 0, figures
+            if fault == "full disk" and step == 1:
+                continue  # below: where each rank's host copies are after the refusal
+            # Asleep: no arena, the staging only, every state and master in the file.
+            assert figures["host_bytes"] == figures["staging"] > 0, figures
+            assert figures["disk_bytes"] >= run["need"], figures
+        for host_bytes, sleeping in run["awake"]:
+            assert 0 < host_bytes <= run["budget"] and not sleeping, run["awake"]
+        assert run["left"] == []
+        if fault is None:
+            assert run["raised"] == []
+            continue
+        # Every rank raised at the second sleep or wake, rank 1 for itself, rank 0 for it.
+        [(step, kind, message)] = run["raised"]
+        assert step == 1, run["raised"]
+        if rank == 1:
+            expected = "DiskTierError" if fault == "full disk" else "HostMemoryError"
+            assert kind == expected, run["raised"]
+        else:
+            assert kind == "OffloadStateError" and "another rank" in message, run["raised"]
+
+
+def refused_sleep_job():
+    import megatron_offload
+    from tests.harness import models
+
+    chunks, optimizer, config = models.build("gpt", "bf16")
+    offloader = megatron_offload.attach(optimizer)
+    models.train_step(chunks, optimizer, config, 0)
+    before, refused = offloader.stats(), []
+    for kwargs in ({"to": "disk"}, {"to": "tape"}, {"to": "disk", "parameters": False}):
+        try:
+            offloader.sleep(**kwargs)
+            refused.append(None)
+        except (megatron_offload.OffloadError, ValueError) as error:
+            refused.append((type(error).__name__, str(error)))
+    after = offloader.stats()
+    asleep = offloader.sleeping
+    offloader.detach()
+    return {"refused": refused, "same": before == after, "asleep": asleep}
+
+
+def test_sleep_to_disk_without_a_disk_tier_is_refused_before_anything_moves(rank_pool):
+    for run in rank_pool.run(refused_sleep_job):
+        (no_tier, message), (bad, _), (without_parameters, _) = run["refused"]
+        assert no_tier == "OffloadStateError" and "offload_disk_dir" in message, run
+        assert bad == without_parameters == "ValueError", run
+        assert run["same"] and not run["asleep"], run
