@@ -504,7 +504,8 @@ def test_a_write_error_staging_the_first_chunked_steps_states_is_undone_and_clea
 def sleep_to_disk_job(directory: str, fault: str | None = None):
     """Steps with ``sleep(to="disk")`` and a wake after each. ``fault`` (at the second sleep,
     on rank 1 only): ``"full disk"`` (the file for the move, ``posix_fallocate``: ENOSPC) or
-    ``"no host memory"`` (the arena wake allocates again: ``mmap`` ENOMEM)."""
+    ``"no host memory"`` (the arena wake allocates again: ``mmap`` ENOMEM); ``"chunked"``:
+    none, with the chunked update."""
     import errno
     import gc
 
@@ -513,19 +514,21 @@ def sleep_to_disk_job(directory: str, fault: str | None = None):
     import megatron_offload
     from megatron_offload.errors import OffloadError
     from tests.harness import models
+    from tests.harness.checkpoints import chunked_options
     from tests.harness.faults import AllocationFaults
     from tests.integration.offloader.test_sleep import _device_bytes as model_device_bytes
     from tests.integration.offloader.test_sleep import _rollout_block
 
     chunks, optimizer, config = models.build("gpt", "bf16")
+    options = chunked_options(optimizer, {}) if fault == "chunked" else {}
     probe = megatron_offload.attach(optimizer)
     need = probe.stats()["host_bytes"]
     probe.detach()
     budget = int(need * FRACTION)
     offloader = megatron_offload.attach(
-        optimizer, host_memory_budget=budget, offload_disk_dir=directory
+        optimizer, **options, host_memory_budget=budget, offload_disk_dir=directory
     )
-    failing = fault is not None and torch.distributed.get_rank() == 1
+    failing = fault in ("full disk", "no host memory") and torch.distributed.get_rank() == 1
     results, asleep, awake, raised = [], [], [], []
 
     def attempt(call, step):
@@ -578,12 +581,12 @@ def sleep_to_disk_job(directory: str, fault: str | None = None):
     }
 
 
-@pytest.mark.parametrize("fault", [None, "full disk", "no host memory"])
+@pytest.mark.parametrize("fault", [None, "chunked", "full disk", "no host memory"])
 def test_sleep_to_disk_gives_the_host_arena_back_and_wakes_bitwise(
     rank_pool, tmp_path_factory, fault
 ):
     directory = disk_directory(tmp_path_factory)
-    plain = rank_pool.run(disk_job, None, False)
+    plain = rank_pool.run(disk_job, None, fault == "chunked")
     runs = rank_pool.run(sleep_to_disk_job, directory, fault)
     for rank, (reference, run) in enumerate(zip(plain, runs, strict=True)):
         assert not differences(reference, run)  # bitwise with the run that never slept
@@ -599,7 +602,7 @@ def test_sleep_to_disk_gives_the_host_arena_back_and_wakes_bitwise(
         for host_bytes, sleeping in run["awake"]:
             assert 0 < host_bytes <= run["budget"] and not sleeping, run["awake"]
         assert run["left"] == []
-        if fault is None:
+        if fault in (None, "chunked"):
             assert run["raised"] == []
             continue
         # Every rank raised at the second sleep or wake, rank 1 for itself, rank 0 for it.
