@@ -277,9 +277,9 @@ class HostArena:
                 )
             else:
                 self._unstage()  # nothing spilled: its room may be the arena's now
-            # Nothing left for the arena (everything on disk): it goes, not reused.
-            reuse = need > 0 and self.fits(need)
-            if need >= self.reserved_for or not need:
+            # Everything on disk: nothing left for the arena, which goes (not reused).
+            reuse = self.fits(need) and not self.everything_on_disk
+            if need >= self.reserved_for or self.everything_on_disk:
                 self.reserved_for = 0  # the layout the reservation was for has come
             if reuse:
                 arena = self.buffer
