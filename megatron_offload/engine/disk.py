@@ -207,6 +207,14 @@ class DiskFile:
         error, ``source`` untouched."""
         offset, nbytes = self._range(host)
         source = source.reshape(-1).view(torch.uint8)
+        if staging is None:  # none held (everything on disk, asleep): through the mapping
+            device.copy(host.reshape(-1).view(torch.uint8), source)
+            # The host writes the pages back: the copy into them must be complete.
+            device.synchronize_event(
+                device.record_event(device.current_stream()), label=HOST_READ_AFTER_D2H
+            )
+            self.write_back(host, then=KEPT)
+            return
         parts = _parts(staging)
         step = len(parts[0])
         pending: list = [None] * len(parts)
@@ -242,6 +250,15 @@ class DiskFile:
         the bytes)."""
         offset, nbytes = self._range(host)
         destination = destination.reshape(-1).view(torch.uint8)
+        if staging is None:  # none held (everything on disk, asleep): through the mapping
+            self.check_readable(host)  # an I/O error raises here, not a SIGBUS in the copy
+            device.copy(destination, host.reshape(-1).view(torch.uint8))
+            # The pages are dropped once the copy read them.
+            device.synchronize_event(
+                device.record_event(device.current_stream()), label=HOST_READ_AFTER_D2H
+            )
+            self.drop(host)
+            return
         parts = _parts(staging)
         step = len(parts[0])
         starts = list(range(0, nbytes, step))

@@ -94,13 +94,21 @@ class HostBudget:
             )
 
     def allocate(
-        self, device: Device, nbytes: int, name: str, *, relayout: bool = False, spill=False
+        self,
+        device: Device,
+        nbytes: int,
+        name: str,
+        *,
+        relayout: bool = False,
+        spill=False,
+        to_disk=False,
     ):
         """A host buffer of ``nbytes`` from ``device`` (pinned on accelerators), checked
         first (``check``) and counted until ``free``. ``spill``: where the limit cannot hold
         it and there is a disk tier, a file of the disk tier instead (not counted in
-        ``held``; ``files`` lists them)."""
-        if spill and self.disk is not None and self.room() is not None and nbytes > self.room():
+        ``held``; ``files`` lists them); ``to_disk``: such a file whatever the limit."""
+        over = spill and self.room() is not None and nbytes > self.room()
+        if self.disk is not None and (to_disk or over):
             file = self.disk.file(nbytes)
             self._files[id(file.buffer)] = file
             return file.buffer
@@ -271,11 +279,11 @@ class HostArena:
         disk_need = sum(disk_span(g) for g in pieces if id(g) in spilled)
         disk = self._file_for(disk_need, carried, sources)
         try:
-            if disk is not None:
+            if disk is not None and not self.everything_on_disk:
                 self._stage(
                     staging_bytes(max(g.host_nbytes for g in pieces), self.budget.limit), name
                 )
-            else:
+            elif disk is None:
                 self._unstage()  # nothing spilled: its room may be the arena's now
             # Everything on disk: nothing left for the arena, which goes (not reused).
             reuse = self.fits(need) and not self.everything_on_disk
@@ -332,6 +340,10 @@ class HostArena:
                     then="The host copies laid out anew may be lost: load the last checkpoint.",
                 )
         self.free_retired()
+        if self.everything_on_disk:
+            # No cycle runs while everything is on disk (asleep): the staging goes too, and
+            # what reads or writes the file meanwhile goes through its mapping (disk.py).
+            self._unstage()
 
     @staticmethod
     def _place(pieces, spilled: set, arena, disk) -> None:
@@ -416,6 +428,9 @@ class HostBuffers:
         self.device = device
         self.budget = budget if budget is not None else HostBudget(None)
         self.name = name
+        #: New buffers are files of the budget's disk tier whatever its limit
+        #: (``sleep(to="disk")``'s copies of parameters).
+        self.to_disk = False
         self._buffers: list[torch.Tensor] = []
         self._index = 0  # the buffer being carved
         self._used = 0  # bytes used of it
@@ -487,4 +502,6 @@ class HostBuffers:
         self._index = self._used = self._taken = 0
 
     def _allocate(self, nbytes: int) -> None:
-        self._buffers.append(self.budget.allocate(self.device, nbytes, self.name, spill=True))
+        self._buffers.append(
+            self.budget.allocate(self.device, nbytes, self.name, spill=True, to_disk=self.to_disk)
+        )

@@ -72,10 +72,18 @@ class ModelMemory:
         """Host bytes ``prepare(entries)`` holds: the copied storages, each aligned."""
         return sum(aligned_size(t.untyped_storage().nbytes()) for t, copy, _ in entries if copy)
 
-    def prepare(self, entries) -> None:
+    def prepare(self, entries, *, to_disk: bool | None = None) -> None:
         """Hold host memory for every copied storage of ``entries`` (``(tensor, copy, zero)``),
-        reusing the buffer when the same storages are copied again. Changes nothing on the
+        reusing the buffer when the same storages are copied again. ``to_disk``: in the disk
+        tier whatever the budget holds (None: as the last call asked). Changes nothing on the
         device; refused (``HostMemoryBudgetError``) or failing, it holds nothing new."""
+        moved = to_disk is not None and to_disk != self._host.to_disk
+        if moved and self._host.count:
+            self.device.synchronize()  # the last wake's copies from it are done
+            self._host.free()
+            self._carved, self._hosts = (), []
+        if to_disk is not None:
+            self._host.to_disk = to_disk
         # The same tensor objects (a buffer's ``param_data``, a frozen parameter) come back at
         # every sleep; a storage object is made anew at every ``untyped_storage()`` call.
         carved = tuple(

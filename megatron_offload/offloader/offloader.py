@@ -367,7 +367,8 @@ class OptimizerStateOffloader:
         """The training state off the device (RL rollouts; ``offloader/sleep.py``): states,
         masters and ``parameters``, the ``gradients``. ``model``: the DDP chunks (default:
         the optimizer's). ``to="disk"``: the host copies of the states and masters go on to
-        the disk tier and the host arena is given back until wake. Every rank, between
+        the disk tier (and the parameter copies there too), the host arena given back
+        until wake. Every rank, between
         steps; idempotent; a forward wakes it."""
         self._check_attached()
         self._sleep.sleep(model, parameters=parameters, gradients=gradients, to=to)

@@ -27,9 +27,10 @@ every rank's ``DeviceMemoryError`` and nobody waits in a collective. The same ca
 once the memory is free.
 
 With a disk tier, ``sleep(to="disk")`` then lays the host copies of the states and masters
-out again in the tier's file and gives the host arena back; wake lays them out where the budget
-places them before anything else (every rank together, each move all or nothing:
-docs/disk-tier.md).
+out again in the tier's file and gives the host arena and staging back, and puts the copies of
+the parameters in files of the tier whatever the budget holds; wake lays the states and masters
+out where the budget places them before anything else (every rank together, each move all or
+nothing: docs/disk-tier.md).
 
 Under Megatron-FSDP the parameters are its model weight buffers and the gradients its main
 gradient buffers; the unsharded parameters it gathered after the step are given back through
@@ -185,7 +186,8 @@ class Sleep:
             # Every rank of the node together (collective: every rank sleeps), before any
             # allocates: what the copies add to what the node already holds.
             held = self._params.host_bytes if self._params is not None else 0
-            need = max(0, ModelMemory.host_need(entries) - held)
+            # to="disk": the copies are files of the disk tier, not host memory.
+            need = 0 if to == "disk" else max(0, ModelMemory.host_need(entries) - held)
             try:
                 node_memory.agree(need, pins=False, budget=None)
             except NodeMemoryError as error:
@@ -199,7 +201,7 @@ class Sleep:
             )
             # All or nothing: the only allocation of a sleep comes before anything is given up.
             try:
-                self._params.prepare(entries)
+                self._params.prepare(entries, to_disk=to == "disk")
             except BaseException as error:
                 operation = "sleep() (host copies of the parameters it cannot rebuild)"
                 failure = out_of_memory(error, self._params.device, operation, need)

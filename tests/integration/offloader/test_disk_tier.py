@@ -505,7 +505,9 @@ def sleep_to_disk_job(directory: str, fault: str | None = None):
     """Steps with ``sleep(to="disk")`` and a wake after each. ``fault`` (at the second sleep,
     on rank 1 only): ``"full disk"`` (the file for the move, ``posix_fallocate``: ENOSPC) or
     ``"no host memory"`` (the arena wake allocates again: ``mmap`` ENOMEM); ``"chunked"``:
-    none, with the chunked update."""
+    none, with the chunked update; ``"copied parameters"``: none, the parameters changed
+    after each step without the optimizer (a weight load), so sleep copies them, and a
+    budget that holds everything: the first sleep is a plain ``sleep()``, for contrast."""
     import errno
     import gc
 
@@ -517,14 +519,14 @@ def sleep_to_disk_job(directory: str, fault: str | None = None):
     from tests.harness.checkpoints import chunked_options
     from tests.harness.faults import AllocationFaults
     from tests.integration.offloader.test_sleep import _device_bytes as model_device_bytes
-    from tests.integration.offloader.test_sleep import _rollout_block
+    from tests.integration.offloader.test_sleep import _load_weights, _rollout_block
 
     chunks, optimizer, config = models.build("gpt", "bf16")
     options = chunked_options(optimizer, {}) if fault == "chunked" else {}
     probe = megatron_offload.attach(optimizer)
     need = probe.stats()["host_bytes"]
     probe.detach()
-    budget = int(need * FRACTION)
+    budget = int(need * (1.5 if fault == "copied parameters" else FRACTION))
     offloader = megatron_offload.attach(
         optimizer, **options, host_memory_budget=budget, offload_disk_dir=directory
     )
@@ -539,25 +541,45 @@ def sleep_to_disk_job(directory: str, fault: str | None = None):
 
     for step in range(STEPS):
         results.append(models.train_step(chunks, optimizer, config, step))
+        if fault == "copied parameters":
+            _load_weights(chunks)
         undo = lambda: None  # noqa: E731
         if step == 1 and failing and fault == "full disk":
             undo = _failing("posix_fallocate", errno.ENOSPC)
-        attempt(lambda: offloader.sleep(to="disk"), step)
+        to = "host" if fault == "copied parameters" and step == 0 else "disk"
+        attempt(lambda: offloader.sleep(to=to), step)
         undo()
         stats = offloader.stats()
         asleep.append(
             {
+                "to": to,
                 "device": model_device_bytes(chunks, optimizer),
                 "host_bytes": stats["host_bytes"],
                 "staging": sum(e.host.staging_nbytes for e in offloader.engines),
                 "disk_bytes": stats["disk_bytes"],
+                "copied": (stats["copied_parameter_bytes"], stats["sleep_disk_bytes"]),
                 "page_cache": sum(
                     page_cache_bytes(e.host.disk.buffer)
                     for e in offloader.engines
                     if e.host.disk is not None
-                ),
+                )
+                + sum(page_cache_bytes(f.buffer) for f in offloader.engines[0].budget.files()),
             }
         )
+        if fault is None:
+            # Something reads the states while everything is on disk (it brings them back to
+            # the device), and offload() takes them out again: both through the file's
+            # mapping, no staging being held.
+            inner = [d.optimizer for d in models.distributed_optimizers(optimizer)]
+            read = [dict(entry) for o in inner for entry in o.state.values()]
+            asleep[-1]["brought_back"] = model_device_bytes(chunks, optimizer)["states"]
+            offloader.offload()
+            asleep[-1]["offloaded"] = (
+                model_device_bytes(chunks, optimizer)["states"],
+                offloader.stats()["host_bytes"],
+                sum(page_cache_bytes(e.host.disk.buffer) for e in offloader.engines),
+            )
+            del read
         _rollout_block()
         if step == 1 and failing and fault == "no host memory":
             with AllocationFaults(1, host=True, device=False):
@@ -581,12 +603,17 @@ def sleep_to_disk_job(directory: str, fault: str | None = None):
     }
 
 
-@pytest.mark.parametrize("fault", [None, "chunked", "full disk", "no host memory"])
+@pytest.mark.parametrize(
+    "fault", [None, "chunked", "copied parameters", "full disk", "no host memory"]
+)
 def test_sleep_to_disk_gives_the_host_arena_back_and_wakes_bitwise(
     rank_pool, tmp_path_factory, fault
 ):
     directory = disk_directory(tmp_path_factory)
-    plain = rank_pool.run(disk_job, None, fault == "chunked")
+    if fault == "copied parameters":  # the same weight loads, never asleep
+        plain = rank_pool.run(sleep_job, None, True)
+    else:
+        plain = rank_pool.run(disk_job, None, fault == "chunked")
     runs = rank_pool.run(sleep_to_disk_job, directory, fault)
     for rank, (reference, run) in enumerate(zip(plain, runs, strict=True)):
         assert not differences(reference, run)  # bitwise with the run that never slept
@@ -594,15 +621,24 @@ def test_sleep_to_disk_gives_the_host_arena_back_and_wakes_bitwise(
             device = figures["device"]
             assert device["states"] == device["masters"] == device["parameters"] == 0, figures
             assert figures["page_cache"] == 0, figures
+            copied, on_disk = figures["copied"]
+            assert (copied > 0) == (fault == "copied parameters"), figures
+            if figures["to"] == "host":  # the budget holds everything: nothing on disk
+                assert figures["host_bytes"] >= run["need"] + copied and on_disk == 0, figures
+                continue
             if fault == "full disk" and step == 1:
                 continue  # below: where each rank's host copies are after the refusal
-            # Asleep: no arena, the staging only, every state and master in the file.
-            assert figures["host_bytes"] == figures["staging"] > 0, figures
-            assert figures["disk_bytes"] >= run["need"], figures
+            # Asleep: no arena and no staging, every state and master in the file, and the
+            # copies of the parameters (if any) in files of the tier too.
+            assert figures["host_bytes"] == figures["staging"] == 0, figures
+            assert figures["disk_bytes"] >= run["need"] and on_disk == copied, figures
+            if fault is None:
+                assert figures["brought_back"] > 0, figures
+                assert figures["offloaded"] == (0, 0, 0), figures
         for host_bytes, sleeping in run["awake"]:
             assert 0 < host_bytes <= run["budget"] and not sleeping, run["awake"]
         assert run["left"] == []
-        if fault in (None, "chunked"):
+        if fault in (None, "chunked", "copied parameters"):
             assert run["raised"] == []
             continue
         # Every rank raised at the second sleep or wake, rank 1 for itself, rank 0 for it.
