@@ -110,12 +110,27 @@ def disk_job(directory: str | None, chunked: bool):
     }
 
 
+@pytest.fixture(scope="module")
+def plain_run(rank_pool):
+    """The run without offloading (``sleep_job`` without a directory), made once for the
+    module: every job here trains the same steps from the same seeds. ``plain_run(True)``:
+    with the weight loads of ``sleep_job``'s ``refit``."""
+    runs = {}
+
+    def run(refit: bool = False):
+        if refit not in runs:
+            runs[refit] = rank_pool.run(sleep_job, None, refit)
+        return runs[refit]
+
+    return run
+
+
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
 def test_a_budget_under_half_trains_bitwise_with_the_rest_on_disk(
-    rank_pool, tmp_path_factory, chunked
+    rank_pool, tmp_path_factory, chunked, plain_run
 ):
     directory = disk_directory(tmp_path_factory)
-    plain = rank_pool.run(disk_job, None, chunked)
+    plain = plain_run()
     tiered = rank_pool.run(disk_job, directory, chunked)
     for reference, run in zip(plain, tiered, strict=True):
         assert not differences(reference, run)
@@ -246,10 +261,10 @@ def fault_job(directory: str, fault: str, failing_rank: int | None = None):
 
 @pytest.mark.parametrize("failing", ["every rank", "rank 1"])
 def test_a_full_disk_at_attach_refuses_on_every_rank_leaving_nothing(
-    rank_pool, tmp_path_factory, failing
+    rank_pool, tmp_path_factory, failing, plain_run
 ):
     directory = disk_directory(tmp_path_factory)
-    plain = rank_pool.run(disk_job, None, False)
+    plain = plain_run()
     runs = rank_pool.run(fault_job, directory, "full disk", None if failing == "every rank" else 1)
     for rank, (reference, run) in enumerate(zip(plain, runs, strict=True)):
         kind, code, message = run["raised"]
@@ -262,10 +277,10 @@ def test_a_full_disk_at_attach_refuses_on_every_rank_leaving_nothing(
 
 
 def test_a_write_error_after_the_step_keeps_the_device_copy_and_trains_on(
-    rank_pool, tmp_path_factory
+    rank_pool, tmp_path_factory, plain_run
 ):
     directory = disk_directory(tmp_path_factory)
-    plain = rank_pool.run(disk_job, None, False)
+    plain = plain_run()
     runs = rank_pool.run(fault_job, directory, "write")
     for reference, run in zip(plain, runs, strict=True):
         assert len(run["warned"]) == 1 and "do not repeat it" in run["warned"][0], run["warned"]
@@ -278,12 +293,12 @@ def test_a_write_error_after_the_step_keeps_the_device_copy_and_trains_on(
     "fault,failing", [("read", None), ("short read", None), ("read", 1)], ids=str
 )
 def test_a_read_error_raises_before_anything_is_regrown_and_the_step_works_again(
-    rank_pool, tmp_path_factory, fault, failing
+    rank_pool, tmp_path_factory, fault, failing, plain_run
 ):
     """On every rank, or on rank 1 alone: then rank 0 raises too (no rank goes on into the
     gradient reduction to wait there), and gives back what it regrew."""
     directory = disk_directory(tmp_path_factory)
-    plain = rank_pool.run(disk_job, None, False)
+    plain = plain_run()
     runs = rank_pool.run(fault_job, directory, fault, failing)
     for rank, (reference, run) in enumerate(zip(plain, runs, strict=True)):
         kind, code, message = run["raised"]
@@ -354,9 +369,11 @@ def sleep_job(directory: str | None, refit: bool):
 
 
 @pytest.mark.parametrize("refit", [False, True], ids=["rebuilt", "copied parameters"])
-def test_sleep_and_wake_with_the_rest_on_disk_train_bitwise(rank_pool, tmp_path_factory, refit):
+def test_sleep_and_wake_with_the_rest_on_disk_train_bitwise(
+    rank_pool, tmp_path_factory, refit, plain_run
+):
     directory = disk_directory(tmp_path_factory)
-    plain = rank_pool.run(sleep_job, None, refit)
+    plain = plain_run(refit)
     runs = rank_pool.run(sleep_job, directory, refit)
     for reference, run in zip(plain, runs, strict=True):
         assert not differences(reference, run)
@@ -607,13 +624,13 @@ def sleep_to_disk_job(directory: str, fault: str | None = None):
     "fault", [None, "chunked", "copied parameters", "full disk", "no host memory"]
 )
 def test_sleep_to_disk_gives_the_host_arena_back_and_wakes_bitwise(
-    rank_pool, tmp_path_factory, fault
+    rank_pool, tmp_path_factory, fault, plain_run
 ):
     directory = disk_directory(tmp_path_factory)
     if fault == "copied parameters":  # the same weight loads, never asleep
-        plain = rank_pool.run(sleep_job, None, True)
+        plain = plain_run(True)
     else:
-        plain = rank_pool.run(disk_job, None, fault == "chunked")
+        plain = plain_run()
     runs = rank_pool.run(sleep_to_disk_job, directory, fault)
     for rank, (reference, run) in enumerate(zip(plain, runs, strict=True)):
         assert not differences(reference, run)  # bitwise with the run that never slept
