@@ -51,6 +51,23 @@ def rank_pool():
     yield from _session_pool(2)
 
 
+@pytest.fixture(scope="module")
+def reference_run(rank_pool):
+    """``rank_pool.run(job, *args, **kwargs)``, made once per module for the same job and
+    arguments: the run without offloading that several tests of a module compare with. Every
+    job starts from the same seeds (``seed_everything``), so running it again gives the same
+    run."""
+    made = {}
+
+    def run(job, *args, **kwargs):
+        key = repr((job.__module__, job.__qualname__, args, sorted(kwargs.items())))
+        if key not in made:
+            made[key] = rank_pool.run(job, *args, **kwargs)
+        return made[key]
+
+    return run
+
+
 @pytest.fixture(scope="session")
 def rank_pool4():
     """A RankPool of 4 ranks shared by the whole session (created on first use)."""

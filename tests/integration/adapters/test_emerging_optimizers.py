@@ -180,8 +180,10 @@ def _assert_offloaded_between_steps(offloaded, chunked=False):
 
 @pytest.mark.parametrize("layer_wise", [False, True], ids=["chained", "layer-wise"])
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_emerging_optimizer_is_bitwise_identical_with_offloading(rank_pool, name, layer_wise):
-    reference = rank_pool.run(emerging_job, name, 5, False, layer_wise=layer_wise)
+def test_emerging_optimizer_is_bitwise_identical_with_offloading(
+    rank_pool, name, layer_wise, reference_run
+):
+    reference = reference_run(emerging_job, name, 5, False, layer_wise=layer_wise)
     offloaded = rank_pool.run(emerging_job, name, 5, True, layer_wise=layer_wise)
     assert_bitwise_equal(reference, offloaded)
     _assert_offloaded_between_steps(offloaded)
@@ -213,10 +215,10 @@ def test_soap_preconditioners_dominate_and_move(rank_pool):
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_skipped_step_and_checked_device(rank_pool, name):
+def test_skipped_step_and_checked_device(rank_pool, name, reference_run):
     """A step skipped by the grad-norm threshold (after the states exist) copies nothing, and
     the whole run holds under the checked stream model (every ordering mistake raises)."""
-    reference = rank_pool.run(emerging_job, name, 5, False, skip_at=3)
+    reference = reference_run(emerging_job, name, 5, False, skip_at=3)
     offloaded = rank_pool.run(emerging_job, name, 5, True, skip_at=3, checked=True)
     assert_bitwise_equal(reference, offloaded)
     updated = [r["update_successful"] for r in reference[0]["results"]]
@@ -227,10 +229,10 @@ def test_skipped_step_and_checked_device(rank_pool, name):
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_rl_phases(rank_pool, name):
+def test_rl_phases(rank_pool, name, reference_run):
     """offloaded() around a rollout, and megatron-core's offload_to_cpu/restore_from_cpu
     (routed to the offloader), between steps; training goes on bitwise."""
-    reference = rank_pool.run(emerging_job, name, 4, False, rl_at=1)
+    reference = reference_run(emerging_job, name, 4, False, rl_at=1)
     offloaded = rank_pool.run(emerging_job, name, 4, True, rl_at=1)
     assert_bitwise_equal(reference, offloaded)
     for rank in offloaded:
@@ -249,11 +251,11 @@ CHUNK_BYTES = {"lion": 2 * 70_000, "muon": 2 * 70_000, "soap": 2 * 700_000}
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_chunked_update(rank_pool, name):
+def test_chunked_update(rank_pool, name, reference_run):
     """The chunked update (states on the host during the step too, streamed through two
     slots): bitwise the whole update, since all three optimizers' math is per parameter."""
     options = {"chunked_update_bytes": CHUNK_BYTES[name]}
-    reference = rank_pool.run(emerging_job, name, 4, False)
+    reference = reference_run(emerging_job, name, 4, False)
     offloaded = rank_pool.run(emerging_job, name, 4, True, options=options, checked=True)
     assert_bitwise_equal(reference, offloaded)
     _assert_offloaded_between_steps(offloaded, chunked=True)
@@ -262,11 +264,11 @@ def test_chunked_update(rank_pool, name):
         assert rank["update_chunks"] >= 3  # several chunks, not one whole update
 
 
-def test_per_optimizer_counts_the_layer_wise_chain_in_order(rank_pool):
+def test_per_optimizer_counts_the_layer_wise_chain_in_order(rank_pool, reference_run):
     """LayerWiseDistributedOptimizer is a chain of its own: per_optimizer's index 1 is its
     second optimizer (AdamW), whose masters then stay on the device; Muon's all go."""
     options = {"per_optimizer": {1: {"offload_master_weights": False}}}
-    reference = rank_pool.run(emerging_job, "muon", 3, False, layer_wise=True)
+    reference = reference_run(emerging_job, "muon", 3, False, layer_wise=True)
     offloaded = rank_pool.run(emerging_job, "muon", 3, True, layer_wise=True, options=options)
     assert_bitwise_equal(reference, offloaded)
     for rank in offloaded:

@@ -35,7 +35,7 @@ CASES = [
 
 @pytest.mark.parametrize("model,dtype,wrapper,masters", CASES)
 def test_adam_without_distributed_optimizer_is_bitwise_identical(
-    rank_pool, model, dtype, wrapper, masters
+    rank_pool, model, dtype, wrapper, masters, reference_run
 ):
     build = dict(use_distributed_optimizer=False)
     assert rank_pool.run(classes_job, model, dtype, **build)[0] == [
@@ -43,7 +43,7 @@ def test_adam_without_distributed_optimizer_is_bitwise_identical(
         wrapper,
         "AdamW",
     ]
-    reference = rank_pool.run(train_job, model, dtype, 5, False, **build)
+    reference = reference_run(train_job, model, dtype, 5, False, **build)
     offloaded = rank_pool.run(train_job, model, dtype, 5, True, **build)
     assert_bitwise_equal(reference, offloaded)
     assert_offloaded_between_steps(offloaded, expect_masters=masters)
@@ -53,14 +53,14 @@ def test_adam_without_distributed_optimizer_is_bitwise_identical(
         assert rank["figures"][-1]["tracked_bytes"] >= (12 if masters else 8) * rank["numel"]
 
 
-def test_fp16_skipped_steps_without_distributed_optimizer(rank_pool):
+def test_fp16_skipped_steps_without_distributed_optimizer(rank_pool, reference_run):
     """fp16 with the dynamic loss scaler: the first steps overflow and are skipped, before
     and after the states exist; the host copies stay valid and nothing is copied then."""
     build = dict(
         use_distributed_optimizer=False,
         optimizer_overrides={"initial_loss_scale": 2.0**24, "hysteresis": 1},
     )
-    reference = rank_pool.run(train_job, "mlp", "fp16", 6, False, **build)
+    reference = reference_run(train_job, "mlp", "fp16", 6, False, **build)
     offloaded = rank_pool.run(train_job, "mlp", "fp16", 6, True, **build)
     assert_bitwise_equal(reference, offloaded)
     skipped = [not r["update_successful"] for r in reference[0]["results"]]
@@ -71,7 +71,7 @@ def test_fp16_skipped_steps_without_distributed_optimizer(rank_pool):
                 assert figures["d2h_copies"] == 0  # nothing changed, nothing copied
 
 
-def test_moe_chain_of_float16_optimizers(rank_pool):
+def test_moe_chain_of_float16_optimizers(rank_pool, reference_run):
     """Expert parallelism without the distributed optimizer: a ChainedOptimizer of two
     Float16OptimizerWithFloat16Params (dense and expert parameters), one engine each."""
     build = dict(
@@ -85,7 +85,7 @@ def test_moe_chain_of_float16_optimizers(rank_pool):
     )
     classes = rank_pool.run(classes_job, "gpt", "bf16", ep=2, **build)[0]
     assert classes == ["ChainedOptimizer"] + ["Float16OptimizerWithFloat16Params", "AdamW"] * 2
-    reference = rank_pool.run(train_job, "gpt", "bf16", 4, False, ep=2, **build)
+    reference = reference_run(train_job, "gpt", "bf16", 4, False, ep=2, **build)
     offloaded = rank_pool.run(train_job, "gpt", "bf16", 4, True, ep=2, **build)
     assert_bitwise_equal(reference, offloaded)
     for rank in offloaded:
@@ -104,7 +104,7 @@ def sgd_with_distributed_optimizer_job():
     return None
 
 
-def test_sgd_momentum_buffer_without_distributed_optimizer(rank_pool):
+def test_sgd_momentum_buffer_without_distributed_optimizer(rank_pool, reference_run):
     """torch SGD's momentum_buffer is found in the state like any moment; with the
     distributed optimizer megatron-core refuses SGD itself (--offload-optimizer-states lets
     that refusal stand)."""
@@ -114,7 +114,7 @@ def test_sgd_momentum_buffer_without_distributed_optimizer(rank_pool):
         "Float16OptimizerWithFloat16Params",
         "SGD",
     ]
-    reference = rank_pool.run(train_job, "mlp", "bf16", 4, False, **build)
+    reference = reference_run(train_job, "mlp", "bf16", 4, False, **build)
     offloaded = rank_pool.run(train_job, "mlp", "bf16", 4, True, **build)
     assert_bitwise_equal(reference, offloaded)
     assert_offloaded_between_steps(offloaded, expect_masters=True)
@@ -129,13 +129,15 @@ def test_sgd_momentum_buffer_without_distributed_optimizer(rank_pool):
 ADAM_CHUNK_BYTES = 2 * 140_000  # two slots of the largest matrix's moments ([256, 64]: 128 KiB)
 
 
-def test_adam_without_distributed_optimizer_skipped_step_rl_phase_checked_device(rank_pool):
+def test_adam_without_distributed_optimizer_skipped_step_rl_phase_checked_device(
+    rank_pool, reference_run
+):
     from tests.integration.adapters.test_emerging_optimizers import (
         _assert_offloaded_between_steps,
         emerging_job,
     )
 
-    reference = rank_pool.run(emerging_job, "adam", 5, False, skip_at=3, rl_at=1)
+    reference = reference_run(emerging_job, "adam", 5, False, skip_at=3, rl_at=1)
     offloaded = rank_pool.run(emerging_job, "adam", 5, True, skip_at=3, rl_at=1, checked=True)
     assert_bitwise_equal(reference, offloaded)
     updated = [r["update_successful"] for r in reference[0]["results"]]
@@ -153,13 +155,13 @@ def test_adam_without_distributed_optimizer_skipped_step_rl_phase_checked_device
         }
 
 
-def test_adam_without_distributed_optimizer_chunked_update(rank_pool):
+def test_adam_without_distributed_optimizer_chunked_update(rank_pool, reference_run):
     from tests.integration.adapters.test_emerging_optimizers import (
         _assert_offloaded_between_steps,
         emerging_job,
     )
 
-    reference = rank_pool.run(emerging_job, "adam", 4, False)
+    reference = reference_run(emerging_job, "adam", 4, False)
     offloaded = rank_pool.run(
         emerging_job,
         "adam",

@@ -282,9 +282,9 @@ CASES = {
         for name in CASES
     ],
 )
-def test_chunked_update_is_bitwise_and_bounded(rank_pool, name):
+def test_chunked_update_is_bitwise_and_bounded(rank_pool, name, reference_run):
     model, dtype, job, pool = CASES[name]
-    reference = rank_pool.run(chunked_job, model, dtype, offload=False, **job, **pool)
+    reference = reference_run(chunked_job, model, dtype, offload=False, **job, **pool)
     chunked = rank_pool.run(chunked_job, model, dtype, **job, **pool)
     assert_bitwise_equal(reference, chunked)
     _assert_bounded(reference, chunked, dtype)
@@ -319,21 +319,23 @@ PRECISION_AWARE_BF16 = optimizer_jobs.precision_aware(False, "bf16", "bf16", "fp
         pytest.param("apex", {}, id="apex"),
     ],
 )
-def test_chunked_update_with_fused_adam(rank_pool, kind, overrides):
+def test_chunked_update_with_fused_adam(rank_pool, kind, overrides, reference_run):
     """Per-group step counters (advanced once per step(), however many calls), FP8 moments
     streamed through their buffers, masters inside the state (precision-aware) streamed."""
     job = dict(chunk_fraction=0.25, kind=kind, overrides=overrides, build=dict(num_layers=4))
-    reference = rank_pool.run(chunked_job, "mlp", "bf16", offload=False, **job)
+    reference = reference_run(chunked_job, "mlp", "bf16", offload=False, **job)
     chunked = rank_pool.run(chunked_job, "mlp", "bf16", **job)
     assert_bitwise_equal(reference, chunked)
     _assert_bounded(reference, chunked, "bf16")
 
 
-def test_attached_mid_run_the_existing_states_are_streamed_from_the_next_step(rank_pool):
+def test_attached_mid_run_the_existing_states_are_streamed_from_the_next_step(
+    rank_pool, reference_run
+):
     """Attach after two steps without offloading: the states already exist, so attach moves
     them to the host at once and the first offloaded step streams them."""
     job = dict(chunk_fraction=0.25, build=dict(num_layers=4))
-    reference = rank_pool.run(chunked_job, "mlp", "fp32", offload=False, **job)
+    reference = reference_run(chunked_job, "mlp", "fp32", offload=False, **job)
     chunked = rank_pool.run(chunked_job, "mlp", "fp32", attach_at=2, **job)
     assert_bitwise_equal(reference, chunked)
     for rank in chunked:
@@ -342,12 +344,12 @@ def test_attached_mid_run_the_existing_states_are_streamed_from_the_next_step(ra
         assert max(rank["peaks"][2:]) <= rank["budget"] < max(rank["peaks"][:2])
 
 
-def test_a_state_created_late_joins_the_streamed_ones(rank_pool):
+def test_a_state_created_late_joins_the_streamed_ones(rank_pool, reference_run):
     """apex FusedAdam creates a parameter's state at its first gradient: here two steps after
     the others'. The new state is created alone, copied to the host, and from then on
     streamed with the rest, bitwise."""
     job = dict(chunk_fraction=0.25, kind="apex", build=dict(num_layers=4), drop_grads={0: 2, 5: 2})
-    reference = rank_pool.run(chunked_job, "mlp", "bf16", offload=False, **job)
+    reference = reference_run(chunked_job, "mlp", "bf16", offload=False, **job)
     chunked = rank_pool.run(chunked_job, "mlp", "bf16", **job)
     assert_bitwise_equal(reference, chunked)
     _assert_bounded(reference, chunked, "bf16")
@@ -376,10 +378,10 @@ def planted_group_step_job(*args, **kwargs):
         return chunked_job(*args, **kwargs)
 
 
-def test_planted_group_step_bug_is_caught(rank_pool):
+def test_planted_group_step_bug_is_caught(rank_pool, reference_run):
     """Negative control: letting the group step advance per call changes TE's bias correction."""
     job = dict(chunk_fraction=0.25, kind="te", build=dict(num_layers=4))
-    reference = rank_pool.run(chunked_job, "mlp", "bf16", offload=False, **job)
+    reference = reference_run(chunked_job, "mlp", "bf16", offload=False, **job)
     planted = rank_pool.run(planted_group_step_job, "mlp", "bf16", **job)
     again = rank_pool.run(chunked_job, "mlp", "bf16", **job)  # the plant is gone with its job
     with pytest.raises(AssertionError):
@@ -395,14 +397,16 @@ def test_planted_group_step_bug_is_caught(rank_pool):
         pytest.param("te", PRECISION_AWARE_FP8, "before", id="te-precision-aware-fp8"),
     ],
 )
-def test_a_step_failing_part_way_is_undone_and_can_be_run_again(rank_pool, kind, overrides, when):
+def test_a_step_failing_part_way_is_undone_and_can_be_run_again(
+    rank_pool, kind, overrides, when, reference_run
+):
     """An inner step call fails at step 2 after earlier calls updated their parameters (the
     third call; the first two streamed chunks were copied back): megatron's step raises, the
     chunked update undoes what the step changed, and the loop runs the iteration again. The
     run then equals one that never failed, bitwise (a half-undone step would update some
     parameters twice)."""
     job = dict(chunk_fraction=0.25, kind=kind, overrides=overrides, build=dict(num_layers=4))
-    reference = rank_pool.run(chunked_job, "mlp", "bf16", offload=False, **job)
+    reference = reference_run(chunked_job, "mlp", "bf16", offload=False, **job)
     failed = rank_pool.run(
         chunked_job, "mlp", "bf16", fail=(2, 3, when), options={"chunked_update_undo": True}, **job
     )

@@ -153,9 +153,9 @@ def test_floor_smoke_mlp_bf16(rank_pool):
     assert_offloaded_between_steps(offloaded, expect_masters=True)
 
 
-def test_masters_offloaded_before_the_first_step(rank_pool):
+def test_masters_offloaded_before_the_first_step(rank_pool, reference_run):
     kw = dict(overlap_grad_reduce=False, overlap_param_gather=False, bucket_size=None)
-    reference = rank_pool.run(train_job, "mlp", "bf16", 3, False, **kw)
+    reference = reference_run(train_job, "mlp", "bf16", 3, False, **kw)
     offloaded = rank_pool.run(
         train_job, "mlp", "bf16", 3, True, offload_before_first_step=True, **kw
     )
@@ -168,12 +168,12 @@ def test_masters_offloaded_before_the_first_step(rank_pool):
         assert rank["figures"][1]["tracked_bytes"] == 3 * first["tracked_bytes"]  # + 2 moments
 
 
-def test_attached_mid_run_the_existing_states_go_to_the_host_at_once(rank_pool):
+def test_attached_mid_run_the_existing_states_go_to_the_host_at_once(rank_pool, reference_run):
     """Attach after two steps (a run that loaded a checkpoint before attaching is the same):
     the states and masters that exist go to the host at attach, not at the next step's end,
     so the next forward and backward run without them."""
     kw = dict(overlap_grad_reduce=False, overlap_param_gather=False, bucket_size=None)
-    reference = rank_pool.run(train_job, "mlp", "bf16", 4, False, **kw)
+    reference = reference_run(train_job, "mlp", "bf16", 4, False, **kw)
     offloaded = rank_pool.run(train_job, "mlp", "bf16", 4, True, attach_at=2, **kw)
     assert_bitwise_equal(reference, offloaded)
     for rank in offloaded:
@@ -256,8 +256,8 @@ class _nothing:
         return False
 
 
-def test_resident_block_for_reads_and_in_place_changes(rank_pool):
-    reference = rank_pool.run(resident_job, False)
+def test_resident_block_for_reads_and_in_place_changes(rank_pool, reference_run):
+    reference = reference_run(resident_job, False)
     offloaded = rank_pool.run(resident_job, True)
     for ref, off in zip(reference, offloaded):
         assert ref["seen"]["read_only_sum"] == off["seen"]["read_only_sum"]
@@ -334,8 +334,8 @@ def prefetch_job(prefetch, offload=True):
 
 
 @pytest.mark.parametrize("prefetch", ["step", 0.5])
-def test_prefetch_point(rank_pool, prefetch):
-    reference = rank_pool.run(prefetch_job, "step", offload=False)
+def test_prefetch_point(rank_pool, prefetch, reference_run):
+    reference = reference_run(prefetch_job, "step", offload=False)
     offloaded = rank_pool.run(prefetch_job, prefetch)
     assert_bitwise_equal(reference, offloaded)
     for rank in offloaded:

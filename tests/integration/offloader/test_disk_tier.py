@@ -110,19 +110,12 @@ def disk_job(directory: str | None, chunked: bool):
     }
 
 
-@pytest.fixture(scope="module")
-def plain_run(rank_pool):
-    """The run without offloading (``sleep_job`` without a directory), made once for the
-    module: every job here trains the same steps from the same seeds. ``plain_run(True)``:
-    with the weight loads of ``sleep_job``'s ``refit``."""
-    runs = {}
-
-    def run(refit: bool = False):
-        if refit not in runs:
-            runs[refit] = rank_pool.run(sleep_job, None, refit)
-        return runs[refit]
-
-    return run
+@pytest.fixture
+def plain_run(reference_run):
+    """The run without offloading (``sleep_job`` without a directory): every job here trains
+    the same steps from the same seeds. ``plain_run(True)``: with ``sleep_job``'s weight
+    loads (``refit``)."""
+    return lambda refit=False: reference_run(sleep_job, None, refit)
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])

@@ -154,9 +154,11 @@ def _assert_offloaded_between_steps(reference, offloaded):
 
 
 @pytest.mark.parametrize("prefetch", [None, "step"], ids=["prefetch-gradients", "prefetch-step"])
-def test_offloaded_under_megatron_fsdp_trains_bitwise_with_nothing_held(rank_pool, prefetch):
+def test_offloaded_under_megatron_fsdp_trains_bitwise_with_nothing_held(
+    rank_pool, prefetch, reference_run
+):
     options = {"prefetch": prefetch} if prefetch else None
-    reference = rank_pool.run(fsdp_job, False)
+    reference = reference_run(fsdp_job, False)
     offloaded = rank_pool.run(fsdp_job, True, options=options)
     assert_bitwise_equal(reference, offloaded)
     _assert_offloaded_between_steps(reference, offloaded)
@@ -167,11 +169,13 @@ def test_offloaded_under_megatron_fsdp_trains_bitwise_with_nothing_held(rank_poo
 
 
 @pytest.mark.parametrize("strategy", ["optim_grads", "optim", "no_shard"])
-def test_the_other_sharding_strategies_bitwise_with_nothing_held(rank_pool, strategy):
+def test_the_other_sharding_strategies_bitwise_with_nothing_held(
+    rank_pool, strategy, reference_run
+):
     """optim_grads (parameters whole), optim (parameters and gradients whole), no_shard
     (nothing sharded: every rank holds whole masters and states): the masters are one buffer
     per parameter group all the same, released and regrown in place."""
-    reference = rank_pool.run(fsdp_job, False, steps=3, strategy=strategy)
+    reference = reference_run(fsdp_job, False, steps=3, strategy=strategy)
     offloaded = rank_pool.run(fsdp_job, True, steps=3, strategy=strategy)
     assert_bitwise_equal(reference, offloaded)
     _assert_offloaded_between_steps(reference, offloaded)
@@ -210,12 +214,12 @@ def test_hybrid_sharding_bitwise_with_nothing_held(rank_pool4, outer):
 
 
 @pytest.mark.parametrize("te", ["te", "te-precision-aware"])
-def test_transformer_engines_fused_adam_bitwise_with_nothing_held(rank_pool, te):
+def test_transformer_engines_fused_adam_bitwise_with_nothing_held(rank_pool, te, reference_run):
     """TE's FusedAdam (its CPU double) under Megatron-FSDP, plain and precision-aware (bf16
     moments, gradients in ``decoupled_grad``; megatron-core turns FusedAdam's own masters off
     under Megatron-FSDP: its buffers hold them): every state shard and master buffer
     offloaded, bitwise the run without."""
-    reference = rank_pool.run(fsdp_job, False, steps=3, te=te)
+    reference = reference_run(fsdp_job, False, steps=3, te=te)
     offloaded = rank_pool.run(fsdp_job, True, steps=3, te=te)
     assert_bitwise_equal(reference, offloaded)
     _assert_offloaded_between_steps(reference, offloaded)
@@ -226,10 +230,10 @@ def test_transformer_engines_fused_adam_bitwise_with_nothing_held(rank_pool, te)
         assert all(r["grad_norm"] > 0 for r in rank["results"]), rank["results"]
 
 
-def test_every_copy_ordered_under_the_checked_stream_model(rank_pool):
+def test_every_copy_ordered_under_the_checked_stream_model(rank_pool, reference_run):
     """Side streams deferred, memory poisoned until its copy ran: a missing wait raises or
     changes the comparison."""
-    reference = rank_pool.run(fsdp_job, False, steps=3)
+    reference = reference_run(fsdp_job, False, steps=3)
     offloaded = rank_pool.run(fsdp_job, True, steps=3, checked=True)
     assert_bitwise_equal(reference, offloaded)
     for rank in offloaded:
@@ -237,10 +241,10 @@ def test_every_copy_ordered_under_the_checked_stream_model(rank_pool):
         assert calls["use-after-h2d"] > 0 and calls["d2h-after-writers"] > 0, calls
 
 
-def test_mixture_of_experts_with_expert_parallelism_bitwise(rank_pool):
+def test_mixture_of_experts_with_expert_parallelism_bitwise(rank_pool, reference_run):
     """One optimizer holds the dense and the expert parameters (their own parameter groups
     and master buffers, sharded over the expert data-parallel group)."""
-    reference = rank_pool.run(fsdp_job, False, steps=3, moe=True, ep=2)
+    reference = reference_run(fsdp_job, False, steps=3, moe=True, ep=2)
     offloaded = rank_pool.run(fsdp_job, True, steps=3, moe=True, ep=2)
     assert_bitwise_equal(reference, offloaded)
     _assert_offloaded_between_steps(reference, offloaded)
@@ -282,8 +286,10 @@ def model_state_job(offload: bool):
     return out
 
 
-def test_the_modules_state_dict_reads_and_loads_the_masters_while_offloaded(rank_pool):
-    reference = rank_pool.run(model_state_job, False)
+def test_the_modules_state_dict_reads_and_loads_the_masters_while_offloaded(
+    rank_pool, reference_run
+):
+    reference = reference_run(model_state_job, False)
     offloaded = rank_pool.run(model_state_job, True)
     assert_bitwise_equal(reference, offloaded)
     for ref, off in zip(reference, offloaded):
@@ -356,8 +362,10 @@ def host_view_job(offload: bool):
     return out
 
 
-def test_a_host_view_serves_the_dtensors_from_the_host_copy_all_or_nothing(rank_pool):
-    reference = rank_pool.run(host_view_job, False)
+def test_a_host_view_serves_the_dtensors_from_the_host_copy_all_or_nothing(
+    rank_pool, reference_run
+):
+    reference = reference_run(host_view_job, False)
     offloaded = rank_pool.run(host_view_job, True)
     assert_bitwise_equal(
         [{k: r[k] for k in ("results", "snapshot")} for r in reference],
@@ -462,8 +470,10 @@ def nccl_pool_job(offload: bool):
     }
 
 
-def test_with_nccl_user_buffers_the_states_move_and_the_pooled_masters_stay(rank_pool):
-    reference = rank_pool.run(nccl_pool_job, False)
+def test_with_nccl_user_buffers_the_states_move_and_the_pooled_masters_stay(
+    rank_pool, reference_run
+):
+    reference = reference_run(nccl_pool_job, False)
     offloaded = rank_pool.run(nccl_pool_job, True)
     assert_bitwise_equal(reference, offloaded)
     for ref, off in zip(reference, offloaded):
@@ -545,8 +555,10 @@ def sleep_job(sleeps: bool, strategy="optim_grads_params", woken_by="wake"):
         ("double-buffer", "forward"),
     ],
 )
-def test_sleep_gives_up_every_buffer_and_wakes_bitwise(rank_pool, strategy, woken_by):
-    reference = rank_pool.run(sleep_job, False, strategy)
+def test_sleep_gives_up_every_buffer_and_wakes_bitwise(
+    rank_pool, strategy, woken_by, reference_run
+):
+    reference = reference_run(sleep_job, False, strategy)
     slept = rank_pool.run(sleep_job, True, strategy, woken_by)
     assert_bitwise_equal(
         [{k: r[k] for k in ("results", "snapshot")} for r in reference],
@@ -601,8 +613,8 @@ def refusal_job(what: str):
 
 
 @pytest.mark.parametrize("what", ["sleep-nccl-ub"])
-def test_what_stays_refused_under_megatron_fsdp_touches_nothing(rank_pool, what):
-    reference = rank_pool.run(fsdp_job, False, steps=3)
+def test_what_stays_refused_under_megatron_fsdp_touches_nothing(rank_pool, what, reference_run):
+    reference = reference_run(fsdp_job, False, steps=3)
     tried = rank_pool.run(refusal_job, what)
     for ref, run in zip(reference, tried):
         assert "Megatron-FSDP" in run["refused"] and "yet" in run["refused"], run["refused"]
@@ -617,7 +629,9 @@ CHUNKED_BUDGET = 256 * 1024
 
 
 @pytest.mark.parametrize("layout", ["dense", "moe-ep2"])
-def test_the_chunked_update_streams_the_state_shards_bitwise_with_nothing_held(rank_pool, layout):
+def test_the_chunked_update_streams_the_state_shards_bitwise_with_nothing_held(
+    rank_pool, layout, reference_run
+):
     """Under Megatron-FSDP the chunked update streams each rank's state shards (the locals of
     the optimizer's DTensors) through its slots, several update calls per step, the first
     step's new states included; the masters (``main_weight_buffer``) come back whole for the
@@ -625,7 +639,7 @@ def test_the_chunked_update_streams_the_state_shards_bitwise_with_nothing_held(r
     plain run, the states' footprint within the budget during every step, 0 bytes between.
     With MoE on 2 expert-parallel ranks one optimizer streams the dense and expert shards."""
     model = dict(moe=True, ep=2) if layout == "moe-ep2" else {}
-    reference = rank_pool.run(fsdp_job, False, steps=3, **model)
+    reference = reference_run(fsdp_job, False, steps=3, **model)
     chunked = rank_pool.run(
         fsdp_job,
         True,
@@ -645,12 +659,12 @@ def test_the_chunked_update_streams_the_state_shards_bitwise_with_nothing_held(r
     assert_bitwise_equal(reference, chunked)
 
 
-def test_a_chunked_step_failing_part_way_is_undone_and_run_again_bitwise(rank_pool):
+def test_a_chunked_step_failing_part_way_is_undone_and_run_again_bitwise(rank_pool, reference_run):
     """With ``chunked_update_undo``, the update calls of a step write the DTensor parameters'
     and states' local shards: the second call of step 2 fails after its update, the step is
     undone (the first call's shards written back too), and the iteration run again equals the
     run that never failed. Without the undo the first call's update would be applied twice."""
-    reference = rank_pool.run(fsdp_job, False, steps=3)
+    reference = reference_run(fsdp_job, False, steps=3)
     failed = rank_pool.run(
         fsdp_job,
         True,
