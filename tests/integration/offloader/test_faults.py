@@ -126,9 +126,11 @@ def reload_fault_job(where: str):
 
 
 @pytest.mark.parametrize("where", ["reload", "step"])
-def test_an_out_of_memory_at_any_allocation_of_a_reload_holds_nothing(rank_pool, where):
+def test_an_out_of_memory_at_any_allocation_of_a_reload_holds_nothing(
+    rank_pool, where, reference_run
+):
     runs = rank_pool.run(reload_fault_job, where)
-    references = rank_pool.run(reference_job, steps=runs[0]["steps"])
+    references = reference_run(reference_job, steps=runs[0]["steps"])
     for reference, run in zip(references, runs):
         assert run["count"] >= 3, run["count"]  # several pieces: faults between them
         assert len(run["faults"]) == len(_points(run["count"]))
@@ -163,11 +165,13 @@ def update_fault_job(fail_at: int, options: dict):
 
 
 @pytest.mark.parametrize("mode", ["whole", "chunked"])
-def test_an_update_that_raises_part_way_leaves_the_states_off_the_device(rank_pool, mode):
+def test_an_update_that_raises_part_way_leaves_the_states_off_the_device(
+    rank_pool, mode, reference_run
+):
     """The chunked update streams the states chunk by chunk; failing in a later chunk, what the
     earlier ones wrote went back to the host, as the plain run keeps its partial update."""
     fail_at = 3 if mode == "whole" else 20  # some parameters updated, the rest not
-    references = rank_pool.run(reference_job, fail_update_at=fail_at)
+    references = reference_run(reference_job, fail_update_at=fail_at)
     runs = rank_pool.run(update_fault_job, fail_at, PIECES if mode == "whole" else CHUNKED)
     for reference, run in zip(references, runs):
         after = run["after"]
@@ -231,8 +235,10 @@ def frozen_reference_job():
 
 
 @pytest.mark.parametrize("failing", ["every rank", "rank 1"])
-def test_a_wake_that_meets_an_out_of_memory_keeps_everything_and_works_again(rank_pool, failing):
-    references = rank_pool.run(frozen_reference_job)
+def test_a_wake_that_meets_an_out_of_memory_keeps_everything_and_works_again(
+    rank_pool, failing, reference_run
+):
+    references = reference_run(frozen_reference_job)
     runs = rank_pool.run(wake_fault_job, None if failing == "every rank" else 1)
     for rank, (reference, run) in enumerate(zip(references, runs)):
         assert run["count"] >= 4, run["count"]  # gradients, parameters, masters' pieces
@@ -305,8 +311,10 @@ def _device_bytes_mlp(optimizer) -> int:
     return total
 
 
-def test_a_full_disk_during_a_save_while_offloaded_loses_nothing(rank_pool, tmp_path):
-    references = rank_pool.run(full_disk_job, False, str(tmp_path / "plain"))
+def test_a_full_disk_during_a_save_while_offloaded_loses_nothing(
+    rank_pool, tmp_path, reference_run
+):
+    references = reference_run(full_disk_job, False, str(tmp_path / "plain"))
     runs = rank_pool.run(full_disk_job, True, str(tmp_path / "offload"))
     for reference, run in zip(references, runs):
         assert run["raised"] is not None and run["writes_failed"] > 0, run["raised"]
@@ -358,8 +366,10 @@ def interrupt_job():
     return {**found, **_finish(chunks, optimizer, config, offloader, results)}
 
 
-def test_an_interrupt_inside_a_copy_leaves_a_state_the_same_call_completes(rank_pool):
-    references = rank_pool.run(reference_job)
+def test_an_interrupt_inside_a_copy_leaves_a_state_the_same_call_completes(
+    rank_pool, reference_run
+):
+    references = reference_run(reference_job)
     runs = rank_pool.run(interrupt_job)
     for reference, run in zip(references, runs):
         points = len(_points(run["pieces"]))
@@ -452,10 +462,10 @@ def retried_reference_job(retried: int, steps: int):
     return _finish(chunks, optimizer, config, None, results, steps)
 
 
-def test_the_chunked_update_meeting_an_out_of_memory_holds_nothing(rank_pool):
+def test_the_chunked_update_meeting_an_out_of_memory_holds_nothing(rank_pool, reference_run):
     runs = rank_pool.run(chunked_fault_job)
     retried = len(runs[0]["faults"])
-    references = rank_pool.run(retried_reference_job, retried, runs[0]["steps"])
+    references = reference_run(retried_reference_job, retried, runs[0]["steps"])
     for reference, run in zip(references, runs):
         assert run["count"] >= 2 and None not in run["faults"], run["faults"]  # every slot
         for fault in run["faults"]:
@@ -508,8 +518,10 @@ def corrupt_checkpoint_job(offload: bool, directory: str):
     return found
 
 
-def test_a_checkpoint_cut_short_fails_its_load_and_the_good_one_resumes(rank_pool, tmp_path):
-    references = rank_pool.run(corrupt_checkpoint_job, False, str(tmp_path / "plain"))
+def test_a_checkpoint_cut_short_fails_its_load_and_the_good_one_resumes(
+    rank_pool, tmp_path, reference_run
+):
+    references = reference_run(corrupt_checkpoint_job, False, str(tmp_path / "plain"))
     runs = rank_pool.run(corrupt_checkpoint_job, True, str(tmp_path / "offload"))
     for reference, run in zip(references, runs):
         assert run["raised"] is not None and run["raised"] == reference["raised"], run["raised"]
@@ -598,8 +610,8 @@ def load_fault_job(offload: bool):
     return {**found, "results": results, "snapshot": models.snapshot(chunks, optimizer)}
 
 
-def test_a_load_while_offloaded_meeting_an_out_of_memory_holds_nothing(rank_pool):
-    references = rank_pool.run(load_fault_job, False)
+def test_a_load_while_offloaded_meeting_an_out_of_memory_holds_nothing(rank_pool, reference_run):
+    references = reference_run(load_fault_job, False)
     runs = rank_pool.run(load_fault_job, True)
     for reference, run in zip(references, runs):
         assert run["count"] >= 3, run["count"]
@@ -642,8 +654,10 @@ def after_step_fault_job(fail: bool):
     return {**found, **_finish(chunks, optimizer, config, offloader, results)}
 
 
-def test_an_offload_after_the_step_meeting_an_out_of_memory_warns_and_goes_on(rank_pool):
-    references = rank_pool.run(reference_sgd_job)
+def test_an_offload_after_the_step_meeting_an_out_of_memory_warns_and_goes_on(
+    rank_pool, reference_run
+):
+    references = reference_run(reference_sgd_job)
     clean = rank_pool.run(after_step_fault_job, False)
     runs = rank_pool.run(after_step_fault_job, True)
     for reference, ok, run in zip(references, clean, runs):
@@ -723,8 +737,8 @@ def sleep_fault_job(failing_rank: int | None = None):
 
 
 @pytest.mark.parametrize("failing", ["every rank", "rank 1"])
-def test_a_sleep_the_system_refuses_host_memory_gives_up_nothing(rank_pool, failing):
-    references = rank_pool.run(frozen_reference_job)
+def test_a_sleep_the_system_refuses_host_memory_gives_up_nothing(rank_pool, failing, reference_run):
+    references = reference_run(frozen_reference_job)
     runs = rank_pool.run(sleep_fault_job, None if failing == "every rank" else 1)
     for rank, (reference, run) in enumerate(zip(references, runs)):
         assert run["count"] >= 1 and run["raised"] is not None, run

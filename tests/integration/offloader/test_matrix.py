@@ -253,21 +253,21 @@ def test_matrix_offloading_is_bitwise_invisible(rank_pool, request, case):
 
 
 @pytest.mark.parametrize("plant", ["stale-host-copy", "reload-drops-a-tensor"])
-def test_planted_bug_makes_the_matrix_fail(rank_pool, plant):
+def test_planted_bug_makes_the_matrix_fail(rank_pool, plant, reference_run):
     """Negative control: a broken offloader must not pass the comparison above."""
     case = ("dp2", "bf16", "mlp", True, False, 1000, 1)
-    reference = rank_pool.run(matrix_job, *case, offload=False)
+    reference = reference_run(matrix_job, *case, offload=False)
     sabotaged = rank_pool.run(matrix_job, *case, offload=True, plant=plant)
     assert _compare(reference, sabotaged) != []
     # The job undid its plant: the same rank processes train correctly again.
     assert _compare(reference, rank_pool.run(matrix_job, *case, offload=True)) == []
 
 
-def test_per_optimizer_selection_in_a_moe_model(rank_pool):
+def test_per_optimizer_selection_in_a_moe_model(rank_pool, reference_run):
     """Keep the expert optimizer's masters on the device, offload everything else."""
     case = ("moe", "bf16", "gpt", True, True, 1000, 1)
     options = {"per_optimizer": {1: {"offload_master_weights": False}}}
-    reference = rank_pool.run(matrix_job, *case, offload=False, ep=2)
+    reference = reference_run(matrix_job, *case, offload=False, ep=2)
     offloaded = rank_pool.run(matrix_job, *case, offload=True, options=options, ep=2)
     assert _compare(reference, offloaded) == []
     for off in offloaded:
@@ -280,12 +280,12 @@ def test_per_optimizer_selection_in_a_moe_model(rank_pool):
     "case",
     [("dp2", "fp16", "mlp", True, True, 1000, 2), ("moe", "bf16", "gpt", True, False, 1000, 1)],
 )
-def test_matrix_cases_under_the_checked_stream_model(rank_pool, case):
+def test_matrix_cases_under_the_checked_stream_model(rank_pool, case, reference_run):
     """Skipped steps (loss scaler and grad-norm), overlaps, accumulation and a chained MoE
     optimizer with side streams deferred and fresh memory poisoned: any missing wait
     raises in the ranks or corrupts the comparison."""
     extra = {"ep": 2} if case[0] == "moe" else {}
-    reference = rank_pool.run(matrix_job, *case, offload=False, **extra)
+    reference = reference_run(matrix_job, *case, offload=False, **extra)
     checked = rank_pool.run(
         matrix_job, *case, offload=True, checked=True, options={"max_piece_bytes": PIECE}, **extra
     )
