@@ -22,7 +22,9 @@ the same moment of a noisy disk (which goes first alternates):
 Reported: the medians of each (GB/s), the ratios tier / plain (the goal: at least 0.8 each
 way), the host memory the tier holds after an offload (the arena and staging, plus the page
 cache of its file by ``mincore``) against the budget, and the cycle time of the disk tier, of
-the host tier and of no offloading (0: nothing moves). ``--json PATH`` writes every figure.
+the host tier and of no offloading (0: nothing moves), and the share of CPU time a hypervisor
+stole during the repeats (``/proc/stat``; the ratio depends on it here: docs/disk-tier.md).
+``--json PATH`` writes every figure.
 """
 
 from __future__ import annotations
@@ -114,6 +116,32 @@ def _plain(directory: str, source: memoryview, direct: bool) -> tuple[float, flo
     return middle - start, end - middle, fresh_end - again
 
 
+def cpu_times(stat: str | None = None) -> tuple[int, int] | None:
+    """(all CPU time, the part stolen by the hypervisor) in clock ticks since boot, from the
+    ``cpu`` line of ``/proc/stat`` (or ``stat``, its text); None where there is none."""
+    if stat is None:
+        try:
+            with open("/proc/stat", encoding="ascii") as source:
+                stat = source.read()
+        except OSError:
+            return None
+    for line in stat.splitlines():
+        fields = line.split()
+        if fields and fields[0] == "cpu" and len(fields) > 8:
+            # user nice system idle iowait irq softirq steal [guest guest_nice]: guest time
+            # is counted in user time already.
+            ticks = [int(value) for value in fields[1:9]]
+            return sum(ticks), ticks[7]
+    return None
+
+
+def steal_share(before, after) -> float | None:
+    """The share of the CPU time between two ``cpu_times`` that the hypervisor stole."""
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    return (after[1] - before[1]) / (after[0] - before[0])
+
+
 def _read_all(fd: int, view: memoryview) -> None:
     done = 0
     while done < len(view):
@@ -168,6 +196,9 @@ def measure(
     torch.frombuffer(mapping, dtype=torch.uint8).random_(generator=torch.Generator().manual_seed(1))
     source = memoryview(mapping)
     rows = {"tier": [], "plain": [], "host": []}
+    # On a virtual machine the host may take the CPUs away for a while (steal): that slows the
+    # tier, whose threads hand each chunk on, far more than one plain write.
+    before = cpu_times()
     for index in range(repeats):
         # Which side goes first alternates: a write right after another one's is slowed by
         # the disk still writing that one back (on a virtual disk, its host's cache).
@@ -178,6 +209,7 @@ def measure(
         for side in sides if index % 2 == 0 else sides[::-1]:
             side()
         rows["host"].append(_cycle(host, device))
+    stolen = steal_share(before, cpu_times())
     disk.close()
     host.close()
 
@@ -201,6 +233,7 @@ def measure(
         "no offloading": 0.0,
     }
     figures["held"] = held
+    figures["cpu_steal"] = stolen
     figures["bitwise"] = bitwise
     figures["met"] = (
         bitwise
@@ -240,6 +273,12 @@ def report(figures: dict) -> str:
     lines.append(
         "cycle (offload + reload): "
         + ", ".join(f"{name} {ms:.0f} ms" for name, ms in cycle.items())
+    )
+    stolen = figures["cpu_steal"]
+    lines.append(
+        "CPU stolen by the hypervisor during the repeats: "
+        + ("not known (no /proc/stat)" if stolen is None else f"{stolen:.0%}")
+        + " (the tier's threads suffer from it, one plain write hardly)"
     )
     lines.append(f"goals met: {figures['met']}")
     return "\n".join(lines)

@@ -32,5 +32,22 @@ def test_the_disk_tier_benchmark_measures_both_sides(tmp_path_factory):
         )
     cycle = figures["cycle_ms"]
     assert cycle["disk tier"] > 0 and cycle["host tier"] > 0 and cycle["no offloading"] == 0
+    stolen = figures["cpu_steal"]
+    assert stolen is None or 0 <= stolen < 1, stolen
     printed = report(figures)
     assert "ratio" in printed and "page cache of the file 0 bytes" in printed
+    assert "CPU stolen by the hypervisor during the repeats" in printed
+
+
+def test_the_steal_share_is_read_from_the_cpu_line():
+    """``/proc/stat``'s ``cpu`` line: user nice system idle iowait irq softirq steal guest
+    guest_nice (guest time is inside user time, so not added again)."""
+    from benchmarks.disk_tier import cpu_times, steal_share
+
+    before = cpu_times("cpu  100 0 50 800 10 0 0 40 7 0\ncpu0 50 0 25 400 5 0 0 20 7 0\n")
+    after = cpu_times("cpu  160 0 70 900 10 0 0 110 9 0\n")
+    assert before == (1000, 40) and after == (1250, 110)
+    assert steal_share(before, after) == 70 / 250
+    assert steal_share(before, before) is None and steal_share(None, after) is None
+    assert cpu_times("intr 1 2 3\n") is None
+    assert cpu_times() is None or cpu_times()[0] > 0
