@@ -1,7 +1,8 @@
 """``benchmarks/disk_tier.py`` at a small size: the tier's bytes come back bitwise, it holds
 no page cache after an offload and no more host memory than its budget, and every figure the
 report prints is measured (a GB/s for each side and way, the ratios between them). The ratio
-itself depends on the disk and its load at the moment: it is read from a full run
+itself depends on the disk, its load and the CPU a hypervisor leaves at the moment (the run
+prints the share stolen): it is read from a full run
 (``python -m benchmarks.disk_tier``), not asserted here."""
 
 from __future__ import annotations
