@@ -133,8 +133,19 @@ class _CudaOnCpuMode(TorchFunctionMode):
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs) if kwargs else {}
-        if func is torch.Tensor.type:
+        # Every torch call of the process passes here: the common case (no device, none of
+        # the three methods) returns at once.
+        if func is _TYPE or func is _CUDA or func is _TO:
+            return self._redirect(func, args, dict(kwargs) if kwargs else {})
+        if kwargs:
+            if _is_cuda_device(kwargs.get("device")):
+                kwargs = {**kwargs, "device": "cpu"}
+            return func(*args, **kwargs)
+        return func(*args)
+
+    @staticmethod
+    def _redirect(func, args, kwargs):
+        if func is _TYPE:
             if len(args) == 1 and not kwargs:
                 return _cuda_type_name(func(*args))
             if len(args) > 1:
@@ -142,14 +153,18 @@ class _CudaOnCpuMode(TorchFunctionMode):
             if "dtype" in kwargs:
                 kwargs["dtype"] = _cpu_type_name(kwargs["dtype"])
             return func(*args, **kwargs)
-        if func is torch.Tensor.cuda:
+        if func is _CUDA:
             # A real .cuda() returns the tensor itself when it already lives on the device.
             return args[0]
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+        if len(args) > 1 and _is_cuda_device(args[1]):  # Tensor.to
             args = (args[0], "cpu") + tuple(args[2:])
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = "cpu"
         return func(*args, **kwargs)
+
+
+# The tensor methods the mode rewrites whatever their arguments.
+_TYPE, _CUDA, _TO = torch.Tensor.type, torch.Tensor.cuda, torch.Tensor.to
 
 
 class _PlainPinning(TorchFunctionMode):
@@ -203,6 +218,13 @@ def _current_device():
     return 0 if caller.endswith(_FSDP_MODULE) else torch.device("cpu")
 
 
+def _eager_compile(model=None, **options):
+    """``torch.compile`` on CPU ranks: ``model`` itself, run eagerly."""
+    if model is None:  # @torch.compile(...) as a decorator factory
+        return lambda model: model
+    return model
+
+
 def install() -> None:
     """Redirect megatron-core's CUDA assumptions to the CPU for this whole process (idempotent).
 
@@ -216,10 +238,15 @@ def install() -> None:
     # megatron.core.jit wraps fused helpers (bias-gelu, bias-dropout-add) in torch.compile.
     # The model builders run either way, but megatron.training's JIT warm-up compiles them at
     # start-up and fails under the function mode below. The eager versions compute the same.
-    os.environ["TORCH_COMPILE_DISABLE"] = "1"
-    import torch._dynamo.config as dynamo_config
+    # torch.compile hands back what it is given (what it returns under TORCHDYNAMO_DISABLE):
+    # its wrapper, which would only run the function eagerly here, imports dynamo and inductor
+    # to be built, some 2 s of a core in every process that imports megatron-core after this.
+    os.environ["TORCH_COMPILE_DISABLE"] = "1"  # dynamo, if imported later, reads it
+    _patch(torch, "compile", _eager_compile)
+    if "torch._dynamo" in sys.modules:  # compiled before this: run eagerly too
+        import torch._dynamo.config as dynamo_config
 
-    _patch(dynamo_config, "disable", True)
+        _patch(dynamo_config, "disable", True)
 
     cuda = torch.cuda
     # Needed: ParamAndGradBuffer, DistributedOptimizer, tensor_parallel layers and
