@@ -28,6 +28,12 @@ def stand_ins_job():
         "cuda": t.cuda() is t,
         "to": t.to("cuda").device.type,
         "zeros": torch.zeros(2, device="cuda").device.type,
+        # The device as a keyword, a torch.device and a bare index.
+        "keyword": (
+            t.to(device="cuda:0").device.type,
+            torch.empty(1, device=torch.device("cuda")).device.type,
+            torch.ones(1, device=0).device.type,
+        ),
         "available": (torch.cuda.is_available(), torch.accelerator.is_available()),
     }
 
@@ -39,4 +45,30 @@ def test_cuda_stand_ins_behave_as_a_cpu_would(rank_pool):
     assert found["type"] == "torch.cuda.FloatTensor"  # what megatron-core checks for
     assert found["type_cast"] and found["type_dtype"] and found["cuda"]
     assert found["to"] == found["zeros"] == "cpu"
+    assert found["keyword"] == ("cpu", "cpu", "cpu")
     assert found["available"] == (False, False)  # the offloader still sees a CPU machine
+
+
+def _fused(x):
+    return x * 2
+
+
+def compile_job():
+    import torch
+    from megatron.core import jit
+
+    return {
+        "compile": torch.compile(_fused) is _fused,
+        "factory": torch.compile(mode="max-autotune", fullgraph=True)(_fused) is _fused,
+        # Bound when megatron-core was imported, after install() in the rank.
+        "jit_fuser": jit.jit_fuser(_fused) is _fused,
+    }
+
+
+def test_compiled_helpers_are_the_functions_themselves(rank_pool):
+    """Compilation is off on CPU ranks, so megatron-core's ``torch.compile``-wrapped helpers
+    only ever ran eagerly; ``install()`` makes ``torch.compile`` hand the function back, and
+    building no wrapper imports neither dynamo nor inductor (2 s of a core in each process
+    that imports megatron-core: docs/testing.md)."""
+    found = rank_pool.run(compile_job)
+    assert all(rank == {"compile": True, "factory": True, "jit_fuser": True} for rank in found)
