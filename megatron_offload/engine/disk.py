@@ -54,9 +54,15 @@ NETWORK_FILESYSTEMS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph",
 #: ``check_readable`` reads this many bytes per ``pread`` (a scratch buffer of this size).
 READ_CHUNK = 8 << 20
 #: A staging buffer is this many parts, each of (at most) ``STAGING_PART`` bytes: the I/O
-#: thread reads or writes one part while the others are copied (``staging_bytes``).
+#: threads read or write the others while one part is copied (``staging_bytes``).
 PARTS = 4
 STAGING_PART = 16 << 20
+#: The threads that write the parts: up to this many writes at once while the thread that
+#: copies fills another part. A direct write queues only the requests of its own chunk, and a
+#: disk reaches its rate with several queued (docs/disk-tier.md measures one and three). Reads
+#: stay on one thread: they go through the page cache, whose readahead keeps the disk's queue
+#: full, and parallel reads measured slower.
+WRITE_THREADS = PARTS - 1
 
 
 def page_size() -> int:
@@ -200,7 +206,7 @@ class DiskFile:
         """``source`` (a contiguous device tensor) into ``host`` (its range of ``buffer``, as
         long), through ``staging`` (a host buffer of ``staging_bytes``, in ``PARTS`` parts):
         each chunk is copied out on the current stream into a part, the host waits for that
-        copy, and the I/O thread writes the part while the next chunks are copied out. Then
+        copy, and an I/O thread writes the part while the next chunks are copied out. Then
         the file is written back and the range dropped where the writes went through the page
         cache (without direct I/O). Faster than copying through the mapping, whose page
         faults read every page before it is overwritten. Raises ``DiskTierError`` on a write
@@ -227,11 +233,11 @@ class DiskFile:
                     if error is not None:
                         raise self._failed("writing", error, KEPT) from error
                 device.copy(parts[slot][:size], source[start : start + size])
-                # The I/O thread reads the part: the copy into it must be complete.
+                # An I/O thread reads the part: the copy into it must be complete.
                 device.synchronize_event(
                     device.record_event(device.current_stream()), label=HOST_READ_AFTER_D2H
                 )
-                pending[slot] = _io().submit(self._pwrite, parts[slot], size, offset + start)
+                pending[slot] = _io("write").submit(self._pwrite, parts[slot], size, offset + start)
         finally:
             # Every write is waited for, even after an error: none may read the staging later.
             errors = [f.exception() for f in pending if f is not None]
@@ -243,7 +249,7 @@ class DiskFile:
 
     def read(self, destination: torch.Tensor, host: torch.Tensor, staging: torch.Tensor, device):
         """``host`` (a range of ``buffer``) into ``destination`` (a contiguous device tensor
-        as long), through ``staging``: the I/O thread reads the chunks with ``pread`` into the
+        as long), through ``staging``: an I/O thread reads the chunks with ``pread`` into the
         parts, up to ``PARTS`` ahead, while the chunks read are copied in on the current
         stream; a part is refilled once the host saw its copy in complete. Raises
         ``DiskTierError`` on a read error or a short read (``destination`` then holds part of
@@ -267,7 +273,7 @@ class DiskFile:
         def submit(index: int) -> None:
             size = min(step, nbytes - starts[index])
             part = parts[index % len(parts)]
-            reads[index] = _io().submit(self._pread, part, size, offset + starts[index])
+            reads[index] = _io("read").submit(self._pread, part, size, offset + starts[index])
 
         try:
             for index in range(min(len(parts), len(starts))):
@@ -448,17 +454,21 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * tensor.numel()).from_address(tensor.data_ptr())).cast("B")
 
 
-_POOL: tuple[int, ThreadPoolExecutor] | None = None  # (the process it was made in, the pool)
+# "write" or "read" -> (the process it was made in, its pool).
+_POOLS: dict[str, tuple[int, ThreadPoolExecutor]] = {}
 
 
-def _io() -> ThreadPoolExecutor:
-    """The disk tier's I/O thread (one per process, made at its first use): the writes and
-    reads run there, off the thread that issues the copies. A forked child (a DataLoader
-    worker, a checkpoint writer) has no thread behind its parent's pool: it makes its own."""
-    global _POOL
-    if _POOL is None or _POOL[0] != os.getpid():
-        _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-disk"))
-    return _POOL[1]
+def _io(kind: str) -> ThreadPoolExecutor:
+    """The disk tier's I/O threads for ``kind``, "write" (``WRITE_THREADS`` of them) or "read"
+    (one), made at their first use: the writes and reads run there, off the thread that
+    issues the copies. A forked child (a DataLoader worker, a checkpoint writer) has no thread
+    behind its parent's pools: it makes its own."""
+    made = _POOLS.get(kind)
+    if made is None or made[0] != os.getpid():
+        threads = WRITE_THREADS if kind == "write" else 1
+        made = (os.getpid(), ThreadPoolExecutor(threads, thread_name_prefix=f"offload-{kind}"))
+        _POOLS[kind] = made
+    return made[1]
 
 
 # mincore(2) from the C library: int mincore(void *addr, size_t length, unsigned char *vec).

@@ -52,3 +52,23 @@ def test_the_steal_share_is_read_from_the_cpu_line():
     assert steal_share(before, before) is None and steal_share(None, after) is None
     assert cpu_times("intr 1 2 3\n") is None
     assert cpu_times() is None or cpu_times()[0] > 0
+
+
+def test_the_write_threads_benchmark_measures_each_count_and_puts_the_pool_back(
+    tmp_path_factory,
+):
+    """``benchmarks/disk_write_threads.py`` at a small size: a rate for each thread count and
+    the plain write, each repeat counted once per comparison, and the tier's own write pool in
+    place afterwards (the benchmark swaps it between cycles)."""
+    from benchmarks.disk_write_threads import THREADS, measure, report
+    from megatron_offload.engine import disk
+    from tests.harness.disk import disk_directory
+
+    figures = measure(mib=8, directory=disk_directory(tmp_path_factory), repeats=2, piece_mib=4)
+    assert figures["disk_tier_bytes"] == 8 << 20
+    for key in [str(n) for n in THREADS] + ["plain"]:
+        assert len(figures["gbps"][key]) == 2 and figures["median_gbps"][key] > 0, key
+    assert set(figures["beat_one_thread"]) == {str(n) for n in THREADS[1:]}
+    assert all(0 <= won <= 2 for won in figures["beat_one_thread"].values())
+    assert disk._io("write")._max_workers == disk.WRITE_THREADS
+    assert "3 write threads" in report(figures)

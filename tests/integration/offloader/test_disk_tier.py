@@ -150,13 +150,14 @@ def test_a_budget_under_half_trains_bitwise_with_the_rest_on_disk(
 def _failing(name: str, code: int, *, times: int = 1, result=None):
     """Make ``os.<name>`` fail with ``code`` for its next ``times`` calls (``result``: return
     that instead of raising); returns the undo."""
+    import itertools
     import os
 
-    original, left = getattr(os, name), [times]
+    # The I/O threads call it at once: the calls are counted atomically.
+    original, calls = getattr(os, name), itertools.count()
 
     def failing(*args, **kwargs):
-        if left[0] > 0:
-            left[0] -= 1
+        if next(calls) < times:
             if result is not None:
                 return result
             raise OSError(code, os.strerror(code))

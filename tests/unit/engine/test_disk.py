@@ -16,6 +16,7 @@ killed with SIGKILL) or are real (a file larger than the disk's free space).
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import signal
 import subprocess
@@ -235,6 +236,47 @@ def test_staged_writes_and_reads_are_bitwise_and_leave_no_page_cache(directory, 
     file.close()
 
 
+def test_several_parts_are_written_at_once(directory, monkeypatch):
+    """The I/O threads write ``WRITE_THREADS`` parts of the staging at once while the next part is
+    copied (a disk reaches its rate only with several requests queued), and the bytes arrive
+    whole: each ``pwrite`` here takes 50 ms, so the writes of one call overlap only if
+    several run at the same time."""
+    import threading
+    import time
+
+    from megatron_offload.device.cpu import CPUDevice
+    from megatron_offload.engine.disk import PARTS, WRITE_THREADS, staging_bytes
+
+    assert 1 < WRITE_THREADS < PARTS  # one part is always free to be filled
+    device = CPUDevice()
+    file = DiskTier(directory).file(8 * MIB)
+    staging = device.host_buffer(staging_bytes(MIB))  # parts of a MiB: 8 chunks
+    source = torch.randn(2 * MIB, generator=torch.Generator().manual_seed(2))
+    host = file.buffer[: source.numel() * 4].view(torch.float32)
+    lock, running, most = threading.Lock(), [0], [0]
+    original = os.pwrite
+
+    def slow(fd, view, offset):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.05)
+        try:
+            return original(fd, view, offset)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(os, "pwrite", slow)
+    file.write(host, source, staging, device)
+    monkeypatch.undo()
+    assert most[0] == WRITE_THREADS
+    back = torch.empty_like(source)
+    file.read(back, host, staging, device)
+    assert torch.equal(back, source)
+    file.close()
+
+
 def test_a_staged_write_or_read_error_raises_and_leaves_the_source(directory, monkeypatch):
     from megatron_offload.device.cpu import CPUDevice
     from megatron_offload.engine.disk import staging_bytes
@@ -245,11 +287,10 @@ def test_a_staged_write_or_read_error_raises_and_leaves_the_source(directory, mo
     source = torch.arange(MIB, dtype=torch.float32)
     before = source.clone()
     host = file.buffer[: source.numel() * 4].view(torch.float32)
-    calls = []
+    calls = itertools.count(1)  # the I/O threads write at once: counted atomically
 
     def failing(fd, view, offset):
-        calls.append(offset)
-        if len(calls) == 3:
+        if next(calls) == 3:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return os.write(os.open(os.devnull, os.O_WRONLY), view)
 
