@@ -4,7 +4,7 @@
 #     every rank and isolated process included, and prints the line coverage of
 #     megatron_offload/;
 #  2. the smoke set marked `floor` on megatron-core 0.16.1 (Python 3.11);
-#  3. the functional tests (torchrun launches of the example pretrain script) in the main
+#  3. the functional tests (the example pretrain script on 2 and 4 ranks) in the main
 #     environment, without coverage (their launches would cost a quarter more under it);
 #  4. the smoke set and the tests marked `line` (the example pretrain script through the
 #     launcher, bitwise on vs. off and against the line's golden file; the line's source

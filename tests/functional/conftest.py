@@ -1,4 +1,4 @@
-"""Functional tests: examples/pretrain_gpt.py under torchrun, offloading on and off.
+"""Functional tests: examples/pretrain_gpt.py launched as torchrun launches it, offloading on and off.
 
 Tests marked ``gpu`` run the same cases with NCCL on GPUs. Where no GPU exists they are
 skipped with that reason (visible in the summary); where GPUs exist they run, and fail (never
