@@ -17,7 +17,10 @@
 # and, before all of them, `ruff check` and `ruff format --check` (pyproject.toml).
 # 1 then 2 run in the foreground; 3 to 6 (each environment built just before its run) go one
 # after the other beside them (1 leaves a core idle much of the time: process starts, waits for
-# rank processes); their output is printed after 2's. Extra arguments go to 1.
+# rank processes); their output is printed after 2's. Extra arguments go to 1. Two modules of
+# 1, Megatron-FSDP's (about 2 minutes of a session on their own), run first in the second
+# stream, under coverage too: with the functional tests' ranks forked, the first stream is
+# the longer one by minutes (docs/testing.md). With extra arguments all of 1 runs in 1.
 # It ends with one line per stage (passed or failed, with pytest's FAILED/ERROR lines), so the
 # last lines of a log say what failed.
 set -uo pipefail
@@ -53,10 +56,25 @@ no_tests() {  # pytest's "no tests ran" (exit 5) is a failure too
   return 0
 }
 
+# Coverage data of every process of 1, the modules run beside it included (.coveragerc:
+# parallel), combined after both.
+"$main/bin/python" -m coverage erase
+beside=(tests/integration/offloader/test_megatron_fsdp.py
+        tests/integration/offloader/test_megatron_fsdp_checkpoints.py)
+[ $# -eq 0 ] || beside=()
+
 # The functional tests, the other lines, Bridge and verl, in the background: their status is
 # the file's last line.
 (
   status=0
+  if [ ${#beside[@]} -gt 0 ]; then
+    banner "unit and integration tests: Megatron-FSDP's modules, under coverage" "$main/bin/python"
+    COVERAGE_PROCESS_START="$root/.coveragerc" \
+      "$main/bin/python" -m coverage run -m pytest -p no:cacheprovider "${beside[@]}" -q
+    rc=$?; no_tests $rc "Megatron-FSDP's modules"; [ $rc -eq 0 ] || status=1
+    outcome "unit and integration tests: Megatron-FSDP's modules" $rc >> "$work/lines-summary"
+  fi
+  touch "$work/beside-done"
   banner "functional tests (no coverage)" "$main/bin/python"
   "$main/bin/python" -m pytest -p no:cacheprovider tests/functional -q
   rc=$?; no_tests $rc "functional tests"; [ $rc -eq 0 ] || status=1
@@ -95,12 +113,13 @@ lines_job=$!
 
 status=$lint_status
 banner "unit and integration tests" "$main/bin/python"
-"$main/bin/python" -m coverage erase
 COVERAGE_PROCESS_START="$root/.coveragerc" \
-  "$main/bin/python" -m coverage run -m pytest -p no:cacheprovider tests/unit tests/integration -q "$@" \
-  2>&1 | tee "$work/main.log"
+  "$main/bin/python" -m coverage run -m pytest -p no:cacheprovider tests/unit tests/integration \
+  "${beside[@]/#/--ignore=}" -q "$@" 2>&1 | tee "$work/main.log"
 rc=${PIPESTATUS[0]}; no_tests $rc "unit and integration tests"; [ $rc -eq 0 ] || status=1
 outcome "unit and integration tests" $rc >> "$work/summary"
+# The modules run beside them must be done before their coverage data is combined.
+while [ ! -e "$work/beside-done" ] && kill -0 "$lines_job" 2>/dev/null; do sleep 1; done
 echo "== line coverage of megatron_offload/ (all processes)"
 "$main/bin/python" -m coverage combine -q && "$main/bin/python" -m coverage report
 rc=$?; [ $rc -eq 0 ] || status=1
