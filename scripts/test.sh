@@ -15,9 +15,9 @@
 #  6. the tests marked `verl` (verl 0.9.1's own optimizer moves through the adapter) in the
 #     verl environment, built on the main one the same way;
 # and, before all of them, `ruff check` and `ruff format --check` (pyproject.toml).
-# 1 then 2 run in the foreground; 3 to 6 (each environment built just before its run) go one
-# after the other beside them (1 leaves a core idle much of the time: process starts, waits for
-# rank processes); their output is printed after 2's. Extra arguments go to 1. Two modules of
+# 1 then 2 run in the foreground; 3 to 6 go one after the other beside them (1 leaves a core
+# idle much of the time: process starts, waits for rank processes); their output is printed
+# after 2's. The environments of 2, 5 and 6 build in the background from the start (below). Extra arguments go to 1. Two modules of
 # 1, Megatron-FSDP's (about 2 minutes of a session on their own), run first in the second
 # stream, under coverage too: with the functional tests' ranks forked, the first stream is
 # the longer one by minutes (docs/testing.md). With extra arguments all of 1 runs in 1.
@@ -29,6 +29,19 @@ root=$PWD
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
+# Environments that take a minute or more to build (downloads, mostly waiting) build in the
+# background, beside what runs first: the floor's (its own Python and torch) beside the main
+# one, Bridge's and verl's (on the main one) beside the second stream's first tests.
+# `built NAME` waits for NAME's build and prints its path, or its output and fails.
+build() {
+  ( scripts/venv.sh "$1" > "$work/venv-$1" 2> "$work/venv-$1.log"; echo $? > "$work/venv-$1.rc" ) &
+}
+built() {
+  while [ ! -e "$work/venv-$1.rc" ]; do sleep 1; done
+  [ "$(cat "$work/venv-$1.rc")" = 0 ] && cat "$work/venv-$1" && return 0
+  cat "$work/venv-$1.log" >&2; return 1
+}
+build py311-floor
 main=$(scripts/venv.sh py312) || exit 1
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
 
@@ -67,6 +80,7 @@ beside=(tests/integration/offloader/test_megatron_fsdp.py
 # the file's last line.
 (
   status=0
+  build bridge; build verl
   if [ ${#beside[@]} -gt 0 ]; then
     banner "unit and integration tests: Megatron-FSDP's modules, under coverage" "$main/bin/python"
     COVERAGE_PROCESS_START="$root/.coveragerc" \
@@ -91,7 +105,7 @@ beside=(tests/integration/offloader/test_megatron_fsdp.py
     rc=$?; no_tests $rc "megatron-core line"; [ $rc -eq 0 ] || status=1
     outcome "$line: -m \"$marks\"" $rc >> "$work/lines-summary"
   done
-  if bridge=$(scripts/venv.sh bridge); then
+  if bridge=$(built bridge); then
     banner "Megatron-Bridge $("$bridge/bin/python" -c 'from importlib.metadata import version; print(version("megatron-bridge"))')" "$bridge/bin/python"
     "$bridge/bin/python" -m pytest -p no:cacheprovider tests -q -m bridge
     rc=$?; no_tests $rc "Megatron-Bridge"; [ $rc -eq 0 ] || status=1
@@ -99,7 +113,7 @@ beside=(tests/integration/offloader/test_megatron_fsdp.py
     echo "== Megatron-Bridge: its environment could not be built (above)" >&2; status=1; rc=1
   fi
   outcome "Megatron-Bridge: -m bridge" $rc >> "$work/lines-summary"
-  if verl_env=$(scripts/venv.sh verl); then
+  if verl_env=$(built verl); then
     banner "verl $("$verl_env/bin/python" -c 'from importlib.metadata import version; print(version("verl"))')" "$verl_env/bin/python"
     "$verl_env/bin/python" -m pytest -p no:cacheprovider tests -q -m verl
     rc=$?; no_tests $rc "verl"; [ $rc -eq 0 ] || status=1
@@ -125,7 +139,7 @@ echo "== line coverage of megatron_offload/ (all processes)"
 rc=$?; [ $rc -eq 0 ] || status=1
 outcome "coverage report" $rc >> "$work/summary"
 # The floor, after them: the background stream is the longer one.
-if floor=$(scripts/venv.sh py311-floor); then
+if floor=$(built py311-floor); then
   banner "compatibility floor" "$floor/bin/python"
   "$floor/bin/python" -m pytest -p no:cacheprovider tests -q -m floor 2>&1 | tee "$work/floor.log"
   rc=${PIPESTATUS[0]}; no_tests $rc "compatibility floor"; [ $rc -eq 0 ] || status=1
