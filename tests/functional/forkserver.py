@@ -26,9 +26,10 @@ import json
 import os
 import runpy
 import signal
-import socket
 import sys
 import uuid
+
+from tests.harness.rank_pool import store_port
 
 
 def _preload() -> None:
@@ -51,13 +52,6 @@ def _preload() -> None:
     import megatron_offload.megatron.training  # noqa: F401
     import megatron_offload_testing.records  # noqa: F401
     import tests.harness.gloo  # noqa: F401
-
-
-def _free_port() -> int:
-    """A port for rank 0's store, found the way torchrun's agent finds its workers' port."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _torchrun_environment(rank: int, world_size: int, port: int, run_id: str) -> dict:
@@ -105,7 +99,9 @@ def _launch(request: dict) -> dict | list[int]:
     """Fork the launch's ranks and wait for them. Returns, in a forked rank, the request it
     runs; in the server, the ranks' exit codes (negative: killed by that signal)."""
     world_size = request["world_size"]
-    port, run_id = _free_port(), uuid.uuid4().hex
+    # torchrun's agent listens for its workers' store itself; here rank 0 does, on a port no
+    # other socket is handed meanwhile (store_port).
+    port, run_id = store_port(), uuid.uuid4().hex
     sys.stdout.flush()
     sys.stderr.flush()
     pids = []

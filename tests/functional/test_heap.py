@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from megatron_offload_testing import guard_pages
+from tests.harness.rank_pool import store_port
 
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -103,18 +104,10 @@ print("gathered", iterations, flush=True)
 """
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _gather_on_two_ranks(tmp_path, iterations: int) -> list[subprocess.CompletedProcess]:
     script = tmp_path / "gathers.py"
     script.write_text(GATHERS)
-    port = str(_free_port())
+    port = str(store_port())
     env = dict(os.environ, PYTHONFAULTHANDLER="1", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")]))
     procs = [

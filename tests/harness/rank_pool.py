@@ -37,6 +37,7 @@ import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import pickle
+import random
 import shutil
 import signal
 import socket
@@ -55,6 +56,7 @@ __all__ = [
     "RankPoolError",
     "current_job",
     "seed_everything",
+    "store_port",
 ]
 
 DEFAULT_TIMEOUT = 300.0
@@ -413,12 +415,27 @@ def _rank_main(rank, world_size, port, conn, log_path, env, pg_timeout_s, megatr
 # --------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    # Free on every interface: rank 0's store listens on all of them, and a port free on
-    # 127.0.0.1 alone may be held on the wildcard address (another suite's store).
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
+def store_port() -> int:
+    """A TCP port for rank 0's store, free on every interface (the store listens on all of
+    them, and a port free on 127.0.0.1 alone may be held on the wildcard address: another
+    suite's store) and drawn below the kernel's ephemeral range, which ``bind`` to port 0 and
+    ``connect`` take ports from: between this check and the store's listen, nothing else (gloo's
+    pair sockets, a store of torchrun's) is handed it, as a port from ``bind(0)`` could be."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    draw = random.SystemRandom()
+    for _ in range(200):
+        port = draw.randrange(max(1024, low // 2), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port for a store below {low} (the ephemeral range)")
 
 
 def _describe_exit(code) -> str:
@@ -508,7 +525,7 @@ class RankPool:
         self._broken = False
         if self.capture_output:
             self._log_dir = tempfile.mkdtemp(prefix=f"rank_pool{self.world_size}_")
-        port = _free_port()
+        port = store_port()
         pg_timeout = max(self.timeout, 1800.0)
         for rank in range(self.world_size):
             parent_conn, child_conn = self._ctx.Pipe(duplex=True)
