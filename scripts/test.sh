@@ -17,10 +17,11 @@
 # and, before all of them, `ruff check` and `ruff format --check` (pyproject.toml).
 # 1 then 2 run in the foreground; 3 to 6 go one after the other beside them (1 leaves a core
 # idle much of the time: process starts, waits for rank processes); their output is printed
-# after 2's. The environments of 2, 5 and 6 build in the background from the start (below). Extra arguments go to 1. Two modules of
-# 1, Megatron-FSDP's (about 2 minutes of a session on their own), run first in the second
-# stream, under coverage too: with the functional tests' ranks forked, the first stream is
-# the longer one by minutes (docs/testing.md). With extra arguments all of 1 runs in 1.
+# after 2's. The environments of 2, 5 and 6 build in the background from the start (below).
+# Two modules of 1, Megatron-FSDP's (about 2 minutes of a session on their own), run first in
+# the second stream, under coverage too: with the functional tests' ranks forked, the first
+# stream is the longer one by minutes (docs/testing.md). Extra arguments go to 1, and then
+# all of 1 runs there.
 # It ends with one line per stage (passed or failed, with pytest's FAILED/ERROR lines), so the
 # last lines of a log say what failed.
 set -uo pipefail

@@ -197,8 +197,13 @@ def run(
     if launcher is None:
         forced = os.environ.get("MEGATRON_OFFLOAD_TORCHRUN") == "1"
         launcher = "forkserver" if servable and not forced else "torchrun"
-    if launcher not in ("torchrun", "forkserver") or (launcher == "forkserver" and not servable):
-        raise ValueError(f"launcher {launcher!r} cannot run {case.name} on {device}")
+    if launcher not in ("torchrun", "forkserver"):
+        raise ValueError(f"launcher {launcher!r}: use 'torchrun' or 'forkserver'")
+    if launcher == "forkserver" and not servable:
+        raise ValueError(
+            f"the fork server cannot run {case.name} on {device} (it serves CPU launches of "
+            "the installed megatron-core with no preloaded library): use launcher='torchrun'"
+        )
     key = (
         case.name,
         offload,

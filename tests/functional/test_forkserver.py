@@ -26,6 +26,8 @@ def test_a_forked_launch_records_exactly_what_torchrun_records():
 def test_a_launch_the_server_cannot_serve_is_refused():
     with pytest.raises(ValueError, match="cannot run dp2 on cuda"):
         runner.run("dp2", offload=True, device="cuda", launcher="forkserver")
+    with pytest.raises(ValueError, match="use 'torchrun' or 'forkserver'"):
+        runner.run("dp2", offload=True, launcher="mpirun")
 
 
 RANK_SCRIPT = """
