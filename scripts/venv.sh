@@ -15,6 +15,14 @@
 # are GPU-only or for model conversion), then requirements/bridge.txt, what its training
 # modules import on a CPU, with their own dependencies (megatron_offload_testing/bridge_imports.py).
 # verl is verl the same way: requirements/verl-no-deps.txt, then requirements/verl.txt.
+#
+# pip installs without byte-compiling (--no-compile): compiling every installed module (some
+# 33,000 files over the environments; Bridge's 9,600 alone took 35 s of a core) costs more
+# than compiling, once, the modules that are imported, at their first import. That needs
+# Python to keep what it compiled, so each environment has a .pth file that lets it write its
+# .pyc files even where PYTHONDONTWRITEBYTECODE is set (it then writes them beside the
+# sources it imports, a checkout's included): without it, every process would compile torch
+# anew at every import.
 set -euo pipefail
 name=$1
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -70,8 +78,8 @@ if [ ! -f "$venv/.complete" ]; then
     base_site=$("$base_venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
     # megatron is a namespace package: megatron/bridge here and megatron/core there merge.
     echo "$base_site" > "$site/zz-main-environment.pth"
-    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -r "$extra" >&2
-    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$req" >&2
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile --no-deps -r "$extra" >&2
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile -r "$req" >&2
   elif [ -n "$base_venv" ]; then
     # A venv of the base interpreter whose site-packages sees the base environment's packages
     # through a directory of links that leaves out megatron (a namespace package: a second
@@ -89,14 +97,16 @@ if [ ! -f "$venv/.complete" ]; then
       esac
     done
     echo "$venv/shared" > "$site/zz-shared-with-$base.pth"
-    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -r "$req" >&2
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile --no-deps -r "$req" >&2
     # What this megatron-core declares must be met by the shared packages plus its own.
     "$venv/bin/python" -m pip check >&2 || { echo "$name: unmet requirements (above)" >&2; exit 1; }
   else
     python=$(find_python "$want") || { echo "Python $want is needed for $name (install it, or set MEGATRON_OFFLOAD_PYTHON)" >&2; exit 2; }
     "$python" -m venv "$venv" >&2
-    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$req" >&2
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile -r "$req" >&2
   fi
+  site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  echo "import sys; sys.dont_write_bytecode = False" > "$site/write-bytecode.pth"
   touch "$venv/.complete"
 fi
 echo "$venv"
