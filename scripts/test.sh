@@ -18,10 +18,10 @@
 # 1 runs in the foreground; 2 to 6 go one after the other beside it (1 leaves a core idle much
 # of the time: process starts, waits for rank processes); their output is printed after 1's.
 # The environments of 2, 5 and 6 build in the background from the start (below). Two modules
-# of 1, Megatron-FSDP's (about 2 minutes of a session on their own), run first in the second
-# stream, under coverage too, and 2 runs last there: with the functional tests' ranks forked,
-# the first stream is otherwise the longer one (docs/testing.md). Extra arguments go to 1,
-# and then all of 1 runs there.
+# of 1, Megatron-FSDP's (about 2 minutes of a session on their own), run in the second stream
+# too, right after 2, under coverage: with the functional tests' ranks forked, the first
+# stream is the longer one by minutes (docs/testing.md). Extra arguments go to 1, and then
+# all of 1 runs there.
 # It ends with one line per stage (passed or failed, with pytest's FAILED/ERROR lines), so the
 # last lines of a log say what failed.
 set -uo pipefail
@@ -77,11 +77,19 @@ beside=(tests/integration/offloader/test_megatron_fsdp.py
         tests/integration/offloader/test_megatron_fsdp_checkpoints.py)
 [ $# -eq 0 ] || beside=()
 
-# Megatron-FSDP's modules, the functional tests, the other lines, Bridge, verl and the floor,
+# The floor, Megatron-FSDP's modules, the functional tests, the other lines, Bridge and verl,
 # in the background: their status is the file's last line.
 (
   status=0
   build bridge; build verl
+  if floor=$(built py311-floor); then
+    banner "compatibility floor" "$floor/bin/python"
+    "$floor/bin/python" -m pytest -p no:cacheprovider tests -q -m floor
+    rc=$?; no_tests $rc "compatibility floor"; [ $rc -eq 0 ] || status=1
+  else
+    echo "== compatibility floor: its environment could not be built (above)" >&2; status=1; rc=1
+  fi
+  outcome "py311-floor: -m floor" $rc >> "$work/lines-summary"
   if [ ${#beside[@]} -gt 0 ]; then
     banner "unit and integration tests: Megatron-FSDP's modules, under coverage" "$main/bin/python"
     COVERAGE_PROCESS_START="$root/.coveragerc" \
@@ -122,14 +130,6 @@ beside=(tests/integration/offloader/test_megatron_fsdp.py
     echo "== verl: its environment could not be built (above)" >&2; status=1; rc=1
   fi
   outcome "verl: -m verl" $rc >> "$work/lines-summary"
-  if floor=$(built py311-floor); then
-    banner "compatibility floor" "$floor/bin/python"
-    "$floor/bin/python" -m pytest -p no:cacheprovider tests -q -m floor
-    rc=$?; no_tests $rc "compatibility floor"; [ $rc -eq 0 ] || status=1
-  else
-    echo "== compatibility floor: its environment could not be built (above)" >&2; status=1; rc=1
-  fi
-  outcome "py311-floor: -m floor" $rc >> "$work/lines-summary"
   echo "$status" > "$work/lines-status"
 ) > "$work/lines.log" 2>&1 &
 lines_job=$!
@@ -156,5 +156,5 @@ cat "$work/summary" "$work/lines-summary" 2>/dev/null
 cat "$work/main.log" "$work/lines.log" 2>/dev/null | grep -E '^(FAILED|ERROR) ' \
   | cut -c1-300
 [ -s "$work/lines-summary" ] || {
-  echo "FAILED: the functional tests, lines, Bridge, verl and the floor did not report"; status=1; }
+  echo "FAILED: the floor, the functional tests, lines, Bridge and verl did not report"; status=1; }
 exit $status
