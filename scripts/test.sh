@@ -15,11 +15,11 @@
 #  6. the tests marked `verl` (verl 0.9.1's own optimizer moves through the adapter) in the
 #     verl environment, built on the main one the same way;
 # and, before all of them, `ruff check` and `ruff format --check` (pyproject.toml).
-# 1 runs in the foreground; 2 to 6 go one after the other beside it (1 leaves a core idle much
-# of the time: process starts, waits for rank processes); their output is printed after 1's.
-# The environments of 2, 5 and 6 build in the background from the start (below). Two modules
-# of 1, Megatron-FSDP's (about 2 minutes of a session on their own), run in the second stream
-# too, right after 2, under coverage: with the functional tests' ranks forked, the first
+# 1 then 2 run in the foreground; 3 to 6 go one after the other beside them (1 leaves a core
+# idle much of the time: process starts, waits for rank processes); their output is printed
+# after 2's. The environments of 2, 5 and 6 build in the background from the start (below).
+# Two modules of 1, Megatron-FSDP's (about 2 minutes of a session on their own), run first in
+# the second stream, under coverage too: with the functional tests' ranks forked, the first
 # stream is the longer one by minutes (docs/testing.md). Extra arguments go to 1, and then
 # all of 1 runs there.
 # It ends with one line per stage (passed or failed, with pytest's FAILED/ERROR lines), so the
@@ -77,19 +77,11 @@ beside=(tests/integration/offloader/test_megatron_fsdp.py
         tests/integration/offloader/test_megatron_fsdp_checkpoints.py)
 [ $# -eq 0 ] || beside=()
 
-# The floor, Megatron-FSDP's modules, the functional tests, the other lines, Bridge and verl,
-# in the background: their status is the file's last line.
+# The functional tests, the other lines, Bridge and verl, in the background: their status is
+# the file's last line.
 (
   status=0
   build bridge; build verl
-  if floor=$(built py311-floor); then
-    banner "compatibility floor" "$floor/bin/python"
-    "$floor/bin/python" -m pytest -p no:cacheprovider tests -q -m floor
-    rc=$?; no_tests $rc "compatibility floor"; [ $rc -eq 0 ] || status=1
-  else
-    echo "== compatibility floor: its environment could not be built (above)" >&2; status=1; rc=1
-  fi
-  outcome "py311-floor: -m floor" $rc >> "$work/lines-summary"
   if [ ${#beside[@]} -gt 0 ]; then
     banner "unit and integration tests: Megatron-FSDP's modules, under coverage" "$main/bin/python"
     COVERAGE_PROCESS_START="$root/.coveragerc" \
@@ -147,14 +139,24 @@ echo "== line coverage of megatron_offload/ (all processes)"
 "$main/bin/python" -m coverage combine -q && "$main/bin/python" -m coverage report
 rc=$?; [ $rc -eq 0 ] || status=1
 outcome "coverage report" $rc >> "$work/summary"
+# The floor, after them: the background stream is the longer one.
+if floor=$(built py311-floor); then
+  banner "compatibility floor" "$floor/bin/python"
+  "$floor/bin/python" -m pytest -p no:cacheprovider tests -q -m floor 2>&1 | tee "$work/floor.log"
+  rc=${PIPESTATUS[0]}; no_tests $rc "compatibility floor"; [ $rc -eq 0 ] || status=1
+else
+  echo "== compatibility floor: its environment could not be built (above)" >&2; status=1; rc=1
+fi
+outcome "py311-floor: -m floor" $rc >> "$work/summary"
+
 wait "$lines_job"
 cat "$work/lines.log"
 [ "$(cat "$work/lines-status" 2>/dev/null)" = 0 ] || status=1
 echo "== summary"
 cat "$work/summary" "$work/lines-summary" 2>/dev/null
 # pytest's own lines for what failed, from every stage's output
-cat "$work/main.log" "$work/lines.log" 2>/dev/null | grep -E '^(FAILED|ERROR) ' \
+cat "$work/main.log" "$work/floor.log" "$work/lines.log" 2>/dev/null | grep -E '^(FAILED|ERROR) ' \
   | cut -c1-300
 [ -s "$work/lines-summary" ] || {
-  echo "FAILED: the floor, the functional tests, lines, Bridge and verl did not report"; status=1; }
+  echo "FAILED: the functional tests, lines, Bridge and verl did not report"; status=1; }
 exit $status
