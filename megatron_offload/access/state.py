@@ -48,6 +48,7 @@ from ..adapters import (
     megatron_fsdp,
     state_access,
 )
+from ..adapters.megatron_wrappers import state_kinds
 from ..adapters.model_buffers import chunks_of
 from ..engine import HostBuffers
 from ..engine.pieces import aligned_size
@@ -382,12 +383,8 @@ class StateAccess:
                 megatron_fsdp.make_load_states(wrapper, param)
                 moving = [
                     tensor
-                    for key, tensor in inner_optimizers.state_tensors(
-                        param, dict.get(inner.state, param) or {}
-                    )
-                    if (MASTER_WEIGHTS if inner_optimizers.is_master_key(key) else OPTIMIZER_STATES)
-                    in kinds
-                    and engine.stageable(tensor)
+                    for kind, tensor in state_kinds(param, dict.get(inner.state, param) or {})
+                    if kind in kinds and engine.stageable(tensor)
                 ]
                 if moving:
                     engine.adopted.stage_out(moving, staging, hint=remaining)

@@ -110,11 +110,15 @@ def collect(wrapper) -> Iterator[tuple[str, torch.Tensor]]:
         entries = _entries(state, param)
         if not entries:
             continue  # apex FusedAdam: no state until the parameter had a gradient
-        for key, tensor in inner_optimizers.state_tensors(param, entries):
-            yield (
-                (MASTER_WEIGHTS if inner_optimizers.is_master_key(key) else OPTIMIZER_STATES),
-                tensor,
-            )
+        yield from state_kinds(param, entries)
+
+
+def state_kinds(param, entries) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(kind, tensor)`` for every per-parameter tensor of one parameter's state
+    (``entries``), in ``state_tensors``' order: ``MASTER_WEIGHTS`` for a master kept in the
+    state (Transformer Engine's ``master_param``), ``OPTIMIZER_STATES`` for the rest."""
+    for key, tensor in inner_optimizers.state_tensors(param, entries):
+        yield (MASTER_WEIGHTS if inner_optimizers.is_master_key(key) else OPTIMIZER_STATES), tensor
 
 
 def in_state(wrapper) -> Iterator[torch.Tensor]:

@@ -10,7 +10,7 @@ next layout moves their bytes into its arena.
 
 from __future__ import annotations
 
-from ..adapters import MASTER_WEIGHTS, OPTIMIZER_STATES, inner_optimizers
+from ..adapters.megatron_wrappers import state_kinds
 from ..engine import HostBuffers, OffloadEngine, SlotSizeError, SlotStream
 from ..engine.slots import aligned_bytes
 from .plan import planned
@@ -53,11 +53,11 @@ class NewStates:
         buffer and free their device memory."""
         engine = self.engine
         entries = self.inner.state.get(param) or {}
-        moving = []
-        for key, _, tensor in inner_optimizers.state_places(param, entries):
-            kind = MASTER_WEIGHTS if inner_optimizers.is_master_key(key) else OPTIMIZER_STATES
-            if kind in self.kinds and engine.stageable(tensor):
-                moving.append(tensor)
+        moving = [
+            tensor
+            for kind, tensor in state_kinds(param, entries)
+            if kind in self.kinds and engine.stageable(tensor)
+        ]
         size = sum(aligned_bytes(t) for t in moving)  # as the slots will hold them
         if size > self.stream.slot_bytes:
             # Reached only with an optimizer whose state sizes cannot be known before its first
