@@ -293,13 +293,25 @@ def threads_job():
 
     import torch.distributed as dist
 
+    def names():
+        found = []
+        for task in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{task}/comm") as comm:
+                    found.append(comm.read().strip())
+            except OSError:
+                pass  # the thread ended after the listing (what this waits for)
+        return found
+
     fewest = None
     deadline = time.monotonic() + 1.0
     while True:
-        names = [
-            open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")
-        ]
-        now = (len(dist.distributed_c10d._world.pg_map), names.count("gloo_tcp_loop"), len(names))
+        threads = names()
+        now = (
+            len(dist.distributed_c10d._world.pg_map),
+            threads.count("gloo_tcp_loop"),
+            len(threads),
+        )
         fewest = now if fewest is None else tuple(map(min, fewest, now))
         if time.monotonic() >= deadline:
             return fewest
