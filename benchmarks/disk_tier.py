@@ -19,6 +19,15 @@ the same moment of a noisy disk (which goes first alternates):
   tier reads);
 * **host tier**: the same cycle with a budget that holds everything (no disk).
 
+The tier's offload also gives back the device memory of the pieces it wrote, and its reload
+regrows it: on a CPU device, an ``munmap`` of each piece (about 15 ms per 256 MiB here) and
+fresh pages the kernel faults in and zeroes; on a GPU, its caching allocator's calls. So the
+plain side is also timed with the same: its write plus the release, by the device's own
+``release``, of device memory in the sizes of the tier's pieces on disk (allocated and filled
+before, untimed), and its read into a buffer allocated for it. The goal is read on those
+(each side pays the same device's memory calls); the plain write and read alone, the disk's
+physical limit, are printed beside them.
+
 Reported: the medians of each (GB/s), the ratios tier / plain (the goal: at least 0.8 each
 way), the host memory the tier holds after an offload (the arena and staging, plus the page
 cache of its file by ``mincore``) against the budget, and the cycle time of the disk tier, of
@@ -116,6 +125,19 @@ def _plain(directory: str, source: memoryview, direct: bool) -> tuple[float, flo
     return middle - start, end - middle, fresh_end - again
 
 
+def _released(device, sizes: list[int]) -> tuple[float]:
+    """Seconds to give back device memory in ``sizes`` (the tier's pieces on disk) by the
+    device's own ``release``, as the tier's offload gives back its pieces' memory; the memory
+    is allocated and written first (untimed), as the pieces' memory is before an offload."""
+    buffers = [torch.ones(size, dtype=torch.uint8, device=device.torch_device) for size in sizes]
+    device.synchronize()
+    start = time.perf_counter()
+    for buffer in buffers:
+        device.release(buffer)
+    device.synchronize()
+    return (time.perf_counter() - start,)
+
+
 def cpu_times(stat: str | None = None) -> tuple[int, int] | None:
     """(all CPU time, the part stolen by the hypervisor) in clock ticks since boot, from the
     ``cpu`` line of ``/proc/stat`` (or ``stat``, its text); None where there is none."""
@@ -195,6 +217,7 @@ def measure(
     mapping = mmap.mmap(-1, on_disk)  # page-aligned, as direct I/O wants
     torch.frombuffer(mapping, dtype=torch.uint8).random_(generator=torch.Generator().manual_seed(1))
     source = memoryview(mapping)
+    sizes = [g.nbytes for g in disk.pieces if g.disk is not None]
     rows = {"tier": [], "plain": [], "host": []}
     # On a virtual machine the host may take the CPUs away for a while (steal): that slows the
     # tier, whose threads hand each chunk on, far more than one plain write.
@@ -204,7 +227,9 @@ def measure(
         # the disk still writing that one back (on a virtual disk, its host's cache).
         sides = [
             lambda: rows["tier"].append(_cycle(disk, device)),
-            lambda: rows["plain"].append(_plain(directory, source, direct)),
+            lambda: rows["plain"].append(
+                _plain(directory, source, direct) + _released(device, sizes)
+            ),
         ]
         for side in sides if index % 2 == 0 else sides[::-1]:
             side()
@@ -224,8 +249,14 @@ def measure(
             figures[f"{side}_{way}_gbps"] = statistics.median(
                 gbps(row[index], on_disk) for row in rows[side]
             )
+    # The plain write and then the same device memory given back as the tier gives back.
+    figures["plain_write_released_gbps"] = statistics.median(
+        gbps(row[0] + row[3], on_disk) for row in rows["plain"]
+    )
+    figures["plain_release_ms"] = 1e3 * statistics.median(row[3] for row in rows["plain"])
     figures["tier_read_fresh_gbps"] = figures["tier_read_gbps"]
-    for way in ("write", "read", "read_fresh"):
+    figures["tier_write_released_gbps"] = figures["tier_write_gbps"]
+    for way in ("write", "write_released", "read", "read_fresh"):
         figures[f"{way}_ratio"] = figures[f"tier_{way}_gbps"] / figures[f"plain_{way}_gbps"]
     figures["cycle_ms"] = {
         "disk tier": 1e3 * statistics.median(sum(row) for row in rows["tier"]),
@@ -237,7 +268,7 @@ def measure(
     figures["bitwise"] = bitwise
     figures["met"] = (
         bitwise
-        and figures["write_ratio"] >= GOAL
+        and figures["write_released_ratio"] >= GOAL
         and figures["read_fresh_ratio"] >= GOAL
         and held["host_bytes"] <= budget
         and held["page_cache_after_offload"] == 0
@@ -255,7 +286,11 @@ def report(figures: dict) -> str:
         f"{'':8}{'tier GB/s':>12}{'plain GB/s':>12}{'ratio':>8}  (goal: ratio >= {GOAL})",
     ]
     names = {
-        "write": "write",
+        "write": "write (plain: the write alone)",
+        "write_released": (
+            f"write (plain: and device memory given back as the tier's, "
+            f"{figures['plain_release_ms']:.0f} ms)"
+        ),
         "read": "read (plain into a buffer it read into before)",
         "read_fresh": "read (plain into a buffer allocated for it, as the tier's)",
     }
