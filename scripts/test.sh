@@ -46,8 +46,10 @@ build py311-floor
 main=$(scripts/venv.sh py312) || exit 1
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
 
-outcome() {  # stage rc: one line for the summary at the end
-  if [ "$2" -eq 0 ]; then echo "passed: $1"; else echo "FAILED: $1 (exit $2)"; fi
+outcome() {  # stage rc: one line for the summary at the end, with when the stage ended
+  local at
+  at="(ended at $((SECONDS / 60))m$(printf %02d $((SECONDS % 60)))s)"
+  if [ "$2" -eq 0 ]; then echo "passed: $1 $at"; else echo "FAILED: $1 (exit $2) $at"; fi
 }
 
 # Lint and formatting (pyproject.toml), first: they take a second.
