@@ -15,9 +15,10 @@
 #  6. the tests marked `verl` (verl 0.9.1's own optimizer moves through the adapter) in the
 #     verl environment, built on the main one the same way;
 # and, before all of them, `ruff check` and `ruff format --check` (pyproject.toml).
-# 1 then 2 run in the foreground; 3 to 6 go one after the other beside them (1 leaves a core
-# idle much of the time: process starts, waits for rank processes); their output is printed
-# after 2's. The environments of 2, 5 and 6 build in the background from the start (below).
+# 1 runs in the foreground; 3 to 6 go one after the other beside it (1 leaves a core idle
+# much of the time: process starts, waits for rank processes); 2 runs at the end of whichever
+# of the two streams ends first. Their output is printed after 1's. The environments of 2, 5
+# and 6 build in the background from the start (below).
 # Two modules of 1, Megatron-FSDP's (about 2 minutes of a session on their own), run first in
 # the second stream, under coverage too: with the functional tests' ranks forked, the first
 # stream is the longer one by minutes (docs/testing.md). Extra arguments go to 1, and then
@@ -70,6 +71,24 @@ banner() {  # name python (the installed distribution's version: importing megat
 no_tests() {  # pytest's "no tests ran" (exit 5) is a failure too
   [ "$1" -eq 5 ] && echo "== $2: no tests were collected: failing" >&2
   return 0
+}
+
+# The floor's smoke set (2) runs at the end of whichever stream ends first (the first to
+# claim it), beside the other's last tests: both streams hold minutes of work, and which one
+# ends first moves with the machine. Its output and its summary line are printed after both.
+floor_if_first() {
+  mkdir "$work/floor-claimed" 2>/dev/null || return 0
+  local rc floor
+  if floor=$(built py311-floor); then
+    {
+      banner "compatibility floor" "$floor/bin/python"
+      "$floor/bin/python" -m pytest -p no:cacheprovider tests -q -m floor
+      rc=$?; no_tests $rc "compatibility floor"
+    } > "$work/floor.log" 2>&1
+  else
+    echo "== compatibility floor: its environment could not be built (above)" >&2; rc=1
+  fi
+  outcome "py311-floor: -m floor" $rc > "$work/floor-summary"
 }
 
 # Coverage data of every process of 1, the modules run beside it included (.coveragerc:
@@ -125,6 +144,7 @@ beside=(tests/integration/offloader/test_megatron_fsdp.py
   fi
   outcome "verl: -m verl" $rc >> "$work/lines-summary"
   echo "$status" > "$work/lines-status"
+  floor_if_first
 ) > "$work/lines.log" 2>&1 &
 lines_job=$!
 
@@ -141,21 +161,13 @@ echo "== line coverage of megatron_offload/ (all processes)"
 "$main/bin/python" -m coverage combine -q && "$main/bin/python" -m coverage report
 rc=$?; [ $rc -eq 0 ] || status=1
 outcome "coverage report" $rc >> "$work/summary"
-# The floor, after them: the background stream is the longer one.
-if floor=$(built py311-floor); then
-  banner "compatibility floor" "$floor/bin/python"
-  "$floor/bin/python" -m pytest -p no:cacheprovider tests -q -m floor 2>&1 | tee "$work/floor.log"
-  rc=${PIPESTATUS[0]}; no_tests $rc "compatibility floor"; [ $rc -eq 0 ] || status=1
-else
-  echo "== compatibility floor: its environment could not be built (above)" >&2; status=1; rc=1
-fi
-outcome "py311-floor: -m floor" $rc >> "$work/summary"
-
+floor_if_first
 wait "$lines_job"
-cat "$work/lines.log"
+cat "$work/lines.log" "$work/floor.log" 2>/dev/null
 [ "$(cat "$work/lines-status" 2>/dev/null)" = 0 ] || status=1
+grep -q '^passed' "$work/floor-summary" 2>/dev/null || status=1
 echo "== summary"
-cat "$work/summary" "$work/lines-summary" 2>/dev/null
+cat "$work/summary" "$work/lines-summary" "$work/floor-summary" 2>/dev/null
 # pytest's own lines for what failed, from every stage's output
 cat "$work/main.log" "$work/floor.log" "$work/lines.log" 2>/dev/null | grep -E '^(FAILED|ERROR) ' \
   | cut -c1-300
