@@ -16,12 +16,11 @@
 # modules import on a CPU, with their own dependencies (megatron_offload_testing/bridge_imports.py).
 # verl is verl the same way: requirements/verl-no-deps.txt, then requirements/verl.txt.
 #
-# uv (requirements/uv.txt, installed once into the cache with pip) installs them: the main
-# environment, torch's 4.6 GB included, from nothing in 21 s of wall time and 34 s of CPU here
-# against pip's 44 to 63 s and 61 s; Bridge's and verl's in 10 to 15 s against 39 and 35 s
-# (its downloads and unpacking run in parallel; its files are hard links into its cache, kept
-# under the same cache directory). Where uv cannot be installed, or fails, pip installs the
-# environment as it always did. The mcore-* overlays (seconds) stay with pip.
+# uv (requirements/uv.txt, installed once into the cache with pip) installs them, in a third
+# to a half of pip's time (docs/testing.md has the figures): its downloads and unpacking run in
+# parallel, and its files are hard links into its cache, kept under the same cache directory.
+# Where uv cannot be installed, or fails, pip installs the environment as it always did. The
+# mcore-* overlays (seconds) stay with pip.
 #
 # Neither installs with byte-compiling (pip: --no-compile): compiling every installed module (some
 # 33,000 files over the environments; Bridge's 9,600 alone took 35 s of a core) costs more
