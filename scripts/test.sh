@@ -16,9 +16,9 @@
 #     verl environment, built on the main one the same way;
 # and, before all of them, `ruff check` and `ruff format --check` (pyproject.toml).
 # 1 runs in the foreground; 3 to 6 go one after the other beside it (1 leaves a core idle
-# much of the time: process starts, waits for rank processes); 2 runs beside both, at a lower
-# priority (below). Their output is printed after 1's. The environments of 2, 5 and 6 build in
-# the background from the start (below).
+# much of the time: process starts, waits for rank processes); 2 runs at the end of whichever
+# of the two streams ends first. Their output is printed after 1's. The environments of 2, 5
+# and 6 build in the background from the start (below).
 # Two modules of 1, Megatron-FSDP's (about 2 minutes of a session on their own), run first in
 # the second stream, under coverage too: with the functional tests' ranks forked, the first
 # stream is the longer one by minutes (docs/testing.md). Extra arguments go to 1, and then
@@ -73,18 +73,16 @@ no_tests() {  # pytest's "no tests ran" (exit 5) is a failure too
   return 0
 }
 
-# The floor's smoke set (2) runs beside both streams from when its environment is built, at
-# a lower priority (`nice`): the two streams leave a core idle 4 to 7% of each minute (process
-# starts, waits for rank processes), about a minute of a core over the run, and the floor's
-# 40 s of CPU fill that instead of running on one core after both streams end. Under nice 10
-# it still gets a tenth of a core beside two busy ones, so its jobs stay far inside the rank
-# pool's timeouts. Its output and its summary line are printed after both streams'.
-floor_beside() {
+# The floor's smoke set (2) runs at the end of whichever stream ends first (the first to
+# claim it), beside the other's last tests: both streams hold minutes of work, and which one
+# ends first moves with the machine. Its output and its summary line are printed after both.
+floor_if_first() {
+  mkdir "$work/floor-claimed" 2>/dev/null || return 0
   local rc floor
   if floor=$(built py311-floor); then
     {
-      banner "compatibility floor (beside the streams, nice 10)" "$floor/bin/python"
-      nice -n 10 "$floor/bin/python" -m pytest -p no:cacheprovider tests -q -m floor
+      banner "compatibility floor" "$floor/bin/python"
+      "$floor/bin/python" -m pytest -p no:cacheprovider tests -q -m floor
       rc=$?; no_tests $rc "compatibility floor"
     } > "$work/floor.log" 2>&1
   else
@@ -92,8 +90,6 @@ floor_beside() {
   fi
   outcome "py311-floor: -m floor" $rc > "$work/floor-summary"
 }
-floor_beside &
-floor_job=$!
 
 # Coverage data of every process of 1, the modules run beside it included (.coveragerc:
 # parallel), combined after both.
@@ -148,6 +144,7 @@ beside=(tests/integration/offloader/test_megatron_fsdp.py
   fi
   outcome "verl: -m verl" $rc >> "$work/lines-summary"
   echo "$status" > "$work/lines-status"
+  floor_if_first
 ) > "$work/lines.log" 2>&1 &
 lines_job=$!
 
@@ -164,7 +161,8 @@ echo "== line coverage of megatron_offload/ (all processes)"
 "$main/bin/python" -m coverage combine -q && "$main/bin/python" -m coverage report
 rc=$?; [ $rc -eq 0 ] || status=1
 outcome "coverage report" $rc >> "$work/summary"
-wait "$lines_job" "$floor_job"
+floor_if_first
+wait "$lines_job"
 cat "$work/lines.log" "$work/floor.log" 2>/dev/null
 [ "$(cat "$work/lines-status" 2>/dev/null)" = 0 ] || status=1
 grep -q '^passed' "$work/floor-summary" 2>/dev/null || status=1
