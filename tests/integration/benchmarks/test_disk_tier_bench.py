@@ -42,9 +42,29 @@ def test_the_disk_tier_benchmark_measures_both_sides(tmp_path_factory):
     assert cycle["disk tier"] > 0 and cycle["host tier"] > 0 and cycle["no offloading"] == 0
     stolen = figures["cpu_steal"]
     assert stolen is None or 0 <= stolen < 1, stolen
+    ticks = figures["stolen_ticks_per_repeat"]
+    assert len(ticks) == 2 and all(t is None or t >= 0 for t in ticks), ticks
+    unstolen = figures["unstolen"]
+    assert unstolen["of"] == 2 and unstolen["repeats"] == ticks.count(0), unstolen
     printed = report(figures)
     assert "ratio" in printed and "page cache of the file 0 bytes" in printed
     assert "CPU stolen by the hypervisor during the repeats" in printed
+    assert f"repeats with no CPU stolen: {unstolen['repeats']} of 2" in printed
+
+
+def test_the_unstolen_ratios_read_only_the_repeats_that_lost_no_cpu():
+    """Rows as ``measure`` keeps them, in seconds: the tier's (write, read) and the plain
+    side's (write, read, read into fresh memory, release). The repeat that lost ticks is left
+    out of the ratios, whatever its times."""
+    from benchmarks.disk_tier import _unstolen_ratios
+
+    rows = {
+        "tier": [(2.0, 4.0), (100.0, 100.0), (2.0, 4.0)],
+        "plain": [(1.0, 9.0, 2.0, 1.0), (1.0, 9.0, 2.0, 1.0), (1.0, 9.0, 2.0, 1.0)],
+    }
+    calm = _unstolen_ratios(rows, [0, 3, 0], nbytes=8)
+    assert calm == {"repeats": 2, "of": 3, "write_released_ratio": 1.0, "read_fresh_ratio": 0.5}
+    assert _unstolen_ratios(rows, [1, None, 2], nbytes=8) == {"repeats": 0, "of": 3}
 
 
 def test_the_steal_share_is_read_from_the_cpu_line():
