@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..device import Device
-from .disk import DiskFile, DiskTier, page_size, staging_bytes
+from .disk import DiskFile, DiskTier, fault_in, page_size, staging_bytes
 from .labels import HOST_FREE_AFTER_COPIES
 
 #: A layout reuses the arena if the arena is at most 1/REUSE_SLACK larger than it needs.
@@ -255,6 +255,7 @@ class HostArena:
             return
         self._unstage()
         self.staging = self.budget.allocate(self.device, nbytes, f"{name}: disk tier staging")
+        fault_in(self.staging)  # its pages in long physical runs, for the direct writes
 
     def _unstage(self) -> None:
         if self.staging is not None:

@@ -22,7 +22,8 @@ def disk_directory(tmp_path_factory) -> str:
 
 
 def page_cache_bytes(buffer) -> int:
-    """Bytes of ``buffer``'s pages (a tensor over a file mapping) in the page cache."""
+    """Bytes of ``buffer``'s pages (a tensor over a mapping) that have memory: for a file's
+    mapping, its pages in the page cache."""
     page = mmap.PAGESIZE
     pages = -(-buffer.numel() // page)
     vector = (ctypes.c_ubyte * pages)()

@@ -28,7 +28,7 @@ import torch
 
 from megatron_offload.engine.disk import MEMORY_FILESYSTEMS, DiskTier
 from megatron_offload.errors import DiskTierError, OffloadError
-from tests.harness.disk import disk_directory, held_in
+from tests.harness.disk import disk_directory, held_in, page_cache_bytes
 
 MIB = 1 << 20
 
@@ -234,6 +234,25 @@ def test_staged_writes_and_reads_are_bitwise_and_leave_no_page_cache(directory, 
     assert file.resident_bytes() == 0
     assert torch.equal(back, source) and torch.equal(host, source)  # the mapping sees it too
     file.close()
+
+
+def test_the_staging_is_faulted_in_when_it_is_allocated(directory):
+    """The staging's pages get their memory when the budget allocates it, in one pass
+    (``fault_in``), not a part at a time by the first copies among other allocations: the
+    direct writes read them, and pages faulted in that way were scattered one page each
+    (docs/disk-tier.md). ``mincore`` counts the pages that have memory."""
+    from megatron_offload.device.cpu import CPUDevice
+    from megatron_offload.engine.host import HostArena, HostBudget
+
+    device = CPUDevice()
+    arena = HostArena(device, HostBudget(16 * MIB, disk=DiskTier(directory)))
+    assert arena.reserve(64 * MIB, "states")  # more than the budget: the rest in a file
+    assert arena.disk is not None and arena.staging is not None
+    assert page_cache_bytes(arena.staging) == arena.staging.numel() > 0
+    # A host buffer of this device has none until written: what the test above would see
+    # without the staging's own pass.
+    assert page_cache_bytes(device.host_buffer(arena.staging.numel())) == 0
+    arena.disk.close()
 
 
 def test_several_parts_are_written_at_once(directory, monkeypatch):
