@@ -52,6 +52,34 @@ def test_the_disk_tier_benchmark_measures_both_sides(tmp_path_factory):
     assert f"repeats with no CPU stolen: {unstolen['repeats']} of 2" in printed
 
 
+def test_the_plain_side_overwrites_one_file_written_before_as_the_tier_does(tmp_path_factory):
+    """The plain side's file is allocated and written once, then each repeat writes over it
+    (a new file would be slower to write on some filesystems, docs/disk-tier.md), reads it
+    back bitwise, and leaves nothing behind once closed."""
+    import mmap
+    import os
+
+    import torch
+
+    from benchmarks.disk_tier import _PlainFile
+    from tests.harness.disk import disk_directory, held_in
+
+    directory = disk_directory(tmp_path_factory)
+    mapping = mmap.mmap(-1, 1 << 20)
+    source = torch.frombuffer(mapping, dtype=torch.uint8)
+    source.random_(generator=torch.Generator().manual_seed(3))
+    expected = source.clone()
+    plain = _PlainFile(directory, memoryview(mapping), direct=False)
+    inode = os.fstat(plain.fd).st_ino
+    assert os.pread(plain.fd, 1 << 20, 0) == expected.numpy().tobytes()  # written at once
+    times = [plain.cycle() for _ in range(2)]
+    assert all(seconds > 0 for row in times for seconds in row), times
+    assert os.fstat(plain.fd).st_ino == inode  # the same file, written over
+    assert torch.equal(source, expected)  # read back into the source bitwise
+    plain.close()
+    assert held_in(directory) == [] and os.listdir(directory) == []
+
+
 def test_the_unstolen_ratios_read_only_the_repeats_that_lost_no_cpu():
     """Rows as ``measure`` keeps them, in seconds: the tier's (write, read) and the plain
     side's (write, read, read into fresh memory, release). The repeat that lost ticks is left
