@@ -102,8 +102,8 @@ class _PlainFile:
     repeats (untimed), then overwritten by each, as the tier's own file is after its first
     cycle. A new file would be slower to write on some filesystems (ext4 converts each
     fallocated extent once written; mounted with ``discard`` it also trims the blocks of each
-    file closed): measured here at 0.5 to 0.7 of an overwrite (docs/disk-tier.md), which
-    would flatter the tier."""
+    file closed): measured here at about half the rate of an overwrite (docs/disk-tier.md),
+    which would flatter the tier."""
 
     def __init__(self, directory: str, source: memoryview, direct: bool) -> None:
         self.source, self.direct = source, direct

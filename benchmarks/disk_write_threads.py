@@ -6,8 +6,9 @@ threads, interleaved in one process, against one plain sequential write of the s
 
 The same engine and state as ``benchmarks.disk_tier`` (everything but the staging's share of
 the budget on disk). Each repeat runs one offload and reload per thread count, in an order that
-alternates, then the plain write (over a file written before, as the tier's is): the disk's rate moves from one second to the next on a
-virtual machine, so only figures taken side by side compare. The write threads are swapped by
+alternates, then the plain write (over a file written before, as the tier's is): the disk's
+rate moves from one second to the next on a virtual machine, so only figures taken side by
+side compare. The write threads are swapped by
 giving the tier's write pool another size between cycles (what ``WRITE_THREADS`` sets).
 Reported: the median write rate of each, and in how many repeats each thread count beat one
 thread. docs/disk-tier.md has the figures measured here.
