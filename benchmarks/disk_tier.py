@@ -107,16 +107,15 @@ class _PlainFile:
 
     def __init__(self, directory: str, source: memoryview, direct: bool) -> None:
         self.source, self.direct = source, direct
-        self.fd = os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+        self.fd = self.writer = os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
         try:
             os.posix_fallocate(self.fd, 0, len(source))
-            self.writer = (
-                os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR | os.O_DIRECT) if direct else self.fd
-            )
+            if direct:
+                self.writer = os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR | os.O_DIRECT)
+            self.write()  # untimed: from here on, each write is over written blocks
         except BaseException:
-            os.close(self.fd)
+            self.close()
             raise
-        self.write()
 
     def write(self) -> float:
         """Seconds of one sequential write of ``source`` over the file, durable as the tier's
