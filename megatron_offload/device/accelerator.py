@@ -64,16 +64,26 @@ class AcceleratorDevice(Device):
     pin_threads = pinned.DEFAULT_THREADS
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
+        # Mapped shared, so that a fork after attach copies none of the pinned pages
+        # (pinned.shared_host_buffer).
+        return self._pinned_buffer(nbytes, pinned.shared_host_buffer)
+
+    def io_buffer(self, nbytes: int) -> torch.Tensor:
+        # The same, pinned, over a mapping in huge pages that a fork wipes
+        # (pinned.io_host_buffer).
+        return self._pinned_buffer(nbytes, pinned.io_host_buffer)
+
+    def _pinned_buffer(self, nbytes: int, mapped) -> torch.Tensor:
+        """``nbytes`` of the mapping ``mapped(span)`` makes, pinned (see ``host_buffer``)."""
         if self.torch_device.type != "cuda":
             return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
         # torch's pinned-memory allocator rounds every request up to a power of two (up to
         # 2x the host RAM for one large arena). Registering an exactly sized pageable buffer
         # pins what is asked for, rounded to whole pages, in a mapping of its own (no page
-        # shared with another allocation or registration), mapped shared so that a fork
-        # after attach copies none of the pinned pages (pinned.shared_host_buffer).
+        # shared with another allocation or registration).
         page = pinned.page_size()
         span = -(-nbytes // page) * page
-        whole = pinned.shared_host_buffer(span)
+        whole = mapped(span)
         buffer = whole[:nbytes]
         if not nbytes or not self.pinning:
             return buffer

@@ -52,8 +52,15 @@ class Device(abc.ABC):
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         """A 1-D uint8 host tensor of exactly ``nbytes`` (pinned on accelerators)."""
 
+    def io_buffer(self, nbytes: int) -> torch.Tensor:
+        """A host buffer of ``nbytes`` that direct reads and writes of a file move through
+        (the disk tier's staging; pinned on accelerators), given back by
+        ``free_host_buffer``. Default: ``host_buffer``'s."""
+        return self.host_buffer(nbytes)
+
     def free_host_buffer(self, buffer: torch.Tensor) -> None:
-        """Give back a buffer made by ``host_buffer`` (unpin it). Default: nothing to do."""
+        """Give back a buffer made by ``host_buffer`` or ``io_buffer`` (unpin it). Default:
+        nothing to do."""
 
     def release(self, tensor: torch.Tensor) -> None:
         """Free the device memory of ``tensor``'s whole storage, keeping the storage object.

@@ -32,6 +32,10 @@ class CPUDevice(Device):
         # attach copies none of it, which the tests show on this device.
         return pinned.shared_host_buffer(nbytes)
 
+    def io_buffer(self, nbytes: int) -> torch.Tensor:
+        # In huge pages, wiped in a fork (see pinned.io_host_buffer).
+        return pinned.io_host_buffer(nbytes)
+
     def current_stream(self):
         return None
 

@@ -448,12 +448,13 @@ def fault_in(staging: torch.Tensor) -> None:
     """Give every page of a new staging buffer its memory now, in one pass from one thread.
 
     The direct writes read their chunks from the staging's pages, and the disk moves each
-    physically contiguous run of pages as one segment. Pages faulted in one pass lie in
-    longer runs. Left to the first copies, which fault them in a part at a time among the
-    step's other allocations, they lay one page per run (seen here with
-    ``/proc/self/pagemap``), and the writes from them ran at about half a plain write's rate
-    (docs/disk-tier.md). An accelerator's pinned staging was faulted in by pinning already:
-    this only writes it."""
+    physically contiguous run of pages as one segment. The staging is advised into huge
+    pages (``Device.io_buffer``), each one run of 2 MiB, given now rather than at the first
+    copies. Where it has small pages, those faulted in one pass lie in longer runs: left to
+    the first copies, which fault them in a part at a time among the step's other
+    allocations, they lay one page per run (seen here with ``/proc/self/pagemap``), and the
+    writes from them ran at about half a plain write's rate (docs/disk-tier.md). An
+    accelerator's pinned staging was faulted in by pinning already: this only writes it."""
     if staging.numel():
         ctypes.memset(staging.data_ptr(), 0, staging.numel())
 

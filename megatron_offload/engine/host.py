@@ -102,18 +102,20 @@ class HostBudget:
         relayout: bool = False,
         spill=False,
         to_disk=False,
+        io=False,
     ):
         """A host buffer of ``nbytes`` from ``device`` (pinned on accelerators), checked
         first (``check``) and counted until ``free``. ``spill``: where the limit cannot hold
         it and there is a disk tier, a file of the disk tier instead (not counted in
-        ``held``; ``files`` lists them); ``to_disk``: such a file whatever the limit."""
+        ``held``; ``files`` lists them); ``to_disk``: such a file whatever the limit.
+        ``io``: a buffer that direct I/O moves through (``Device.io_buffer``)."""
         over = spill and self.room() is not None and nbytes > self.room()
         if self.disk is not None and (to_disk or over):
             file = self.disk.file(nbytes)
             self._files[id(file.buffer)] = file
             return file.buffer
         self.check(nbytes, name, relayout=relayout)
-        buffer = device.host_buffer(nbytes)
+        buffer = device.io_buffer(nbytes) if io else device.host_buffer(nbytes)
         self._buffers[id(buffer)] = buffer
         return buffer
 
@@ -254,7 +256,9 @@ class HostArena:
         if self.staging_nbytes >= nbytes:
             return
         self._unstage()
-        self.staging = self.budget.allocate(self.device, nbytes, f"{name}: disk tier staging")
+        self.staging = self.budget.allocate(
+            self.device, nbytes, f"{name}: disk tier staging", io=True
+        )
         fault_in(self.staging)  # its pages in long physical runs, for the direct writes
 
     def _unstage(self) -> None:

@@ -1,6 +1,7 @@
 """What the disk tier's tests look at from outside the package: a directory on a disk for it,
-the page cache of a file's mapping (``mincore``), and what a process holds open or mapped
-under a directory (``/proc``)."""
+the page cache of a file's mapping (``mincore``), the kernel's view of a mapping's areas
+(``/proc/self/smaps``), and what a process holds open or mapped under a directory
+(``/proc``)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,31 @@ def page_cache_bytes(buffer) -> int:
     mincore = ctypes.CDLL(None).mincore
     assert mincore(ctypes.c_void_p(buffer.data_ptr()), ctypes.c_size_t(buffer.numel()), vector) == 0
     return sum(1 for byte in bytes(vector) if byte & 1) * page
+
+
+def areas(start: int, end: int) -> list[dict]:
+    """The areas of this process's memory map that overlap ``[start, end)``, from
+    ``/proc/self/smaps``: each ``{"start", "end", "flags"}`` (the set of its ``VmFlags``:
+    "sh" shared, "dc" not copied into a fork, "hg" advised into huge pages...) and its
+    ``Rss`` and ``AnonHugePages`` in bytes."""
+    found, area = [], None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):  # a new area: "start-end perms ..."
+                low, high = (int(x, 16) for x in head.split("-"))
+                area = (
+                    {"start": low, "end": high, "flags": set()}
+                    if low < end and start < high
+                    else None
+                )
+                if area is not None:
+                    found.append(area)
+            elif area is not None and head == "VmFlags:":
+                area["flags"] = set(line.split()[1:])
+            elif area is not None and head in ("Rss:", "AnonHugePages:"):
+                area[head[:-1]] = int(line.split()[1]) * 1024
+    return found
 
 
 def held_in(directory: str) -> list[str]:

@@ -1,12 +1,14 @@
-"""A fork after attach copies none of the host arena, pinned as the driver pins it.
+"""A fork after attach copies none of the host arena, nor the disk tier's staging, pinned as
+the driver pins them.
 
 ``cudaHostRegister`` pins pages with ``pin_user_pages``; since Linux 5.9 ``fork()`` copies
 the pinned pages of a PRIVATE mapping into the child at once (the child holds a copy, and the
 fork takes as long as copying it). io_uring's fixed-buffer registration pins pages the same
 way and needs no GPU, so it stands in for the driver here. The arena the devices hand out
 (``host_buffer``, mapped shared) is registered, the process forks, and the child reports its
-private memory: it stays flat as the arena grows. The negative control, the same buffer in a
-private mapping, shows the copy. Runs in the isolated process (forking pytest itself is not
+private memory: it stays flat as the arena grows. So it does for the staging (``io_buffer``:
+a private mapping in huge pages, whose pages a fork wipes). The negative control, the same
+buffer in a private mapping, shows the copy. Runs in the isolated process (forking pytest itself is not
 wanted); skipped, naming the reason, where the kernel refuses io_uring.
 """
 
@@ -36,15 +38,18 @@ def _private_bytes() -> int:
         )
 
 
-def fork_with_pinned(nbytes: int, arena: bool):
-    """(fork milliseconds, the child's private bytes) with ``nbytes`` pinned; ``arena``: the
-    device's host buffer, else a private mapping (the control). A string: why it could not."""
+def fork_with_pinned(nbytes: int, kind: str):
+    """(fork milliseconds, the child's private bytes) with ``nbytes`` pinned; ``kind``:
+    "arena" (the device's host buffer), "staging" (its I/O buffer) or "private" (a private
+    mapping, the control). A string: why it could not."""
     import torch
 
     from megatron_offload.device.cpu import CPUDevice
 
-    if arena:
+    if kind == "arena":
         buffer = CPUDevice().host_buffer(nbytes)
+    elif kind == "staging":
+        buffer = CPUDevice().io_buffer(nbytes)
     else:
         mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         buffer = torch.frombuffer(mapping, dtype=torch.uint8)
@@ -66,25 +71,26 @@ def fork_with_pinned(nbytes: int, arena: bool):
 
 
 def test_a_fork_copies_none_of_the_pinned_arena(isolated):
+    kinds = ("arena", "staging", "private")
     results = {
-        (arena, size): isolated.run(fork_with_pinned, size, arena)
-        for arena in (True, False)
-        for size in SIZES
+        (kind, size): isolated.run(fork_with_pinned, size, kind) for kind in kinds for size in SIZES
     }
     refused = [r for r in results.values() if isinstance(r, str)]
     if refused:
         pytest.skip(
             f"this kernel does not pin memory through io_uring ({refused[0]}): nothing to measure"
         )
-    for (arena, size), (forked_ms, child) in results.items():
+    for (kind, size), (forked_ms, child) in results.items():
         print(
-            f"\n{'arena' if arena else 'private control'} {size // MIB} MiB pinned: fork {forked_ms:.1f} ms, "
+            f"\n{kind} {size // MIB} MiB pinned: fork {forked_ms:.1f} ms, "
             f"child private {child / MIB:.1f} MiB"
         )
     for size in SIZES:
-        # The arena: the child holds none of it, whatever its size.
-        assert results[(True, size)][1] < 16 * MIB, results[(True, size)]
+        for kind in ("arena", "staging"):
+            # The child holds none of it, whatever its size.
+            assert results[(kind, size)][1] < 16 * MIB, (kind, results[(kind, size)])
         # The control: the child holds a copy of every pinned page.
-        assert results[(False, size)][1] >= size, results[(False, size)]
-    # Flat as the arena grows: 4x the pinned bytes, not 4x the child's memory.
-    assert results[(True, SIZES[1])][1] < results[(True, SIZES[0])][1] + 8 * MIB
+        assert results[("private", size)][1] >= size, results[("private", size)]
+    # Flat as the buffers grow: 4x the pinned bytes, not 4x the child's memory.
+    for kind in ("arena", "staging"):
+        assert results[(kind, SIZES[1])][1] < results[(kind, SIZES[0])][1] + 8 * MIB

@@ -243,6 +243,51 @@ def test_a_failed_pin_can_fall_back_to_pageable_memory_with_a_warning(fake_cuda)
     assert not caught
 
 
+def test_an_io_buffer_is_wiped_in_forks_and_in_huge_pages_up_to_its_end_only():
+    """The disk tier's staging (``io_host_buffer``): a private mapping whose pages a fork
+    does not copy ("wf": wiped on fork; not "sh"), on a huge page boundary, advised into huge
+    pages ("hg") over its whole huge pages and not over its tail, so that faulting it in gives
+    it exactly ``nbytes`` of memory (a huge page over the tail would hold up to 2 MiB the
+    budget does not count), and none to the room the alignment skips."""
+    from megatron_offload.engine.disk import fault_in
+    from tests.harness.disk import areas
+
+    huge = pinned.HUGE_PAGE
+    nbytes = 2 * huge + 3 * PAGE + huge // 2
+    buffer = pinned.io_host_buffer(nbytes)
+    assert buffer.numel() == nbytes and buffer.dtype == torch.uint8
+    assert buffer.data_ptr() % huge == 0
+    storage = buffer.untyped_storage()
+    start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+    mapped = areas(start, end)
+    assert mapped and all("wf" in a["flags"] and "sh" not in a["flags"] for a in mapped)
+    head, tail = buffer.data_ptr(), buffer.data_ptr() + 2 * huge
+    for area in mapped:
+        advised = area["start"] < tail and head < area["end"]  # overlaps the whole huge pages
+        assert ("hg" in area["flags"]) == advised, (area, head, tail)
+        if advised:
+            assert head <= area["start"] and area["end"] <= tail
+    fault_in(buffer)
+    mapped = areas(start, end)
+    assert sum(a["Rss"] for a in mapped) == nbytes
+    assert not buffer.any()  # fresh memory: zeros
+    print(f"\nhuge pages: {sum(a['AnonHugePages'] for a in mapped) // huge} of 2 advised")
+    assert pinned.io_host_buffer(0).numel() == 0
+
+
+def test_io_buffers_are_pinned_over_their_own_mapping_and_unpinned_explicitly(fake_cuda):
+    _, _, state = fake_cuda
+    registry = state["registry"]
+    device = AcceleratorDevice(torch.device("cuda", 0))
+    buffer = device.io_buffer(3 << 20)
+    assert buffer.numel() == 3 << 20 and buffer.data_ptr() % pinned.HUGE_PAGE == 0
+    [(kind, address, nbytes, _)] = registry.calls
+    assert (kind, address, nbytes) == ("register", buffer.data_ptr(), 3 << 20)
+    assert device.pinned_bytes() == 3 << 20
+    device.free_host_buffer(buffer)
+    assert registry.calls[-1][:2] == ("unregister", address) and not registry.live
+
+
 def test_a_device_told_not_to_pin_makes_pageable_buffers_and_counts_what_it_pinned(fake_cuda):
     _, _, state = fake_cuda
     device = AcceleratorDevice(torch.device("cuda", 0))

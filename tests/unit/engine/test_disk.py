@@ -237,18 +237,23 @@ def test_staged_writes_and_reads_are_bitwise_and_leave_no_page_cache(directory, 
 
 
 def test_the_staging_is_faulted_in_when_it_is_allocated(directory):
-    """The staging's pages get their memory when the budget allocates it, in one pass
+    """The staging is the device's I/O buffer (``io_buffer``: in huge pages, wiped in a
+    fork), and its pages get their memory when the budget allocates it, in one pass
     (``fault_in``), not a part at a time by the first copies among other allocations: the
     direct writes read them, and pages faulted in that way were scattered one page each
     (docs/disk-tier.md). ``mincore`` counts the pages that have memory."""
     from megatron_offload.device.cpu import CPUDevice
     from megatron_offload.engine.host import HostArena, HostBudget
+    from tests.harness.disk import areas
 
     device = CPUDevice()
     arena = HostArena(device, HostBudget(16 * MIB, disk=DiskTier(directory)))
     assert arena.reserve(64 * MIB, "states")  # more than the budget: the rest in a file
     assert arena.disk is not None and arena.staging is not None
     assert page_cache_bytes(arena.staging) == arena.staging.numel() > 0
+    start = arena.staging.data_ptr()
+    staged = areas(start, start + arena.staging.numel())
+    assert all("wf" in a["flags"] and "hg" in a["flags"] for a in staged), staged
     # A host buffer of this device has none until written: what the test above would see
     # without the staging's own pass.
     assert page_cache_bytes(device.host_buffer(arena.staging.numel())) == 0
@@ -331,11 +336,14 @@ def test_a_staged_write_or_read_error_raises_and_leaves_the_source(directory, mo
 
 
 def test_a_forked_child_writes_and_reads_with_a_thread_of_its_own(directory):
+    """A forked child writes and reads with I/O threads of its own (its parent's are not in
+    it), through the staging its parent made, which the fork gave it empty (``io_buffer``:
+    wiped in a fork): a staging holds nothing from one copy to the next."""
     from megatron_offload.device.cpu import CPUDevice
     from megatron_offload.engine.disk import staging_bytes
 
     device = CPUDevice()
-    staging = device.host_buffer(staging_bytes(MIB))
+    staging = device.io_buffer(staging_bytes(MIB))
     source = torch.arange(MIB // 4, dtype=torch.float32)
     file = DiskTier(directory).file(MIB)
     file.write(file.buffer.view(torch.float32), source, staging, device)  # the parent's thread
