@@ -275,6 +275,38 @@ def test_an_io_buffer_is_wiped_in_forks_and_in_huge_pages_up_to_its_end_only():
     assert pinned.io_host_buffer(0).numel() == 0
 
 
+def test_an_io_buffer_where_the_kernel_refuses_the_advice(monkeypatch):
+    """A kernel before 4.14 refuses MADV_WIPEONFORK (EINVAL): the buffer is a shared one, as
+    the arena's, and the private mapping made first is closed. A kernel without THP refuses
+    MADV_HUGEPAGE: the buffer keeps small pages, wiped in a fork all the same."""
+    import errno
+    import mmap
+
+    from tests.harness.disk import areas
+
+    made = []
+
+    class Refusing(mmap.mmap):
+        def __init__(self, *args, **kwargs):
+            made.append(self)
+
+        def madvise(self, option, *args):
+            if option in refused:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return super().madvise(option, *args)
+
+    monkeypatch.setattr(pinned.mmap, "mmap", Refusing)
+    refused = {pinned.MADV_WIPEONFORK}
+    buffer = pinned.io_host_buffer(4 << 20)
+    assert buffer.numel() == 4 << 20 and made[0].closed
+    [area] = areas(buffer.data_ptr(), buffer.data_ptr() + buffer.numel())
+    assert "sh" in area["flags"] and "wf" not in area["flags"]
+    refused = {mmap.MADV_HUGEPAGE}
+    buffer = pinned.io_host_buffer(4 << 20)
+    mapped = areas(buffer.data_ptr(), buffer.data_ptr() + buffer.numel())
+    assert all("wf" in a["flags"] and "hg" not in a["flags"] for a in mapped), mapped
+
+
 def test_io_buffers_are_pinned_over_their_own_mapping_and_unpinned_explicitly(fake_cuda):
     _, _, state = fake_cuda
     registry = state["registry"]
