@@ -86,8 +86,8 @@ def io_host_buffer(nbytes: int) -> torch.Tensor:
     scratch memory of its own (a staging holds nothing between two copies).
 
     Only the whole huge pages inside the buffer are advised: the rest (under 2 MiB at its
-    end) keeps small pages, so no page extends past ``nbytes``, which is what the budget
-    counts. Where the kernel has no huge page to give (none free, or THP off), the pages are
+    end) is advised against them and keeps small pages, so no page extends past ``nbytes``,
+    which is what the budget counts. Where the kernel has no huge page to give (none free, or THP off), the pages are
     small: the same buffer, slower to write from. Where the fork advice is refused (a kernel
     before 4.14), the buffer is ``shared_host_buffer``'s.
     """
@@ -105,11 +105,14 @@ def io_host_buffer(nbytes: int) -> torch.Tensor:
     whole = torch.frombuffer(mapping, dtype=torch.uint8)
     skip = -whole.data_ptr() % HUGE_PAGE
     huge = nbytes // HUGE_PAGE * HUGE_PAGE
-    if huge and hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
+    try:
+        if huge:
             mapping.madvise(mmap.MADV_HUGEPAGE, skip, huge)
-        except OSError:  # a kernel built without THP: small pages
-            pass
+        # The rest never: where THP is "always", a fault in the tail would otherwise give it
+        # a huge page reaching into the room after the buffer.
+        mapping.madvise(mmap.MADV_NOHUGEPAGE, skip + huge, len(mapping) - skip - huge)
+    except (OSError, AttributeError):  # a kernel built without THP: small pages
+        pass
     return whole[skip : skip + nbytes]
 
 

@@ -265,6 +265,7 @@ def test_an_io_buffer_is_wiped_in_forks_and_in_huge_pages_up_to_its_end_only():
     for area in mapped:
         advised = area["start"] < tail and head < area["end"]  # overlaps the whole huge pages
         assert ("hg" in area["flags"]) == advised, (area, head, tail)
+        assert ("nh" in area["flags"]) == (area["start"] >= tail), (area, tail)  # the rest
         if advised:
             assert head <= area["start"] and area["end"] <= tail
     fault_in(buffer)
@@ -301,7 +302,7 @@ def test_an_io_buffer_where_the_kernel_refuses_the_advice(monkeypatch):
     assert buffer.numel() == 4 << 20 and made[0].closed
     [area] = areas(buffer.data_ptr(), buffer.data_ptr() + buffer.numel())
     assert "sh" in area["flags"] and "wf" not in area["flags"]
-    refused = {mmap.MADV_HUGEPAGE}
+    refused = {mmap.MADV_HUGEPAGE, mmap.MADV_NOHUGEPAGE}
     buffer = pinned.io_host_buffer(4 << 20)
     mapped = areas(buffer.data_ptr(), buffer.data_ptr() + buffer.numel())
     assert all("wf" in a["flags"] and "hg" not in a["flags"] for a in mapped), mapped
