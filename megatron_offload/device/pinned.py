@@ -104,16 +104,24 @@ def io_host_buffer(nbytes: int) -> torch.Tensor:
         return shared_host_buffer(nbytes)
     whole = torch.frombuffer(mapping, dtype=torch.uint8)
     skip = -whole.data_ptr() % HUGE_PAGE
-    huge = nbytes // HUGE_PAGE * HUGE_PAGE
     try:
-        if huge:
-            mapping.madvise(mmap.MADV_HUGEPAGE, skip, huge)
-        # The rest never: where THP is "always", a fault in the tail would otherwise give it
-        # a huge page reaching into the room after the buffer.
-        mapping.madvise(mmap.MADV_NOHUGEPAGE, skip + huge, len(mapping) - skip - huge)
+        for advice, start, length in huge_page_advice(skip, nbytes, len(mapping)):
+            mapping.madvise(getattr(mmap, advice), start, length)
     except (OSError, AttributeError):  # a kernel built without THP: small pages
         pass
     return whole[skip : skip + nbytes]
+
+
+def huge_page_advice(skip: int, nbytes: int, length: int) -> list[tuple[str, int, int]]:
+    """``(advice, start, length)`` for a buffer of ``nbytes`` at offset ``skip`` (on a huge
+    page boundary) of a mapping of ``length`` bytes: its whole huge pages into huge pages,
+    the rest of the mapping after them never (where THP is "always", a fault in the tail
+    would otherwise get a huge page reaching into the room after the buffer). Only
+    non-empty ranges: ``madvise`` refuses one that starts at the mapping's end."""
+    huge = nbytes // HUGE_PAGE * HUGE_PAGE
+    rest = length - skip - huge
+    advice = [("MADV_HUGEPAGE", skip, huge)] if huge else []
+    return advice + ([("MADV_NOHUGEPAGE", skip + huge, rest)] if rest > 0 else [])
 
 
 def page_size() -> int:

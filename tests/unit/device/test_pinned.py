@@ -276,6 +276,25 @@ def test_an_io_buffer_is_wiped_in_forks_and_in_huge_pages_up_to_its_end_only():
     assert pinned.io_host_buffer(0).numel() == 0
 
 
+def test_the_huge_page_advice_fits_the_mapping_wherever_the_kernel_put_it():
+    """Wherever the mapping starts (every page offset from a huge page boundary, which sets
+    ``skip``), and whatever the buffer's size: each range is non-empty and inside the
+    mapping (``madvise`` refuses one at its end: a buffer of whole huge pages at the largest
+    skip leaves no rest), the huge pages exactly the buffer's whole ones, and the rest
+    everything after them."""
+    huge = pinned.HUGE_PAGE
+    for nbytes in (PAGE, huge - PAGE, huge, 2 * huge + 3 * PAGE, 4 * huge):
+        length = nbytes + huge - PAGE
+        for skip in range(0, huge, PAGE):
+            advice = pinned.huge_page_advice(skip, nbytes, length)
+            assert all(n > 0 and 0 <= start and start + n <= length for _, start, n in advice)
+            ranges = dict((name, (start, n)) for name, start, n in advice)
+            whole = nbytes // huge * huge
+            assert ranges.get("MADV_HUGEPAGE") == ((skip, whole) if whole else None)
+            rest = length - skip - whole
+            assert ranges.get("MADV_NOHUGEPAGE") == ((skip + whole, rest) if rest else None)
+
+
 def test_an_io_buffer_where_the_kernel_refuses_the_advice(monkeypatch):
     """A kernel before 4.14 refuses MADV_WIPEONFORK (EINVAL): the buffer is a shared one, as
     the arena's, and the private mapping made first is closed. A kernel without THP refuses
