@@ -87,9 +87,9 @@ def io_host_buffer(nbytes: int) -> torch.Tensor:
 
     Only the whole huge pages inside the buffer are advised: the rest (under 2 MiB at its
     end) is advised against them and keeps small pages, so no page extends past ``nbytes``,
-    which is what the budget counts. Where the kernel has no huge page to give (none free, or THP off), the pages are
-    small: the same buffer, slower to write from. Where the fork advice is refused (a kernel
-    before 4.14), the buffer is ``shared_host_buffer``'s.
+    which is what the budget counts. Where the kernel has no huge page to give (none free,
+    or THP off), the pages are small: the same buffer, slower to write from. Where the fork
+    advice is refused (a kernel before 4.14), the buffer is ``shared_host_buffer``'s.
     """
     page = page_size()
     if nbytes <= 0 or not _GENERIC_MADVISE:
