@@ -14,7 +14,7 @@ the same moment of a noisy disk (which goes first alternates):
   ``reload()`` + ``wait()`` (read back), timed apart; the bytes are checked bitwise once;
 * **plain**: the same bytes written with one ``pwrite`` and read with one ``preadv`` to and
   from a file in the same directory, allocated and written once before the repeats as the
-  tier's own file is (``_PlainFile``), with the same durability as the tier's: the write with
+  tier's own file is (``PlainFile``), with the same durability as the tier's: the write with
   ``O_DIRECT`` where the tier writes with it (else buffered, then ``fdatasync`` and dropped
   from the page cache), the read buffered from a dropped cache, then dropped again (as the
   tier reads);
@@ -97,7 +97,7 @@ def _cycle(engine, device) -> tuple[float, float]:
     return middle - start, time.perf_counter() - middle
 
 
-class _PlainFile:
+class PlainFile:
     """The plain side's file in the same directory: allocated and written once before the
     repeats (untimed), then overwritten by each, as the tier's own file is after its first
     cycle. A new file would be slower to write on some filesystems (ext4 converts each
@@ -242,7 +242,7 @@ def measure(
     mapping = mmap.mmap(-1, on_disk)  # page-aligned, as direct I/O wants
     torch.frombuffer(mapping, dtype=torch.uint8).random_(generator=torch.Generator().manual_seed(1))
     source = memoryview(mapping)
-    plain = _PlainFile(directory, source, direct)
+    plain = PlainFile(directory, source, direct)
     sizes = [g.nbytes for g in disk.pieces if g.disk is not None]
     rows = {"tier": [], "plain": [], "host": []}
     # On a virtual machine the host may take the CPUs away for a while (steal): that slows the

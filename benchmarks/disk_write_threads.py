@@ -44,7 +44,7 @@ def measure(*, mib: int, directory: str, repeats: int, piece_mib: int = 256) -> 
     direct = engine.host.disk is not None and engine.host.disk.direct is not None
     mapping = mmap.mmap(-1, on_disk)  # page-aligned, as direct I/O wants
     torch.frombuffer(mapping, dtype=torch.uint8).random_(generator=torch.Generator().manual_seed(1))
-    plain = disk_tier._PlainFile(directory, memoryview(mapping), direct)
+    plain = disk_tier.PlainFile(directory, memoryview(mapping), direct)
     pools = {n: ThreadPoolExecutor(n, thread_name_prefix="offload-write") for n in THREADS}
     saved = disk._POOLS.get("write")
     rates: dict = {n: [] for n in THREADS}

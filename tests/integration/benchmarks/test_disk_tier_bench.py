@@ -61,7 +61,7 @@ def test_the_plain_side_overwrites_one_file_written_before_as_the_tier_does(tmp_
 
     import torch
 
-    from benchmarks.disk_tier import _PlainFile
+    from benchmarks.disk_tier import PlainFile
     from tests.harness.disk import disk_directory, held_in
 
     directory = disk_directory(tmp_path_factory)
@@ -69,7 +69,7 @@ def test_the_plain_side_overwrites_one_file_written_before_as_the_tier_does(tmp_
     source = torch.frombuffer(mapping, dtype=torch.uint8)
     source.random_(generator=torch.Generator().manual_seed(3))
     expected = source.clone()
-    plain = _PlainFile(directory, memoryview(mapping), direct=False)
+    plain = PlainFile(directory, memoryview(mapping), direct=False)
     inode = os.fstat(plain.fd).st_ino
     assert os.pread(plain.fd, 1 << 20, 0) == expected.numpy().tobytes()  # written at once
     times = [plain.cycle() for _ in range(2)]
